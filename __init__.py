@@ -1,0 +1,29 @@
+"""Streamwise: declarative TOML policies that make any PyTorch module tree stream, quantize and
+compile under low VRAM.
+
+This folder is imported two ways: by pip users as the package `streamwise`, and by ComfyUI as a
+custom-node pack (under the folder's own name). Importing it is light (no torch, no ComfyUI);
+the ComfyUI nodes are registered only when ComfyUI itself is running.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from .runtime import PolicyError, load_policy
+from .schemas import Policy
+
+__all__ = ["Policy", "PolicyError", "load_policy"]
+
+
+def _running_in_comfyui() -> bool:
+    try:
+        return importlib.util.find_spec("folder_paths") is not None and importlib.util.find_spec("comfy") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+if _running_in_comfyui():
+    from .comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+    __all__ += ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -1,0 +1,32 @@
+"""Streamwise Policy Check: validate a policy from the picker and show the report in the UI."""
+
+from __future__ import annotations
+
+from ..runtime import check_policy, render_text
+from ..runtime.catalog import find_policy
+from .policy_dirs import comfy_policy_dirs, policy_choices
+
+
+class StreamwisePolicyCheck:
+    CATEGORY = "streamwise"
+    DESCRIPTION = "Validate a Streamwise policy (shipped or from your user folder) and show its diagnostics."
+    FUNCTION = "check"
+    OUTPUT_NODE = True
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("report",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"policy": (policy_choices(), {"tooltip": "A shipped policy or one of yours."})}}
+
+    @classmethod
+    def IS_CHANGED(cls, policy):
+        path = find_policy(policy, comfy_policy_dirs())
+        return path.stat().st_mtime_ns if path is not None else policy
+
+    def check(self, policy):
+        loaded, diagnostics = check_policy(policy, dirs=comfy_policy_dirs())
+        report = render_text(diagnostics) if diagnostics else f"policy `{policy}` is valid"
+        if loaded is not None and diagnostics:
+            report += f"\n\npolicy `{policy}` is valid (with warnings)"
+        return {"ui": {"text": [report]}, "result": (report,)}

@@ -1,0 +1,159 @@
+"""Located, coded problem reports and their two renderings (compiler-style text, JSON).
+
+Every problem Streamwise finds in a policy becomes a `Diagnostic`: a stable kebab-case code, a
+message that says what was found and what is allowed, the `file:line:col` of the offending key or
+value, and a did-you-mean suggestion where one is close. The CLI, `PolicyError` and the ComfyUI
+nodes all render the same records.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Sequence
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Location:
+    file: str
+    line: int
+    col: int
+    end_col: int
+    source_line: str = field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass(frozen=True)
+class Note:
+    """A second place that explains the first (the other rule of a conflict, a link of a cycle)."""
+
+    message: str
+    location: Location | None = None
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    code: str
+    message: str
+    location: Location | None = None
+    severity: Severity = "error"
+    key_path: str | None = None
+    suggestion: str | None = None
+    allowed: tuple[str, ...] = ()
+    help: str | None = None
+    notes: tuple[Note, ...] = ()
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity == "error"
+
+    def to_dict(self) -> dict:
+        def place(location: Location | None) -> dict:
+            if location is None:
+                return {"file": None, "line": None, "col": None, "end_col": None}
+            return {"file": location.file, "line": location.line, "col": location.col, "end_col": location.end_col}
+
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "message": self.message,
+            **place(self.location),
+            "key_path": self.key_path,
+            "suggestion": self.suggestion,
+            "allowed": list(self.allowed),
+            "help": self.help,
+            "notes": [{"message": n.message, **place(n.location)} for n in self.notes],
+        }
+
+
+class PolicyError(Exception):
+    """A policy could not be loaded; `diagnostics` holds every located problem found."""
+
+    def __init__(self, diagnostics: Sequence[Diagnostic]) -> None:
+        self.diagnostics = tuple(diagnostics)
+        super().__init__(render_text(self.diagnostics))
+
+
+def did_you_mean(word: object, options: Iterable[str]) -> str | None:
+    """The closest option to a misspelled word, if one is close enough to be a likely intent."""
+    if not isinstance(word, str):
+        return None
+    matches = difflib.get_close_matches(word, list(options), n=1, cutoff=0.7)
+    return matches[0] if matches else None
+
+
+def format_key_path(path: Sequence[str | int]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+# text -----------------------------------------------------------------------------------------
+_MAX_ALLOWED_SHOWN = 16
+
+
+def render_text(diagnostics: Iterable[Diagnostic]) -> str:
+    return "\n\n".join(_render_one(d) for d in diagnostics)
+
+
+def _render_one(d: Diagnostic) -> str:
+    places = [d.location, *(n.location for n in d.notes)]
+    width = max((len(str(p.line)) for p in places if p is not None), default=1)
+    pad = " " * width
+    lines = [f"{d.severity}[{d.code}]: {d.message}"]
+    label = f"did you mean `{d.suggestion}`?" if d.suggestion else ""
+    if d.location is not None:
+        lines += [f"{pad}--> {d.location}", *_snippet(d.location, "^", label, width)]
+    elif label:
+        lines.append(f"{pad} = {label}")
+    for note in d.notes:
+        if note.location is None:
+            lines.append(f"{pad} = note: {note.message}")
+        else:
+            lines += [f"{pad}::: {note.location}", *_snippet(note.location, "-", note.message, width)]
+    if d.allowed:
+        shown = ", ".join(d.allowed[:_MAX_ALLOWED_SHOWN])
+        more = len(d.allowed) - _MAX_ALLOWED_SHOWN
+        lines.append(f"{pad} = allowed: {shown}" + (f", and {more} more" if more > 0 else ""))
+    if d.help:
+        lines.append(f"{pad} = help: {d.help}")
+    return "\n".join(lines)
+
+
+def _snippet(location: Location, mark: str, label: str, width: int) -> list[str]:
+    pad = " " * width
+    if not location.source_line:
+        return []
+    source = location.source_line.replace("\t", " ")
+    underline = " " * (location.col - 1) + mark * max(location.end_col - location.col, 1)
+    return [
+        f"{pad} |",
+        f"{location.line:>{width}} | {source}".rstrip(),
+        f"{pad} | {underline}" + (f" {label}" if label else ""),
+    ]
+
+
+# json -----------------------------------------------------------------------------------------
+def render_json(reports: dict[str, Sequence[Diagnostic]]) -> str:
+    """Diagnostics grouped by file, with a summary, for editors and CI annotations."""
+    files = [
+        {
+            "file": file,
+            "valid": not any(d.is_error for d in diagnostics),
+            "diagnostics": [d.to_dict() for d in diagnostics],
+        }
+        for file, diagnostics in reports.items()
+    ]
+    every = [d for diagnostics in reports.values() for d in diagnostics]
+    summary = {
+        "files": len(files),
+        "errors": sum(d.is_error for d in every),
+        "warnings": sum(not d.is_error for d in every),
+    }
+    return json.dumps({"files": files, "summary": summary}, indent=2)

@@ -1,0 +1,268 @@
+"""Pydantic models of the policy format, version 1.
+
+The models are the single source of truth: the loader validates TOML documents against them and
+`schemas/policy.v1.schema.json` is generated from them for editors. They are frozen, reject
+unknown keys and use strict types (TOML has real booleans and integers, so `"yes"` is a mistake,
+not a boolean). Attribute docstrings become the hover documentation in editors.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Callable, Literal, Optional
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic_core import PydanticCustomError
+
+from .patterns import PatternError, check_class_name, compile_glob, compile_regex
+from .vocabulary import COMPILE_MODES, COMPUTE_KINDS, DEFAULT_GROUP_SIZE, GROUPED_QUANT_FORMATS, QUANT_FORMATS
+
+SCHEMA_VERSION = 1
+
+ComputeKind = Literal[tuple(COMPUTE_KINDS)]
+QuantFormat = Literal[tuple(QUANT_FORMATS)]
+CompileMode = Literal[tuple(COMPILE_MODES)]
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_BACKEND = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _checked(code: str, check: Callable[[str], Any]) -> Callable[[str], str]:
+    """Wrap a pattern check so that its failure becomes a located diagnostic with `code`."""
+
+    def validate(value: str) -> str:
+        try:
+            check(value)
+        except PatternError as exc:
+            raise PydanticCustomError(code, "{detail}", {"detail": exc.message, "offset": exc.offset}) from None
+        return value
+
+    return validate
+
+
+def _check_name(value: str) -> None:
+    if not _NAME.fullmatch(value) or ".." in value:
+        raise PatternError(f"`{value}` is not a valid name: use letters, digits, `_`, `-` and `.`")
+
+
+def _check_backend(value: str) -> None:
+    if not _BACKEND.fullmatch(value):
+        raise PatternError(f"`{value}` is not a backend name (an identifier such as `inductor`)")
+
+
+def _as_tuple(value: Any) -> Any:
+    """Accept one string where a list of strings is expected (`class = "Linear"`)."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _array(item: Any) -> Any:
+    """A TOML array held as a tuple (strict mode refuses lists for tuples unless converted)."""
+    return Annotated[tuple[item, ...], BeforeValidator(_list_to_tuple)]
+
+
+def _list_to_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _entries(check: Callable[[str], str]) -> Any:
+    return Annotated[
+        tuple[Annotated[str, AfterValidator(check)], ...],
+        BeforeValidator(_as_tuple, json_schema_input_type=str | list[str]),
+    ]
+
+
+Name = Annotated[str, AfterValidator(_checked("invalid-value", _check_name))]
+ClassNames = _entries(_checked("invalid-value", check_class_name))
+PathGlobs = _entries(_checked("bad-glob", compile_glob))
+Regexes = _entries(_checked("bad-regex", compile_regex))
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, populate_by_name=True, use_attribute_docstrings=True
+    )
+
+
+class Selector(_Table):
+    """Which modules a rule addresses. Entries are OR-ed; at least one is required."""
+
+    class_: ClassNames = Field(default=(), alias="class")
+    """Exact class names (`Linear`), or `package.module.Qualname` to tell apart equal short names."""
+    path: PathGlobs = ()
+    """Dotted module-path globs, matched segment by segment against the whole path (`*`, `**`, `?`, `[...]`)."""
+    regex: Regexes = ()
+    """Python regexes, full-matched against the dotted module path. Prefer TOML literal strings: '...'."""
+    subclasses: bool = False
+    """Also match subclasses of the named classes (by walking each module's MRO)."""
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "Selector":
+        if not (self.class_ or self.path or self.regex):
+            raise PydanticCustomError("empty-selector", "a selector needs at least one of `class`, `path` or `regex`")
+        return self
+
+
+class _Rule(_Table):
+    id: Name
+    """Unique within its section. A policy that extends another replaces the parent's rule with the same id."""
+    select: Selector
+    """The modules this rule addresses."""
+    optional: bool = False
+    """Allow this rule to match nothing in a model (for policies that cover several model variants)."""
+
+    _origin: Any = PrivateAttr(default=None)
+
+    @property
+    def decision(self) -> Any:
+        """What the rule does to a module; two rules that tie must agree on it."""
+        return type(self).__name__
+
+
+class StreamRule(_Rule):
+    """Leaf modules whose weights stream under low VRAM, computed as `kind`."""
+
+    kind: ComputeKind
+    """How the streamed leaf computes its forward."""
+
+    @property
+    def decision(self) -> Any:
+        return self.kind
+
+
+class RelocateRule(_Rule):
+    """Containers whose direct parameters and buffers follow the compute device."""
+
+
+class QuantRule(_Rule):
+    """Leaf modules whose weights are held in a quantized format."""
+
+    format: QuantFormat
+    """The storage format. `none` keeps float weights and beats any less specific rule."""
+    group_size: Optional[int] = None
+    """ConvRot only: Hadamard group size, a power of 4 that divides in_features (default 256)."""
+
+    @model_validator(mode="after")
+    def _group_size_fits_format(self) -> "QuantRule":
+        size = self.group_size
+        if size is None:
+            return self
+        if self.format not in GROUPED_QUANT_FORMATS:
+            raise PydanticCustomError(
+                "invalid-value",
+                "`group_size` applies only to the formats {formats}, not to `{format}`",
+                {"formats": ", ".join(sorted(GROUPED_QUANT_FORMATS)), "format": self.format, "field": "group_size"},
+            )
+        if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
+            raise PydanticCustomError(
+                "invalid-value",
+                "`group_size` must be a power of 4 (4, 16, 64, 256, 1024, ...), found {size}",
+                {"size": size, "field": "group_size"},
+            )
+        return self
+
+    @property
+    def decision(self) -> Any:
+        return (self.format, self.effective_group_size)
+
+    @property
+    def effective_group_size(self) -> int | None:
+        if self.format not in GROUPED_QUANT_FORMATS:
+            return None
+        return self.group_size or DEFAULT_GROUP_SIZE
+
+
+class RuleSection(_Table):
+    exclude: Optional[Selector] = None
+    """Modules this section never touches; an exclusion always beats every rule."""
+
+
+class StreamSection(RuleSection):
+    rule: _array(StreamRule) = ()
+    """The stream rules (`[[stream.rule]]`)."""
+
+
+class RelocateSection(RuleSection):
+    rule: _array(RelocateRule) = ()
+    """The relocation rules (`[[relocate.rule]]`)."""
+
+
+class QuantSection(RuleSection):
+    rule: _array(QuantRule) = ()
+    """The quantization rules (`[[quant.rule]]`)."""
+
+
+class PolicyInfo(_Table):
+    name: Name
+    """The policy's name; it must equal the file name without `.toml`."""
+    description: str = ""
+    """One or two sentences shown next to the policy in pickers and reports."""
+    extends: Optional[Name] = None
+    """Name of a policy this one builds on (see the README for the merge rules)."""
+
+
+class Match(_Table):
+    """How `auto` policy selection recognizes a model. Never inherited through `extends`."""
+
+    classes: ClassNames = ()
+    """Class names of the model's root module."""
+    model_types: _array(str) = ()
+    """Values of the model config's `model_type`."""
+    state_dict_keys: PathGlobs = ()
+    """Path globs over state-dict keys; every glob must match at least one key."""
+
+
+class CompileSettings(_Table):
+    """torch.compile settings, applied lazily on the first forward."""
+
+    enabled: bool = False
+    """Compile when the policy is applied (the compile node and `lazy_compile` compile regardless)."""
+    backend: Annotated[str, AfterValidator(_checked("invalid-value", _check_backend))] = "inductor"
+    """A torch.compile backend; checked against the running torch when compiling."""
+    mode: CompileMode = "default"
+    """The torch.compile mode."""
+    fullgraph: bool = False
+    """Fail instead of splitting a graph at unsupported code."""
+    dynamic: bool = False
+    """Trace shapes symbolically instead of specializing on the first shapes seen."""
+    blocks: Optional[Selector] = None
+    """The repeated block classes to compile regionally; without it the whole model is compiled."""
+    dynamo_cache_size_limit: int = Field(default=64, ge=1, le=65536)
+    """How many compiled variants torch keeps per code object before falling back to eager."""
+    use_guard_filter: bool = True
+    """Drop guards on per-call dictionaries such as ComfyUI's `transformer_options`."""
+    disable_dynamic_vram: bool = False
+    """Demote a ComfyUI MODEL to a non-dynamic-VRAM patcher before compiling."""
+    verbose: bool = False
+    """Log compile preparation, graph-cache growth, timings and recompile reasons."""
+
+
+class Policy(_Table):
+    """A Streamwise policy: how to stream, relocate, quantize and compile one model family."""
+
+    schema_version: Literal[1]
+    """The policy format version this file is written in."""
+    policy: PolicyInfo
+    """Name, description and inheritance."""
+    match: Match = Match()
+    """How `auto` selection recognizes a model."""
+    stream: StreamSection = StreamSection()
+    """Leaf modules that stream their weights, and with which compute kind."""
+    relocate: RelocateSection = RelocateSection()
+    """Containers whose direct parameters and buffers follow the compute device."""
+    quant: QuantSection = QuantSection()
+    """Quantization formats per module."""
+    compile: CompileSettings = CompileSettings()
+    """torch.compile settings."""
+
+    _source: Any = PrivateAttr(default=None)
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def source(self) -> str | None:
+        """The file this policy was loaded from, when it came from a file."""
+        return self._source

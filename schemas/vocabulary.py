@@ -1,0 +1,47 @@
+"""The fixed words of the policy format.
+
+A policy names compute kinds, quant formats and compile modes only from these tables, so loading
+a policy never has to import or evaluate anything: the runtime registers one handler per word
+and a test checks that every word has one. Each entry carries the one-line description that the
+JSON Schema shows in editors.
+"""
+
+from __future__ import annotations
+
+COMPUTE_KINDS: dict[str, str] = {
+    "linear": "torch.nn.Linear semantics: y = x @ W.T + b.",
+    "embedding": "torch.nn.Embedding lookup (padding_idx, max_norm and friends honoured).",
+    "conv1d": "torch.nn.Conv1d, including padding modes and groups.",
+    "conv2d": "torch.nn.Conv2d, including padding modes and groups.",
+    "conv3d": "torch.nn.Conv3d, including padding modes and groups.",
+    "conv_transpose1d": "torch.nn.ConvTranspose1d.",
+    "conv_transpose2d": "torch.nn.ConvTranspose2d.",
+    "layer_norm": "torch.nn.LayerNorm over the trailing dimensions.",
+    "group_norm": "torch.nn.GroupNorm.",
+    "rms_norm": "torch.nn.RMSNorm (torch.nn.functional.rms_norm).",
+    "llama_rms_norm": "transformers' LlamaRMSNorm/Qwen2RMSNorm: fp32 statistics, scale applied after the cast back.",
+    "conv_layer_norm": "Channels-first LayerNorm (VibeVoice ConvLayerNorm): transpose, fp32 layer norm, transpose back.",
+    "conv_rms_norm": "Channels-first RMSNorm (VibeVoice ConvRMSNorm): transpose, llama-style RMS norm, transpose back.",
+}
+
+QUANT_FORMATS: dict[str, str] = {
+    "none": "Keep the weights in their float dtype; an explicit skip that beats broader rules.",
+    "gguf": "Keep GGUF tensors in their raw GGML blocks; the quant type of each tensor comes from the file.",
+    "int8": "Symmetric per-output-row INT8 weights with fp32 scales.",
+    "convrot_int8": "INT8 after a group-wise Hadamard rotation of weights and activations (ConvRot).",
+    "convrot_int4": "INT4, two per byte, with per-group scales after a ConvRot rotation; not compile-safe.",
+}
+
+#: Formats whose rules take a `group_size`.
+GROUPED_QUANT_FORMATS: frozenset[str] = frozenset({"convrot_int8", "convrot_int4"})
+DEFAULT_GROUP_SIZE = 256
+
+COMPILE_MODES: dict[str, str] = {
+    "default": "Balanced compile time and speed.",
+    "reduce-overhead": "CUDA graphs to cut Python and launch overhead.",
+    "max-autotune": "Autotuned kernels and CUDA graphs; slowest to compile.",
+    "max-autotune-no-cudagraphs": "Autotuned kernels without CUDA graphs.",
+}
+
+#: Backends torch ships; others are accepted with a warning and checked when compiling.
+KNOWN_COMPILE_BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager", "cudagraphs")
