@@ -81,7 +81,7 @@ def _load_chain(path: Path, search: list[Path], chain: tuple[tuple[Path, Locatio
         names = tuple(n for n in list_policies([path.parent, *search], include_hidden=True) if n != path.stem)
         return None, diagnostics + [Diagnostic(
             "unknown-extends", f"`extends` names `{parent_name}`, which is not a policy in the policy folders",
-            where, key_path="policy.extends", suggestion=did_you_mean(parent_name, names), allowed=names,
+            where, key_path="policy.extends", suggestion=did_you_mean(parent_name, names),
         )]
     visited = [(path.resolve(), where), *((p, w) for p, w in chain)]
     if any(parent_path.resolve() == seen for seen, _ in visited):

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .catalog import SHIPPED_POLICY_DIR
 from .diagnostics import Diagnostic, Location
 from .toml_spans import KeyPath, Located, find, record_spans
 
@@ -103,11 +104,13 @@ def _syntax_error(source: PolicySource, exc: Exception) -> Diagnostic:
 
 
 def display_path(path: Path) -> str:
-    """A path as the user would write it: relative to the working folder when inside it."""
-    try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except (ValueError, OSError):
-        return str(path)
+    """A path as the user would write it: relative to the working folder when inside it, and
+    `streamwise/policies/...` for a shipped policy seen from elsewhere."""
+    resolved = path.resolve()
+    for base, prefix in ((Path.cwd().resolve(), ""), (SHIPPED_POLICY_DIR.parent, "streamwise/")):
+        if resolved.is_relative_to(base):
+            return prefix + resolved.relative_to(base).as_posix()
+    return str(path)
 
 
 def _problem(code: str, message: str, display: str) -> Diagnostic:

@@ -8,6 +8,7 @@ select the same modules but disagree on what to do with them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import re
 import types
@@ -102,10 +103,10 @@ def _with_offset(source: PolicySource, loc: KeyPath, offset: int | None):
     """Point inside a string value at the character a pattern error names."""
     location = source.locate(loc, value=True)
     raw = location.source_line[location.col - 1 : location.end_col - 1]
-    if offset is None or len(raw) < 2 or raw[0] not in "\"'" or "\\" in raw:
+    if offset is None or len(raw) < 2 or raw[0] not in "\"'" or (raw[0] == '"' and "\\" in raw):
         return location
     col = min(location.col + 1 + offset, location.end_col - 2)
-    return type(location)(location.file, location.line, col, col + 1, location.source_line)
+    return dataclasses.replace(location, col=col, end_col=col + 1)
 
 
 def _name(loc: KeyPath) -> str:

@@ -17,9 +17,9 @@ _SEGMENT_CHAR_CLASS = re.compile(r"\[(!?)(\]?[^\]]*)\]")
 
 
 class PatternError(ValueError):
-    """A selector entry that does not compile; `offset` is the character index of the fault."""
+    """A selector entry that does not compile; `offset` is the index of the faulty character, if one is."""
 
-    def __init__(self, message: str, offset: int = 0) -> None:
+    def __init__(self, message: str, offset: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.offset = offset
@@ -27,7 +27,7 @@ class PatternError(ValueError):
 
 def check_class_name(name: str) -> None:
     if not _CLASS_NAME.fullmatch(name):
-        bad = next((i for i, ch in enumerate(name) if not (ch.isalnum() or ch in "_.")), 0)
+        bad = next((i for i, ch in enumerate(name) if not (ch.isalnum() or ch in "_.")), None)
         raise PatternError(
             f"`{name}` is not a class name: use `Name` or `package.module.Name`", bad
         )
@@ -98,6 +98,6 @@ def compile_regex(source: str) -> re.Pattern[str]:
     try:
         return re.compile(source)
     except re.error as exc:
-        raise PatternError(f"invalid regex `{source}`: {exc.msg}", exc.pos or 0) from None
+        raise PatternError(f"invalid regex `{source}`: {exc.msg}", exc.pos) from None
     except RecursionError:
-        raise PatternError(f"regex `{source}` is nested too deeply", 0) from None
+        raise PatternError(f"regex `{source}` is nested too deeply") from None
