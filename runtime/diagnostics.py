@@ -15,6 +15,31 @@ from typing import Iterable, Literal, Sequence
 
 Severity = Literal["error", "warning"]
 
+#: Every code a diagnostic can carry. Codes are stable: tools may match on them.
+CODES: dict[str, str] = {
+    "unreadable-file": "the policy file cannot be read",
+    "file-too-large": "the policy file is larger than a policy can reasonably be (1 MiB)",
+    "invalid-encoding": "the file is not UTF-8",
+    "invalid-toml": "TOML syntax error",
+    "missing-key": "a required key or table is absent",
+    "unknown-key": "a key the format does not have (often a typo: see the suggestion)",
+    "invalid-type": "a value of the wrong TOML type",
+    "invalid-value": "a value outside what the key allows",
+    "bad-glob": "a path glob that does not compile",
+    "bad-regex": "a regex that does not compile",
+    "empty-selector": "a selector without any `class`, `path` or `regex` entry",
+    "duplicate-id": "two rules of one section share an id",
+    "rule-conflict": "two equally specific rules select the same modules but disagree",
+    "name-mismatch": "`[policy] name` differs from the file name",
+    "unsupported-version": "a `schema_version` this runtime cannot read",
+    "deprecated-key": "a key of an older format version that was migrated (warning)",
+    "unknown-policy": "no policy of that name in the policy folders",
+    "unknown-extends": "`extends` names a policy that does not exist",
+    "invalid-extends": "`extends` names a policy that has errors",
+    "extends-cycle": "policies extend each other in a cycle",
+    "unknown-backend": "a compile backend torch does not ship (warning)",
+}
+
 
 @dataclass(frozen=True)
 class Location:

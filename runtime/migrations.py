@@ -51,7 +51,8 @@ def oldest_readable_version() -> int:
 def migrate(document: dict, version: int) -> tuple[dict, list[KeyMove]]:
     """Bring a document of a readable `version` up to the current one."""
     moves: list[KeyMove] = []
-    document = copy.deepcopy(document)
+    if version < SCHEMA_VERSION:
+        document = copy.deepcopy(document)
     while version < SCHEMA_VERSION:
         document, step_moves = _MIGRATIONS[version](document)
         moves += step_moves

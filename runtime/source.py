@@ -21,6 +21,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 MAX_POLICY_BYTES = 1 << 20
+MAX_NESTING = 32  # a policy needs about 5 levels; deeper documents are refused before any recursion
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)\s*$")
 _TOML_AT_END = re.compile(r"\s*\(at end of document\)\s*$")
 
@@ -86,7 +87,24 @@ def parse_source(data: bytes, display: str) -> tuple[PolicySource | None, list[D
         return None, [_syntax_error(source, exc)]
     except RecursionError:
         return None, [Diagnostic("invalid-toml", "invalid TOML: nesting is too deep", source.location(1, 1))]
+    if _nesting(document) > MAX_NESTING:
+        return None, [Diagnostic(
+            "invalid-toml", f"tables and arrays are nested more than {MAX_NESTING} levels deep", source.location(1, 1)
+        )]
     return PolicySource(display, text, document, record_spans(text)), []
+
+
+def _nesting(document: dict) -> int:
+    """How deeply tables and arrays nest, measured without recursion."""
+    deepest, stack = 0, [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            break
+        children = node.values() if isinstance(node, dict) else node
+        stack += [(child, depth + 1) for child in children if isinstance(child, (dict, list))]
+    return deepest
 
 
 def _syntax_error(source: PolicySource, exc: Exception) -> Diagnostic:

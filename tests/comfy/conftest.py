@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+import pytest
+
+from comfy_harness import ROOT_ENV, boot, comfyui_root
+
+
+@pytest.fixture(scope="session")
+def comfy_nodes(tmp_path_factory):
+    """ComfyUI's `nodes` module from the core at $COMFYUI_ROOT; the tests skip without one."""
+    root = comfyui_root()
+    if root is None:
+        pytest.skip(f"{ROOT_ENV} is not set: point it at a ComfyUI checkout to run the integration tests")
+    return boot(root, tmp_path_factory.mktemp("comfy-user"))

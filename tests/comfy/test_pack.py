@@ -1,0 +1,37 @@
+"""The repository loads through ComfyUI's own custom-node loader and its nodes run headless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from comfy_harness import load_custom_node
+
+from helpers import REPO, write_policy
+
+
+def test_pack_loads_through_comfyuis_loader(comfy_nodes):
+    assert load_custom_node(comfy_nodes, REPO) is True
+    assert comfy_nodes.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"].__name__ == "StreamwisePolicyCheck"
+    assert comfy_nodes.NODE_DISPLAY_NAME_MAPPINGS["StreamwisePolicyCheck"] == "Streamwise Policy Check"
+
+
+def test_policy_check_node_reads_user_policies_without_restart(comfy_nodes):
+    import folder_paths
+
+    load_custom_node(comfy_nodes, REPO)
+    node = comfy_nodes.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"]
+    assert node.INPUT_TYPES()["required"]["policy"][0] == ["decoder-llm", "vibevoice"]
+
+    policies = Path(folder_paths.get_user_directory()) / "streamwise" / "policies"
+    path = write_policy(policies, "vibevoice", 'extends = "decoder-llm"\n\n[compile]\nmode = "fastest"\n')
+    try:
+        assert node.INPUT_TYPES()["required"]["policy"][0] == ["decoder-llm", "vibevoice"]  # user copy shadows
+        report = node().check("vibevoice")["result"][0]
+        assert report.startswith("error[invalid-value]: `mode` must be one of the allowed values")
+        assert "vibevoice.toml:8:8" in report
+        before = node.IS_CHANGED("vibevoice")
+        path.write_text(path.read_text().replace('"fastest"', '"max-autotune"'))
+        assert node().check("vibevoice")["result"] == ("policy `vibevoice` is valid",)
+        assert node.IS_CHANGED("vibevoice") != before  # ComfyUI re-runs the node after an edit
+    finally:
+        path.unlink()

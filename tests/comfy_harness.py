@@ -1,0 +1,79 @@
+"""Boot a real ComfyUI core checkout (COMFYUI_ROOT) on CPU inside the test process.
+
+ComfyUI core is not on PyPI, so these tests run only where a checkout is given. torchvision and
+torchaudio are stubbed: installing them beside a CPU torch would replace torch. One core per
+process: cores share top-level module names (`comfy`, `nodes`, `folder_paths`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.abc
+import importlib.machinery
+import inspect
+import os
+import sys
+import types
+from pathlib import Path
+
+STUBBED = ("torchvision", "torchaudio")
+ROOT_ENV = "COMFYUI_ROOT"
+
+
+class _Unavailable:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("torchvision/torchaudio are stubbed in the ComfyUI test harness")
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (_Unavailable,), {"__module__": self.__name__})
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in STUBBED:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+stub"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def comfyui_root() -> Path | None:
+    root = os.environ.get(ROOT_ENV)
+    return Path(root).resolve() if root else None
+
+
+def boot(root: Path, user_dir: Path):
+    """Import ComfyUI core on CPU and return its `nodes` module."""
+    booted = getattr(sys.modules.get("folder_paths"), "__file__", None)
+    if booted is not None:
+        if Path(booted).resolve().parent != root:
+            raise RuntimeError(f"another ComfyUI core is already loaded from {booted}")
+        return sys.modules["nodes"]
+    sys.meta_path.insert(0, _StubFinder())
+    sys.path.insert(0, str(root))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True  # before comfy.model_management reads it
+    import comfy.model_management  # noqa: F401
+    import folder_paths
+    import nodes
+
+    folder_paths.set_user_directory(str(user_dir))
+    return nodes
+
+
+def load_custom_node(nodes, path: Path) -> bool:
+    """ComfyUI's own loader (async in current cores)."""
+    result = nodes.load_custom_node(str(path))
+    return asyncio.run(result) if inspect.isawaitable(result) else result

@@ -1,0 +1,74 @@
+"""policy-validate: output, exit codes, and no torch on the way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from streamwise.runtime.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
+
+from helpers import INVALID, write_policy
+
+
+def test_no_arguments_checks_the_shipped_policies(capsys):
+    assert main([]) == EXIT_OK
+    out = capsys.readouterr().out
+    for name in ("_template", "decoder-llm", "vibevoice"):
+        assert f"ok: " in out and f"{name}.toml" in out
+    assert out.strip().endswith("3 policies valid")
+
+
+def test_no_arguments_includes_the_user_policy_folder(tmp_path, monkeypatch, capsys):
+    write_policy(tmp_path, "mine", '\n[compile]\nmode = "fastest"\n')
+    monkeypatch.setenv("STREAMWISE_POLICY_PATH", str(tmp_path))
+    assert main(["--quiet"]) == EXIT_PROBLEMS
+    out = capsys.readouterr().out
+    assert "mine.toml:7:8" in out and "1 of 4 policies invalid" in out
+
+
+def test_problems_exit_1_and_warnings_alone_exit_0(capsys):
+    assert main([str(INVALID / "bad-regex--unbalanced.toml")]) == EXIT_PROBLEMS
+    assert main([str(INVALID / "unknown-backend.toml")]) == EXIT_OK
+    assert "warning[unknown-backend]" in capsys.readouterr().out
+
+
+def test_folders_are_searched_for_policy_files(capsys):
+    assert main(["--quiet", str(INVALID)]) == EXIT_PROBLEMS
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    total = len(list(INVALID.glob("*.toml")))
+    assert last.startswith(f"{total - 1} of {total} policies invalid")  # only unknown-backend is valid
+
+
+def test_json_output_is_machine_readable(capsys):
+    assert main(["--format", "json", str(INVALID / "invalid-value--compile-mode.toml")]) == EXIT_PROBLEMS
+    document = json.loads(capsys.readouterr().out)
+    (report,) = document["files"]
+    assert report["valid"] is False
+    (diagnostic,) = report["diagnostics"]
+    assert (diagnostic["code"], diagnostic["line"], diagnostic["col"]) == ("invalid-value", 7, 8)
+    assert diagnostic["suggestion"] == "max-autotune"
+    assert document["summary"] == {"files": 1, "errors": 1, "warnings": 0}
+
+
+def test_missing_path_is_a_usage_error(capsys):
+    assert main(["no/such/policy.toml"]) == EXIT_USAGE
+    assert "no such file or folder: no/such/policy.toml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--format", "yaml"], ["--frobnicate"]])
+def test_bad_options_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == EXIT_USAGE
+
+
+def test_console_script_runs_without_importing_torch():
+    script = "import sys; from streamwise.runtime.cli import main; rc = main(['-q']); assert 'torch' not in sys.modules; sys.exit(rc)"
+    env = {k: v for k, v in os.environ.items() if k != "STREAMWISE_POLICY_PATH"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "3 policies valid"

@@ -1,0 +1,84 @@
+"""The repository root is both the pip package `streamwise` and a ComfyUI custom-node pack."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+from helpers import REPO, write_policy
+
+
+def run_python(code: str, *paths) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "STREAMWISE_POLICY_PATH"}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env)
+
+
+def test_plain_import_is_light_and_registers_no_nodes():
+    result = run_python("""
+        import sys, streamwise
+        assert not hasattr(streamwise, "NODE_CLASS_MAPPINGS")
+        heavy = {"torch", "folder_paths", "comfy"} & set(sys.modules)
+        assert not heavy, heavy
+    """)
+    assert result.returncode == 0, result.stderr
+
+
+def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
+    """What ComfyUI's loader does: import the folder as a package named after the folder.
+
+    `folder_paths` and `comfy` here are minimal stand-ins; tests/comfy/ runs the real loader.
+    """
+    fake = tmp_path / "fake_comfyui"
+    (fake / "comfy").mkdir(parents=True)
+    (fake / "comfy" / "__init__.py").write_text("")
+    user = tmp_path / "user"
+    (fake / "folder_paths.py").write_text(f"def get_user_directory():\n    return {str(user)!r}\n")
+    policies = user / "streamwise" / "policies"
+    policies.mkdir(parents=True)
+    write_policy(policies, "my-llm", 'extends = "decoder-llm"\n\n[compile]\nmode = "turbo"\n')
+    result = run_python(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location(
+            "ComfyUI-Streamwise", {str(REPO / "__init__.py")!r}, submodule_search_locations=[{str(REPO)!r}])
+        pack = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = pack
+        spec.loader.exec_module(pack)
+        node = pack.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"]
+        assert pack.NODE_DISPLAY_NAME_MAPPINGS["StreamwisePolicyCheck"] == "Streamwise Policy Check"
+        choices = node.INPUT_TYPES()["required"]["policy"][0]
+        assert choices == ["decoder-llm", "my-llm", "vibevoice"], choices
+        ok = node().check("vibevoice")
+        assert ok["result"] == ("policy `vibevoice` is valid",), ok
+        bad = node().check("my-llm")["result"][0]
+        assert "error[invalid-value]" in bad and "my-llm.toml:8:8" in bad, bad
+        assert "torch" not in sys.modules
+    """, fake)
+    assert result.returncode == 0, result.stderr
+
+
+def test_wheel_carries_the_package_policies_and_schema(tmp_path):
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("streamwise-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for expected in (
+        "streamwise/__init__.py",
+        "streamwise/runtime/cli.py",
+        "streamwise/schemas/policy.py",
+        "streamwise/schemas/policy.v1.schema.json",
+        "streamwise/policies/vibevoice.toml",
+        "streamwise/policies/decoder-llm.toml",
+        "streamwise/policies/_template.toml",
+        "streamwise/comfy_nodes/policy_check.py",
+    ):
+        assert expected in names
+    assert not any(name.startswith(("streamwise/tests", "tests/", "streamwise/benchmarks")) for name in names)
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "policy-validate = streamwise.runtime.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
