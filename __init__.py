@@ -3,17 +3,16 @@ compile under low VRAM.
 
 This folder is imported two ways: by pip users as the package `streamwise`, and by ComfyUI as a
 custom-node pack (under the folder's own name). Importing it is light (no torch, no ComfyUI);
-the ComfyUI nodes are registered only when ComfyUI itself is running.
+the ComfyUI nodes are registered only when ComfyUI itself is running. A bare import of this file
+outside any package (pytest collecting a checkout whose folder name is no identifier, such as
+`ComfyUI-Streamwise`) finds nothing to import from and exports nothing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from .runtime import PolicyError, load_policy
-from .schemas import Policy
-
-__all__ = ["Policy", "PolicyError", "load_policy"]
+__all__: list[str] = []
 
 
 def _running_in_comfyui() -> bool:
@@ -23,7 +22,13 @@ def _running_in_comfyui() -> bool:
         return False
 
 
-if _running_in_comfyui():
-    from .comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+if __package__:
+    from .runtime import PolicyError, load_policy
+    from .schemas import Policy
 
-    __all__ += ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+    __all__ = ["Policy", "PolicyError", "load_policy"]
+
+    if _running_in_comfyui():
+        from .comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+        __all__ += ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -27,6 +27,18 @@ def test_plain_import_is_light_and_registers_no_nodes():
     assert result.returncode == 0, result.stderr
 
 
+def test_a_bare_import_of_the_root_file_raises_nothing():
+    """pytest imports a checkout's `__init__.py` on its own when the folder name is no identifier."""
+    result = run_python(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("__init__", {str(REPO / "__init__.py")!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.__all__ == []
+    """)
+    assert result.returncode == 0, result.stderr
+
+
 def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
     """What ComfyUI's loader does: import the folder as a package named after the folder.
 
