@@ -28,7 +28,9 @@ class ModuleRef:
 
     @classmethod
     def of(cls, path: str, module: object) -> "ModuleRef":
-        mro = type(module).__mro__[:-1]  # without `object`
+        """A converted module is seen as its original class, so a policy resolves alike before and after."""
+        original = getattr(type(module), "_sw_original_class", type(module))
+        mro = original.__mro__[:-1]  # without `object`
         return cls(path, tuple((c.__name__, f"{c.__module__}.{c.__qualname__}") for c in mro))
 
 

@@ -1,0 +1,149 @@
+"""`apply(plan, model)` converts a tree in place; `revert(model)` undoes it.
+
+Conversion swaps classes and adds a few plain attributes: no tensor is copied or moved, so it
+works on meta tensors and costs nothing in memory. It is checked in full before the first
+change, atomic (a failure midway restores every module exactly), idempotent (applying the same
+plan again changes nothing and reports the same census) and reversible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .kinds import COMPUTE_KINDS
+from .plan import ModulePlan, Plan
+from .relocation import relocating_class
+from .selectors import ModuleRef
+from .streaming import streaming_class
+from .tree import StreamTree
+
+STATE_ATTRIBUTE = "_streamwise"
+
+
+class ConversionError(RuntimeError):
+    """A plan could not be applied to a tree; the tree is unchanged."""
+
+
+@dataclass(frozen=True)
+class Census:
+    """What a converted tree holds: streamed leaves per compute kind and relocating modules."""
+
+    streamed: dict[str, int]
+    relocating: int
+
+
+@dataclass
+class _Record:
+    module: nn.Module
+    original_class: type
+    added: tuple[str, ...]
+
+
+@dataclass
+class AppliedState:
+    """Kept on the root module: the tree's streaming state and how to undo the conversion."""
+
+    tree: StreamTree = field(default_factory=StreamTree)
+    records: list[_Record] = field(default_factory=list)
+    plan: Plan | None = None
+
+    def census(self) -> Census:
+        streamed: dict[str, int] = {}
+        relocating = 0
+        for record in self.records:
+            kind = getattr(type(record.module), "_sw_kind", None)
+            if kind is not None:
+                streamed[kind] = streamed.get(kind, 0) + 1
+            else:
+                relocating += 1
+        return Census(dict(sorted(streamed.items())), relocating)
+
+
+def applied_state(model: nn.Module) -> AppliedState | None:
+    return model.__dict__.get(STATE_ATTRIBUTE)
+
+
+def apply(plan: Plan, model: nn.Module) -> Census:
+    """Convert `model` as `plan` says, in place, and return the census of the converted tree."""
+    if not plan.ok:
+        raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
+            f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
+        ))
+    targets = [(entry, _target(entry, model)) for entry in plan.modules if entry.stream or entry.relocate]
+    state = applied_state(model) or AppliedState(plan=plan)
+    changes = [(entry, module, cls) for entry, (module, cls) in targets if type(module) is not cls]
+    done: list[_Record] = []
+    try:
+        for entry, module, cls in changes:
+            done.append(_convert(module, cls, entry, state.tree))
+    except BaseException as exc:
+        for record in reversed(done):
+            _restore(record)
+        raise ConversionError(f"converting `{entry.path}` failed ({exc!r}); the tree was restored unchanged") from exc
+    state.records += done
+    model.__dict__[STATE_ATTRIBUTE] = state
+    return state.census()
+
+
+def revert(model: nn.Module) -> None:
+    """Restore the original classes and attributes of a converted tree (tensors stay where they are)."""
+    state = model.__dict__.pop(STATE_ATTRIBUTE, None)
+    if state is None:
+        raise ConversionError("this model was not converted by streamwise.apply")
+    for record in reversed(state.records):
+        _restore(record)
+
+
+def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
+    """The module a plan entry names and the class it must end up with; checks everything first."""
+    try:
+        module = model.get_submodule(entry.path)
+    except AttributeError:
+        raise ConversionError(f"the plan names `{entry.path}`, which this model does not have") from None
+    original = getattr(type(module), "_sw_original_class", type(module))
+    seen = ModuleRef.of(entry.path, module).classes[0][1]
+    if seen != entry.class_name:
+        raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
+    if entry.quant not in (None, "none"):
+        raise ConversionError(
+            f"`{entry.path}`: quant format `{entry.quant}` needs quantized residents, which this version cannot build yet"
+        )
+    if entry.stream:
+        missing = COMPUTE_KINDS[entry.stream].missing(module)
+        if missing:
+            raise ConversionError(
+                f"`{entry.path}` ({original.__name__}) cannot compute as `{entry.stream}`: it has no {', '.join(missing)}"
+            )
+        target = streaming_class(original, entry.stream)
+    else:
+        target = relocating_class(original)
+    if type(module) not in (original, target):
+        raise ConversionError(f"`{entry.path}` was already converted differently ({type(module).__name__})")
+    return module, target
+
+
+def _convert(module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) -> _Record:
+    attributes: dict[str, object] = {"_sw_tree": tree}
+    if entry.stream:
+        attributes.update(comfy_cast_weights=False, weight_function=[], bias_function=[])
+        if not hasattr(module, "bias"):
+            attributes["bias"] = None  # ComfyUI's cast_bias_weight reads `bias` on every op
+    else:
+        attributes["_sw_relocated"] = frozenset(entry.relocate)
+        tree.relocating.append(module)
+    record = _Record(module, type(module), tuple(attributes))
+    module.__class__ = cls
+    module.__dict__.update(attributes)
+    return record
+
+
+def _restore(record: _Record) -> None:
+    module = record.module
+    tree = module.__dict__.get("_sw_tree")
+    if tree is not None and any(m is module for m in tree.relocating):
+        tree.relocating = [m for m in tree.relocating if m is not module]
+    module.__class__ = record.original_class
+    for name in record.added:
+        module.__dict__.pop(name, None)

@@ -1,0 +1,79 @@
+"""Per-tree streaming state: where the tree computes, and how its streamed weights are fetched.
+
+Every converted module of one model tree points at the same `StreamTree`. Nothing here is
+process-global, so two trees on two devices in one process never disturb each other. The
+compute device is set by the host when it loads the tree and refreshed by every streamed forward
+from its activations, the one signal that never lies under partial offload.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+
+class Fetcher(Protocol):
+    """Brings a streamed leaf's weight and bias to the compute device for one forward."""
+
+    def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> tuple[Tensor | None, Tensor | None, object]:
+        ...
+
+    def release(self, module: nn.Module, weight: Tensor | None, bias: Tensor | None, handle: object) -> None:
+        ...
+
+
+class TorchFetcher:
+    """Plain torch: copy to the device (and dtype), then apply the module's weight functions."""
+
+    def fetch(self, module, device, dtype):
+        weight = _cast(module.weight, device, dtype, module.weight_function)
+        bias = getattr(module, "bias", None)
+        bias = _cast(bias, device, dtype, module.bias_function)
+        return weight, bias, None
+
+    def release(self, module, weight, bias, handle) -> None:
+        pass
+
+
+def _cast(tensor: Tensor | None, device: torch.device, dtype: torch.dtype | None, functions) -> Tensor | None:
+    if tensor is None:
+        return None
+    # A weight function (a LoRA patch) may write into its input: never hand it the stored tensor.
+    tensor = tensor.to(device=device, dtype=dtype, copy=bool(functions))
+    for function in functions:
+        tensor = function(tensor)
+    return tensor
+
+
+class StreamTree:
+    def __init__(self) -> None:
+        self.compute_device: torch.device | None = None
+        self.fetcher: Fetcher = TorchFetcher()
+        self.relocating: list[nn.Module] = []
+
+    def follow(self, module: nn.Module, name: str, value: Tensor | None) -> Tensor | None:
+        """Move a relocated tensor of `module` to the compute device, in place, and return it."""
+        device = self.compute_device
+        if value is None or device is None or value.device == device:
+            return value
+        return _move(module, name, device)
+
+    def offload_relocated(self, device: torch.device) -> None:
+        """Send every relocated tensor back to `device` (on unload), so VRAM does not creep."""
+        for module in self.relocating:
+            for name in module._sw_relocated:
+                value = module._parameters.get(name, module._buffers.get(name))
+                if value is not None and value.device != device:
+                    _move(module, name, device)
+
+
+def _move(module: nn.Module, name: str, device: torch.device) -> Tensor:
+    if name in module._parameters:
+        parameter = module._parameters[name]
+        parameter.data = parameter.data.to(device)  # the Parameter object (and every alias) stays the same
+        return parameter
+    moved = module._buffers[name].to(device)
+    module._buffers[name] = moved
+    return moved
