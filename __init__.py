@@ -10,9 +10,20 @@ outside any package (pytest collecting a checkout whose folder name is no identi
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 __all__: list[str] = []
+
+# The engine needs torch; it is imported on first use so that `import streamwise` (and the
+# policy validator) stays fast.
+_ENGINE = {
+    "resolve": ".runtime.resolve",
+    "apply": ".runtime.apply",
+    "revert": ".runtime.apply",
+    "offload": ".runtime.hosts.standalone",
+    "model_patcher": ".runtime.hosts.comfyui",
+}
 
 
 def _running_in_comfyui() -> bool:
@@ -26,7 +37,12 @@ if __package__:
     from .runtime import PolicyError, load_policy
     from .schemas import Policy
 
-    __all__ = ["Policy", "PolicyError", "load_policy"]
+    __all__ = ["Policy", "PolicyError", "load_policy", *_ENGINE]
+
+    def __getattr__(name: str):
+        if name in _ENGINE:
+            return getattr(importlib.import_module(_ENGINE[name], __name__), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
     if _running_in_comfyui():
         from .comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS

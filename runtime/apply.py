@@ -39,6 +39,7 @@ class _Record:
     module: nn.Module
     original_class: type
     added: tuple[str, ...]
+    role: str  # "stream", "relocate" or "host" (a host's adaptation of the root, see hosts/)
 
 
 @dataclass
@@ -53,11 +54,10 @@ class AppliedState:
         streamed: dict[str, int] = {}
         relocating = 0
         for record in self.records:
-            kind = getattr(type(record.module), "_sw_kind", None)
-            if kind is not None:
+            if record.role == "stream":
+                kind = type(record.module)._sw_kind
                 streamed[kind] = streamed.get(kind, 0) + 1
-            else:
-                relocating += 1
+            relocating += record.role == "relocate"
         return Census(dict(sorted(streamed.items())), relocating)
 
 
@@ -133,7 +133,12 @@ def _convert(module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) 
     else:
         attributes["_sw_relocated"] = frozenset(entry.relocate)
         tree.relocating.append(module)
-    record = _Record(module, type(module), tuple(attributes))
+    return swap_class(module, cls, attributes, "stream" if entry.stream else "relocate")
+
+
+def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
+    """Give `module` the class `cls` and plain `attributes`, returning how to undo it."""
+    record = _Record(module, type(module), tuple(attributes), role)
     module.__class__ = cls
     module.__dict__.update(attributes)
     return record
