@@ -71,6 +71,11 @@ def apply(plan: Plan, model: nn.Module) -> Census:
         raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
             f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
         ))
+    quantized = next((entry for entry in plan.modules if entry.quant not in (None, "none")), None)
+    if quantized is not None:
+        raise ConversionError(
+            f"`{quantized.path}`: quant format `{quantized.quant}` needs quantized residents, which this version cannot build yet"
+        )
     targets = [(entry, _target(entry, model)) for entry in plan.modules if entry.stream or entry.relocate]
     state = applied_state(model) or AppliedState(plan=plan)
     changes = [(entry, module, cls) for entry, (module, cls) in targets if type(module) is not cls]
@@ -106,10 +111,6 @@ def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
     seen = ModuleRef.of(entry.path, module).classes[0][1]
     if seen != entry.class_name:
         raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
-    if entry.quant not in (None, "none"):
-        raise ConversionError(
-            f"`{entry.path}`: quant format `{entry.quant}` needs quantized residents, which this version cannot build yet"
-        )
     if entry.stream:
         missing = COMPUTE_KINDS[entry.stream].missing(module)
         if missing:
@@ -131,7 +132,7 @@ def _convert(module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) 
         if not hasattr(module, "bias"):
             attributes["bias"] = None  # ComfyUI's cast_bias_weight reads `bias` on every op
     else:
-        attributes["_sw_relocated"] = frozenset(entry.relocate)
+        attributes["_sw_relocated"] = entry.relocate
         tree.relocating.append(module)
     return swap_class(module, cls, attributes, "stream" if entry.stream else "relocate")
 

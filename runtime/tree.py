@@ -72,7 +72,11 @@ class StreamTree:
 def _move(module: nn.Module, name: str, device: torch.device) -> Tensor:
     if name in module._parameters:
         parameter = module._parameters[name]
-        parameter.data = parameter.data.to(device)  # the Parameter object (and every alias) stays the same
+        moved = parameter.data.to(device)
+        try:
+            parameter.data = moved  # the Parameter object (and every alias of it) stays the same
+        except RuntimeError:  # some device pairs (to meta, say) cannot swap storage under a tensor
+            torch.utils.swap_tensors(parameter, nn.Parameter(moved, requires_grad=parameter.requires_grad))
         return parameter
     moved = module._buffers[name].to(device)
     module._buffers[name] = moved

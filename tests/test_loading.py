@@ -43,9 +43,14 @@ def ids(section):
     return [rule.id for rule in section.rule]
 
 
-def test_top_level_api_is_small_and_typed():
-    assert set(streamwise.__all__) == {"Policy", "PolicyError", "load_policy"}
+def test_top_level_api_is_small_and_deliberate():
+    assert set(streamwise.__all__) == {
+        "Policy", "PolicyError", "load_policy", "resolve", "apply", "revert", "offload", "model_patcher",
+    }
     assert isinstance(streamwise.load_policy("decoder-llm"), streamwise.Policy)
+    assert callable(streamwise.resolve) and callable(streamwise.model_patcher)
+    with pytest.raises(AttributeError):
+        streamwise.no_such_thing
 
 
 def test_shipped_policy_by_name_and_by_path_are_the_same():

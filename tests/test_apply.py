@@ -1,0 +1,143 @@
+"""apply / revert: in place, no copies, idempotent, atomic, reversible, meta-safe, per tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import streamwise
+from streamwise.runtime import apply as apply_module
+from streamwise.runtime.apply import ConversionError, applied_state
+from streamwise.runtime.tree import StreamTree
+
+from helpers import force_streaming, make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2
+
+DECODER = streamwise.load_policy("decoder-llm")
+
+
+def snapshot_tree(model):
+    return [(name, type(m), sorted(m.__dict__)) for name, m in model.named_modules()]
+
+
+def convert(model, policy=DECODER):
+    return streamwise.apply(streamwise.resolve(policy, model), model)
+
+
+def test_conversion_copies_no_tensor_and_keeps_the_state_dict():
+    model = tiny_qwen2()
+    before = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    convert(model)
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] for k in before)
+
+
+def test_apply_is_idempotent():
+    model = tiny_qwen2()
+    first = convert(model)
+    tree = snapshot_tree(model)
+    assert convert(model) == first
+    assert snapshot_tree(model) == tree
+    assert first.streamed == {"embedding": 1, "linear": 15, "llama_rms_norm": 5} and first.relocating == 1
+
+
+def test_revert_restores_classes_and_attributes_exactly():
+    model = tiny_qwen2()
+    ids = torch.randint(0, 128, (1, 6))
+    expected = model(ids).logits
+    before = snapshot_tree(model)
+    convert(model)
+    force_streaming(model)
+    model(ids)
+    streamwise.revert(model)
+    assert snapshot_tree(model) == before
+    assert torch.equal(model(ids).logits, expected)
+    with pytest.raises(ConversionError):
+        streamwise.revert(model)
+
+
+def test_a_failure_midway_restores_the_tree(monkeypatch):
+    model = tiny_qwen2()
+    before = snapshot_tree(model)
+    real_swap, calls = apply_module.swap_class, []
+
+    def failing_swap(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 7:
+            raise RuntimeError("disk on fire")
+        return real_swap(*args, **kwargs)
+
+    monkeypatch.setattr(apply_module, "swap_class", failing_swap)
+    with pytest.raises(ConversionError, match="disk on fire.*restored unchanged"):
+        convert(model)
+    assert snapshot_tree(model) == before
+    assert applied_state(model) is None
+
+
+def test_problems_are_found_before_anything_changes():
+    qwen, other = tiny_qwen2(), tiny_qwen2(num_hidden_layers=1)
+    plan = streamwise.resolve(DECODER, qwen)
+    before = snapshot_tree(other)
+    with pytest.raises(ConversionError, match="does not have"):
+        streamwise.apply(plan, other)
+    assert snapshot_tree(other) == before
+
+    wrong_kind = make_policy(stream={"rule": [stream_rule("norms", "layer_norm", **{"class": "Qwen2RMSNorm"})]})
+    with pytest.raises(ConversionError, match="cannot compute as `layer_norm`: it has no bias, normalized_shape, eps"):
+        convert(other, wrong_kind)
+    quantized = make_policy(quant={"rule": [{"id": "q", "select": {"class": "Linear"}, "format": "int8"}]})
+    with pytest.raises(ConversionError, match="quant format `int8`"):
+        convert(other, quantized)
+    assert snapshot_tree(other) == before
+
+
+def test_a_plan_with_errors_is_refused():
+    model = tiny_qwen2()
+    policy = make_policy(stream={"rule": [stream_rule("ghost", "linear", **{"class": "GhostLinear"})]})
+    with pytest.raises(ConversionError, match="unmatched-rule"):
+        convert(model, policy)
+
+
+def test_conversion_works_on_the_meta_device_at_full_size():
+    with torch.device("meta"):
+        model = transformers.VibeVoiceForConditionalGeneration(transformers.VibeVoiceConfig())
+    census = convert(model, streamwise.load_policy("vibevoice"))
+    assert census.streamed == {"conv1d": 96, "conv_transpose1d": 6, "embedding": 1, "linear": 407, "llama_rms_norm": 227}
+    assert census.relocating == 81
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_relocated_tensors_follow_their_trees_compute_device_even_outside_forward():
+    tokenizer = tiny_acoustic_tokenizer()
+    convert(tokenizer, streamwise.load_policy("vibevoice"))
+    layer = next(m for m in tokenizer.modules() if type(m).__name__.startswith("Relocating"))
+    gamma = layer._parameters["gamma"]
+    applied_state(tokenizer).tree.compute_device = torch.device("meta")
+    assert layer.gamma is gamma and gamma.is_meta  # moved in place by a plain attribute read
+    assert layer.norm.weight.device.type == "cpu"  # streamed leaves are the host's business
+
+
+def test_two_trees_keep_their_own_compute_device():
+    on_cpu, elsewhere = tiny_qwen2(), tiny_qwen2()
+    convert(on_cpu)
+    convert(elsewhere)
+    applied_state(elsewhere).tree.compute_device = torch.device("meta")
+    force_streaming(on_cpu)
+    on_cpu(torch.randint(0, 128, (1, 4)))  # streams on the CPU: its tree learns "cpu"
+    assert applied_state(on_cpu).tree.compute_device == torch.device("cpu")
+    assert applied_state(elsewhere).tree.compute_device == torch.device("meta")
+    assert on_cpu.model.rotary_emb.inv_freq.device.type == "cpu"
+    assert elsewhere.model.rotary_emb.inv_freq.is_meta
+
+
+def test_offloading_relocated_tensors_sends_them_back(monkeypatch):
+    model = tiny_qwen2()
+    convert(model)
+    tree: StreamTree = applied_state(model).tree
+    moved = []
+    monkeypatch.setattr("streamwise.runtime.tree._move", lambda module, name, device: moved.append((name, device)))
+    tree.offload_relocated(torch.device("cpu"))
+    assert moved == []  # already there
+    tree.offload_relocated(torch.device("meta"))
+    assert moved == [("inv_freq", torch.device("meta")), ("original_inv_freq", torch.device("meta"))]
