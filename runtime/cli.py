@@ -2,12 +2,14 @@
 
 Exit status: 0 when every policy is valid (warnings allowed), 1 when any has errors, 2 on usage
 errors. With no arguments it checks the user policy folders (`$STREAMWISE_POLICY_PATH`) and the
-shipped policies. It never imports torch, so it answers fast.
+shipped policies. Checking files never imports torch, so it answers fast; `--model SPEC POLICY`
+also resolves the policy against a model built on the meta device and prints the plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -28,7 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("paths", nargs="*", metavar="PATHS", help="policy files, or folders of *.toml files")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only problems and the summary")
+    parser.add_argument(
+        "--model", metavar="SPEC",
+        help="resolve one policy against a model built on the meta device: transformers:<Class>, "
+        "transformers:<model_type> or module:factory",
+    )
+    parser.add_argument("--model-config", metavar="JSON", help="config overrides for --model, e.g. '{\"num_hidden_layers\": 2}'")
     args = parser.parse_args(argv)
+    if args.model is not None:
+        if len(args.paths) != 1:
+            parser.error("--model takes exactly one policy (a name or a file)")
+        return _check_against_model(parser, args)
+    if args.model_config is not None:
+        parser.error("--model-config needs --model")
 
     try:
         files = _collect(args.paths)
@@ -38,11 +52,65 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
     reports = {display_path(path): check_policy(path)[1] for path in files}
+    _report(reports, args)
+    return EXIT_PROBLEMS if any(d.is_error for ds in reports.values() for d in ds) else EXIT_OK
+
+
+def _report(reports: dict[str, list[Diagnostic]], args: argparse.Namespace) -> None:
     if args.format == "json":
         print(render_json(reports))
     else:
         _print_text(reports, quiet=args.quiet)
-    return EXIT_PROBLEMS if any(d.is_error for ds in reports.values() for d in ds) else EXIT_OK
+
+
+def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    policy, diagnostics = check_policy(args.paths[0])
+    if policy is None:
+        _report({args.paths[0]: diagnostics}, args)
+        return EXIT_PROBLEMS
+    from .model_spec import ModelSpecError, build_model  # torch only from here on
+    from .resolve import resolve
+
+    try:
+        overrides = json.loads(args.model_config) if args.model_config else None
+        model = build_model(args.model, overrides)
+    except (ModelSpecError, json.JSONDecodeError) as exc:
+        parser.print_usage(sys.stderr)
+        print(f"policy-validate: error: --model: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    plan = resolve(policy, model)
+    diagnostics = [*diagnostics, *plan.diagnostics]
+    if args.format == "json":
+        print(json.dumps({"model": args.model, "plan": plan.summary(), "diagnostics": [d.to_dict() for d in diagnostics]}, indent=2))
+    else:
+        print(_render_plan(args.model, plan))
+        if diagnostics:
+            print("\n" + render_text(diagnostics))
+    return EXIT_PROBLEMS if any(d.is_error for d in diagnostics) else EXIT_OK
+
+
+def _render_plan(spec: str, plan) -> str:
+    summary = plan.summary()
+    lines = [f"plan: policy `{plan.policy}` on {plan.root_class} ({spec}, meta device)"]
+    for role, classes in summary["modules"].items():
+        lines.append(f"  {role:<24} {sum(classes.values()):>6}  " + ", ".join(f"{c} x{n}" for c, n in classes.items()))
+    lines.append("coverage:")
+    for role, size in summary["bytes"].items():
+        lines.append(f"  {role:<24} {_bytes(size):>12}")
+    lines.append(f"  {'covered':<24} {plan.coverage.fraction:>12.2%}")
+    lines.append("rules:")
+    lines += [f"  {rule:<40} {count:>6} modules" for rule, count in summary["rule_matches"].items()]
+    if summary["tied"]:
+        lines.append("tied: " + "; ".join(" = ".join(group) for group in summary["tied"]))
+    return "\n".join(lines)
+
+
+def _bytes(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size} B"
 
 
 def _collect(paths: Sequence[str]) -> list[Path]:

@@ -72,3 +72,50 @@ def test_console_script_runs_without_importing_torch():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "3 policies valid"
+
+
+def test_model_mode_prints_the_plan_and_coverage(capsys):
+    assert main(["--model", "transformers:Qwen2ForCausalLM", "decoder-llm"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "plan: policy `decoder-llm` on transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM" in out
+    assert "stream:linear" in out and "Linear x225" in out  # the full-size default config, on meta
+    assert "covered                       100.00%" in out
+
+
+def test_model_mode_with_an_inline_config_and_json(capsys):
+    argv = ["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 3}', "decoder-llm"]
+    assert main(argv) == EXIT_OK
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"]["modules"]["compile"] == {"Qwen2DecoderLayer": 3}
+    assert document["plan"]["stranded"] == [] and document["diagnostics"] == []
+
+
+def test_model_mode_with_a_python_factory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--model", "my_models:build", "decoder-llm"]) == EXIT_PROBLEMS
+    out = capsys.readouterr().out
+    assert "error[unmatched-rule]: rule `embedding` in [stream] matches no module of `Sequential`" in out
+    assert "warning[stranded-tensors]" in out and "1.weight, 1.bias" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "transformers:qwen22", "decoder-llm"], "did you mean `qwen2`?"),
+    (["--model", "no_such_module:build", "decoder-llm"], "cannot find `no_such_module:build`"),
+    (["--model", "transformers", "decoder-llm"], "is not a model spec"),
+    (["--model", "transformers:qwen2", "--model-config", "{oops", "decoder-llm"], "Expecting property name"),
+])
+def test_model_mode_usage_errors(argv, message, capsys):
+    assert main(argv) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_model_mode_needs_exactly_one_policy():
+    for argv in (["--model", "transformers:qwen2"], ["--model", "transformers:qwen2", "a", "b"], ["--model-config", "{}"]):
+        with pytest.raises(SystemExit) as raised:
+            main(argv)
+        assert raised.value.code == EXIT_USAGE

@@ -1,0 +1,66 @@
+"""Build a model tree on the meta device from a short spec, for `policy-validate --model`.
+
+Specs:
+- `transformers:Qwen2ForCausalLM`: a transformers class with its default (full-size) config;
+- `transformers:qwen2`: a config `model_type`, built with the causal-LM auto class where one
+  exists and the base auto class otherwise;
+- `package.module:factory`: a Python callable returning an `nn.Module` (this imports your code:
+  the model is yours, unlike a policy, which is only ever read).
+Config overrides (a small JSON object) apply to the transformers forms.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .diagnostics import did_you_mean
+
+
+class ModelSpecError(ValueError):
+    pass
+
+
+def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
+    source, _, name = spec.partition(":")
+    if not name:
+        raise ModelSpecError(f"`{spec}` is not a model spec: use `transformers:<Class or model_type>` or `module:factory`")
+    with torch.device("meta"):
+        model = _transformers(name, overrides or {}) if source == "transformers" else _factory(source, name, overrides)
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"`{spec}` built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)) and name not in transformers.CONFIG_MAPPING:
+        guess = did_you_mean(name, list(transformers.CONFIG_MAPPING))
+        raise ModelSpecError(
+            f"transformers has no model class or model_type `{name}`" + (f"; did you mean `{guess}`?" if guess else "")
+        )
+    try:
+        if cls is not None:
+            return cls(cls.config_class(**overrides))
+        config = transformers.AutoConfig.for_model(name, **overrides)
+    except (ValueError, TypeError) as exc:
+        raise ModelSpecError(f"transformers cannot build `{name}` with this config: {exc}") from None
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto.from_config(config)
+        except ValueError:
+            continue
+    raise ModelSpecError(f"no transformers auto class builds model_type `{name}`")
+
+
+def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None) -> nn.Module:
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSpecError(f"cannot find `{module_name}:{attribute}`: {exc}") from None
+    return factory(**overrides) if overrides else factory()
