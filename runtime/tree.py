@@ -65,7 +65,7 @@ class StreamTree:
         for module in self.relocating:
             for name in module._sw_relocated:
                 value = module._parameters.get(name, module._buffers.get(name))
-                if value is not None and value.device != device:
+                if value is not None and value.device != device and not value.is_meta:  # meta holds no data to move
                     _move(module, name, device)
 
 

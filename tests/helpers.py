@@ -51,3 +51,30 @@ def tiny_acoustic_tokenizer():
         layer_scale_init_value=0.5,  # large enough that a dropped gamma would show in the output
     )
     return transformers.VibeVoiceAcousticTokenizerModel(config).eval()
+
+
+def tiny_vibevoice():
+    """transformers' VibeVoiceForConditionalGeneration at toy size (LM, tokenizers, diffusion head)."""
+    import transformers
+
+    text = dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    audio = dict(model_type="vibevoice_acoustic_tokenizer", hidden_size=8, num_filters=4, downsampling_ratios=[2, 2],
+                 depths=[1, 1, 1], kernel_size=3, layer_scale_init_value=0.5)
+    semantic = dict(audio, model_type="vibevoice_acoustic_tokenizer_encoder")
+    head = dict(model_type="vibevoice_diffusion", hidden_size=32, latent_size=8, head_layers=1, intermediate_size=64)
+    config = transformers.VibeVoiceConfig(
+        text_config=text, audio_config=audio, semantic_model_config=semantic, diffusion_head_config=head,
+        pad_token_id=0, eos_token_id=1, audio_bos_token_id=2, audio_eos_token_id=3, audio_token_id=4,
+    )
+    return transformers.VibeVoiceForConditionalGeneration(config).eval()
+
+
+def vibevoice_inputs():
+    """Token ids with 8 audio placeholders, and 32 samples of audio that encode to 8 latents."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    audio = torch.randn(1, 1, 32, generator=generator)
+    ids = torch.tensor([[5, 2] + [4] * 8 + [3, 6, 7]])
+    return dict(input_ids=ids, input_values=audio, padding_mask=torch.ones(1, 32, dtype=torch.bool), sample=False)

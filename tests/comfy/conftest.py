@@ -11,4 +11,6 @@ def comfy_nodes(tmp_path_factory):
     root = comfyui_root()
     if root is None:
         pytest.skip(f"{ROOT_ENV} is not set: point it at a ComfyUI checkout to run the integration tests")
+    import transformers  # noqa: F401  (before the torchvision stub exists: transformers probes torchvision)
+
     return boot(root, tmp_path_factory.mktemp("comfy-user"))

@@ -1,0 +1,150 @@
+"""Real ComfyUI core drives converted trees: placement (meta), LoRA numerics (CPU), load cycles.
+
+Run against an older core (no `offloadable`) and a newer one; see README "Testing against ComfyUI".
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import streamwise
+from streamwise.runtime.apply import applied_state
+
+from helpers import tiny_qwen2, tiny_vibevoice, vibevoice_inputs
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+@pytest.fixture
+def core(comfy_nodes):
+    import comfy.model_patcher
+    import comfy.ops
+
+    return comfy
+
+
+def plain_patcher(core, model, load_device):
+    """The unconverted tree in a ModelPatcher (only `device` made assignable, nothing else)."""
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (cls,), {"device": property(lambda self: self.__dict__.get("_d"), lambda self, v: self.__dict__.__setitem__("_d", v))})
+    return core.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=CPU)
+
+
+def stranded(model) -> list[str]:
+    """CPU tensors that no streaming path will bring to the compute device when they are used."""
+    found = []
+    for path, module in model.named_modules():
+        streams = getattr(module, "comfy_cast_weights", False) or getattr(module, "weight_function", None)
+        relocated = module.__dict__.get("_sw_relocated", ())
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if name in relocated:
+                tensor = getattr(module, name)  # a read is a use: relocated tensors follow then
+            if tensor.device.type == "cpu" and not streams:
+                found.append(f"{path}.{name}")
+    return found
+
+
+def test_the_fetcher_matches_the_cores_cast_api(core):
+    from streamwise.runtime.hosts.comfyui import ComfyFetcher
+
+    offloadable = "offloadable" in inspect.signature(core.ops.cast_bias_weight).parameters
+    assert ComfyFetcher()._offloadable is offloadable
+    assert hasattr(core.ops, "uncast_bias_weight") is offloadable
+
+
+def test_partial_load_on_meta_strands_nothing_once_converted(core):
+    ids = torch.randint(0, 128, (1, 6))
+    budget = 60_000
+
+    plain = tiny_qwen2()
+    patcher = plain_patcher(core, plain, META)
+    patcher.load(META, lowvram_model_memory=budget)
+    assert stranded(plain)  # the problem: foreign leaves and buffers left behind on the CPU
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        plain(ids.to(META))
+
+    model = tiny_qwen2()
+    patcher = streamwise.model_patcher(model, load_device=META, offload_device=CPU, policy="decoder-llm")
+    patcher.load(META, lowvram_model_memory=budget)
+    assert model.model_lowvram
+    assert model(ids.to(META)).logits.is_meta  # relocated tensors followed; streamed leaves fetched
+    assert stranded(model) == []
+    assert model.model.rotary_emb.inv_freq.is_meta
+
+    patcher.partially_load(META, 10**9)  # room for everything now: a full load
+    assert all(p.is_meta for p in model.parameters())
+    assert model(ids.to(META)).logits.is_meta
+
+
+def lora_reference(model, key, diff):
+    merged = copy.deepcopy(model)
+    with torch.no_grad():
+        merged.get_parameter(key).add_(diff)
+    return merged
+
+
+def test_lora_patches_apply_to_streamed_leaves(core):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 6))
+    key, diff = "model.layers.1.mlp.down_proj.weight", torch.randn(64, 128) * 0.05
+    original = tiny_qwen2()
+    with torch.no_grad():
+        expected = lora_reference(original, key, diff)(ids).logits
+        unpatched = original(ids).logits
+
+    model = copy.deepcopy(original)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="decoder-llm")
+    assert patcher.add_patches({key: ("diff", (diff,))}, 1.0) == [key]  # the model's own state-dict keys
+    patcher.load(CPU, lowvram_model_memory=20_000)
+    leaf = model.get_submodule(key.rsplit(".", 1)[0])
+    assert leaf.comfy_cast_weights and type(leaf.weight_function[0]).__name__ == "LowVramPatch"
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-6)
+    assert torch.equal(leaf.weight, original.get_parameter(key))  # never patched in place
+
+    plain = copy.deepcopy(original)
+    patcher = plain_patcher(core, plain, CPU)
+    patcher.add_patches({key: ("diff", (diff,))}, 1.0)
+    patcher.load(CPU, lowvram_model_memory=20_000)
+    with torch.no_grad():
+        result = plain(ids).logits
+    assert torch.equal(result, unpatched) and not torch.allclose(result, expected, atol=1e-6)
+
+
+def cycle(patcher, run, expected):
+    patcher.load(CPU, full_load=True)
+    assert torch.equal(run(), expected)
+    assert patcher.partially_unload(CPU, 10**9) >= 0
+    assert torch.equal(run(), expected)
+    patcher.partially_load(CPU, 30_000)
+    assert torch.equal(run(), expected)
+    patcher.detach()
+    assert torch.equal(run(), expected)
+
+
+def test_qwen2_generate_survives_load_unload_cycles(comfy_nodes):
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    ids = torch.randint(0, 128, (1, 5))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="decoder-llm")
+    cycle(patcher, lambda: model.generate(ids, max_new_tokens=6, do_sample=False), expected)
+    assert applied_state(model).tree.compute_device == CPU
+
+
+def test_vibevoice_survives_load_unload_cycles(comfy_nodes):
+    torch.manual_seed(0)
+    model, inputs = tiny_vibevoice(), vibevoice_inputs()
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="vibevoice")
+
+    def run():
+        with torch.no_grad():
+            return model(**inputs).logits
+
+    cycle(patcher, run, expected)
