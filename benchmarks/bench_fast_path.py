@@ -1,0 +1,123 @@
+"""Fast-path overhead: a converted, fully resident decoder against the unconverted one.
+
+A 24-layer Qwen2-style transformers model (hidden 256), batch 1, one token per forward: many small
+layers, so any per-leaf overhead shows. Three copies with equal weights run interleaved:
+- `unconverted`: the transformers model as it is;
+- `streamwise`: converted by the `decoder-llm` policy (resident: the fast path);
+- `seed-style`: every leaf forward enters a context manager that records the device globally,
+  checks co-location and yields the weights (the approach of the project's seed document,
+  written anew here as the baseline).
+Goal: streamwise at most 3% over unconverted, and below seed-style. Run:
+
+    python benchmarks/bench_fast_path.py [--rounds 15] [--iters 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import streamwise
+
+_LAST_DEVICE = None
+
+
+@contextmanager
+def _acquire(module: nn.Module, x: torch.Tensor):
+    global _LAST_DEVICE
+    _LAST_DEVICE = x.device
+    functions = getattr(module, "weight_function", None), getattr(module, "bias_function", None)
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    resident = not any(functions) and all(t is None or t.device == x.device for t in (weight, bias))
+    if not resident:
+        raise RuntimeError("the baseline models the resident case only")
+    yield weight, bias
+
+
+def _seed_style(cls: type, compute) -> type:
+    def forward(self, x):
+        with _acquire(self, x) as (weight, bias):
+            return compute(self, x, weight, bias)
+
+    return type(f"SeedStyle{cls.__name__}", (cls,), {"forward": forward, "weight_function": [], "bias_function": []})
+
+
+def _rms(module, x, weight, bias):
+    dtype = x.dtype
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return weight * hidden.to(dtype)
+
+
+def seed_style(model: nn.Module) -> nn.Module:
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    computes = {
+        nn.Linear: lambda m, x, w, b: F.linear(x, w, b),
+        nn.Embedding: lambda m, x, w, b: F.embedding(x, w, m.padding_idx),
+        Qwen2RMSNorm: _rms,
+    }
+    for module in model.modules():
+        if type(module) in computes:
+            module.__class__ = _seed_style(type(module), computes[type(module)])
+    return model
+
+
+def build() -> nn.Module:
+    config = transformers.Qwen2Config(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=2048,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the timing quiet)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    base = copy.deepcopy(build())  # every variant is a deep copy, so all have the same memory layout
+    converted = copy.deepcopy(base)
+    streamwise.apply(streamwise.resolve(streamwise.load_policy("decoder-llm"), converted), converted)
+    models = {"unconverted": base, "streamwise": converted, "seed-style": seed_style(copy.deepcopy(base))}
+    token = torch.tensor([[7]])
+    with torch.inference_mode():
+        reference = base(token).logits
+        for name, model in models.items():
+            assert torch.equal(model(token).logits, reference), name
+            for _ in range(10):
+                model(token)
+        samples: dict[str, list[float]] = {name: [] for name in models}
+        for round_ in range(args.rounds):
+            order = list(models.items())
+            for name, model in order[round_ % 3:] + order[: round_ % 3]:  # rotate who runs first
+                start = time.perf_counter()
+                for _ in range(args.iters):
+                    model(token)
+                samples[name].append((time.perf_counter() - start) / args.iters)
+
+    base_time = statistics.median(samples["unconverted"])
+    print(f"24-layer Qwen2 (hidden 256), batch 1, one token; median of {args.rounds} rounds x {args.iters} forwards, "
+          f"{torch.get_num_threads()} threads")
+    for name, values in samples.items():
+        median = statistics.median(values)
+        print(f"  {name:<12} {median * 1e3:8.3f} ms/forward   ratio {median / base_time:6.3f}")
+    overhead = statistics.median(samples["streamwise"]) / base_time - 1
+    below_seed = statistics.median(samples["streamwise"]) < statistics.median(samples["seed-style"])
+    print(f"streamwise overhead {overhead:+.1%} (goal <= +3%), below seed-style: {below_seed}")
+
+
+if __name__ == "__main__":
+    main()
