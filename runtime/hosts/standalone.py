@@ -39,11 +39,13 @@ def offload(
     device: str | torch.device,
     budget: int | None = None,
     offload_device: str | torch.device = "cpu",
+    prefetch: bool = True,
 ) -> OffloadReport:
     """Convert `model` by `policy` and stream it from `offload_device` to `device` within `budget` bytes.
 
     `budget=None` makes every streamed leaf resident. Tensors outside the plan are moved to the
-    compute device; relocated ones follow it on their own.
+    compute device; relocated ones follow it on their own. `prefetch` (CUDA only) overlaps the
+    next leaf's copy with the current leaf's compute.
     """
     device, offload_device = torch.device(device), torch.device(offload_device)
     policy = policy if isinstance(policy, Policy) else load_policy(policy)
@@ -53,7 +55,7 @@ def offload(
     apply(plan, model)
     state = applied_state(model)
     leaves = [model.get_submodule(entry.path) for entry in plan.modules if entry.stream]
-    streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu")
+    streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
     resident_bytes = streamed_bytes = resident_count = 0
     for leaf in leaves:
         size = _leaf_bytes(leaf)
@@ -91,11 +93,11 @@ def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
 class _Streamer:
     """Fetches streamed weights; on CUDA, prefetches the next leaf's weights on a side stream."""
 
-    def __init__(self, device: torch.device, *, pin: bool) -> None:
+    def __init__(self, device: torch.device, *, pin: bool, prefetch: bool) -> None:
         self.device = device
         self.pin = pin
         self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.side = torch.cuda.Stream(device) if self.cuda and prefetch else None
         self.order: list[nn.Module] = []
         self.position: dict[int, int] = {}
         self.ready: dict[int, tuple[Tensor | None, Tensor | None, object]] = {}
@@ -107,7 +109,8 @@ class _Streamer:
             self.order.append(module)
         if self.cuda:
             weight, bias = self._take(module)
-            self._prefetch_after(key)
+            if self.side is not None:
+                self._prefetch_after(key)
         else:
             weight, bias = module.weight.to(device), getattr(module, "bias", None)
             bias = None if bias is None else bias.to(device)
