@@ -38,6 +38,9 @@ CODES: dict[str, str] = {
     "invalid-extends": "`extends` names a policy that has errors",
     "extends-cycle": "policies extend each other in a cycle",
     "unknown-backend": "a compile backend torch does not ship (warning)",
+    "unmatched-rule": "a rule that is not `optional` matches no module of the model",
+    "stream-container": "a stream rule selects a module whose children hold parameters",
+    "stranded-tensors": "parameters or buffers that no rule handles (warning)",
 }
 
 

@@ -148,3 +148,27 @@ def test_vibevoice_survives_load_unload_cycles(comfy_nodes):
             return model(**inputs).logits
 
     cycle(patcher, run, expected)
+
+
+def test_storage_dtypes_are_archived_where_the_core_reads_them(core):
+    model = tiny_qwen2().to(torch.bfloat16)
+    streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="decoder-llm")
+    q = model.model.layers[0].self_attn.q_proj
+    if hasattr(core.model_management, "archive_model_dtypes"):
+        assert q.weight_comfy_model_dtype == torch.bfloat16
+    else:
+        assert not hasattr(q, "weight_comfy_model_dtype")
+
+
+def test_unloads_send_relocated_tensors_back(core, monkeypatch):
+    from streamwise.runtime.tree import StreamTree
+
+    sent = []
+    monkeypatch.setattr(StreamTree, "offload_relocated", lambda self, device: sent.append(device))
+    model = tiny_qwen2()
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="decoder-llm")
+    patcher.load(CPU, full_load=True)
+    patcher.partially_unload(CPU, 10**9)
+    patcher.detach()
+    assert sent and all(device == CPU for device in sent)
+    assert applied_state(model).tree.compute_device == CPU
