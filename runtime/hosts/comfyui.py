@@ -35,6 +35,8 @@ class ComfyFetcher:
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
         weight, bias = module.weight, module.bias
+        if weight is None and bias is None:  # a norm without affine parameters: nothing to fetch
+            return None, None, None
         options: dict[str, Any] = {
             "dtype": dtype or (weight.dtype if weight is not None else None),
             "device": device,
