@@ -23,6 +23,8 @@ _ENGINE = {
     "revert": ".runtime.apply",
     "offload": ".runtime.hosts.standalone",
     "model_patcher": ".runtime.hosts.comfyui",
+    "load": ".runtime.load",
+    "skeleton": ".runtime.load",
 }
 
 

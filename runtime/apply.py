@@ -67,16 +67,7 @@ def applied_state(model: nn.Module) -> AppliedState | None:
 
 def apply(plan: Plan, model: nn.Module) -> Census:
     """Convert `model` as `plan` says, in place, and return the census of the converted tree."""
-    if not plan.ok:
-        raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
-            f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
-        ))
-    quantized = next((entry for entry in plan.modules if entry.quant not in (None, "none")), None)
-    if quantized is not None:
-        raise ConversionError(
-            f"`{quantized.path}`: quant format `{quantized.quant}` needs quantized residents, which this version cannot build yet"
-        )
-    targets = [(entry, _target(entry, model)) for entry in plan.modules if entry.stream or entry.relocate]
+    targets = check(plan, model)
     state = applied_state(model) or AppliedState(plan=plan)
     changes = [(entry, module, cls) for entry, (module, cls) in targets if type(module) is not cls]
     done: list[_Record] = []
@@ -89,16 +80,51 @@ def apply(plan: Plan, model: nn.Module) -> Census:
         raise ConversionError(f"converting `{entry.path}` failed ({exc!r}); the tree was restored unchanged") from exc
     state.records += done
     model.__dict__[STATE_ATTRIBUTE] = state
+    for module in model.modules():
+        if hasattr(type(module), "_sw_format"):
+            module.__dict__.setdefault("_sw_tree", state.tree)
+    _quantize(plan, model, state)
     return state.census()
+
+
+def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, tuple[nn.Module, type]]]:
+    """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
+    if not plan.ok:
+        raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
+            f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
+        ))
+    return [(entry, _target(entry, model)) for entry in plan.modules if entry.stream or entry.relocate]
 
 
 def revert(model: nn.Module) -> None:
     """Restore the original classes and attributes of a converted tree (tensors stay where they are)."""
-    state = model.__dict__.pop(STATE_ATTRIBUTE, None)
+    state = model.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
         raise ConversionError("this model was not converted by streamwise.apply")
+    if any(hasattr(type(m), "_sw_format") for m in model.modules()):
+        raise ConversionError("the tree holds quantized residents, whose float weights are gone; reload the model instead")
+    del model.__dict__[STATE_ATTRIBUTE]
     for record in reversed(state.records):
         _restore(record)
+
+
+def _quantize(plan: Plan, model: nn.Module, state: AppliedState) -> None:
+    """Quantize float weights already in the tree by the plan's int8-family formats.
+
+    GGUF residents come from GGUF files (`streamwise.load`); a `gguf` rule on float weights keeps them.
+    """
+    from .quant.formats import FORMATS
+    from .quant.residents import make_resident
+
+    for entry in plan.modules:
+        fmt = FORMATS.get(entry.quant or "")
+        module = model.get_submodule(entry.path) if fmt is not None else None
+        if module is None or not fmt.quantizes_on_load or hasattr(type(module), "_sw_format"):
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ConversionError(f"`{entry.path}`: quant format `{entry.quant}` applies to Linear layers only")
+        stored = fmt.quantize(module.weight.detach(), entry.group_size)
+        make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size, "_sw_tree": state.tree})
 
 
 def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
@@ -107,6 +133,8 @@ def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
         module = model.get_submodule(entry.path)
     except AttributeError:
         raise ConversionError(f"the plan names `{entry.path}`, which this model does not have") from None
+    if hasattr(type(module), "_sw_format"):
+        return module, type(module)  # a quantized resident already streams
     original = getattr(type(module), "_sw_original_class", type(module))
     seen = ModuleRef.of(entry.path, module).classes[0][1]
     if seen != entry.class_name:

@@ -41,6 +41,7 @@ CODES: dict[str, str] = {
     "unmatched-rule": "a rule that is not `optional` matches no module of the model",
     "stream-container": "a stream rule selects a module whose children hold parameters",
     "stranded-tensors": "parameters or buffers that no rule handles (warning)",
+    "invalid-group-size": "a ConvRot group size that does not divide a selected layer's in_features",
 }
 
 

@@ -24,6 +24,23 @@ class ModelSpecError(ValueError):
     pass
 
 
+def build_from_config(folder: str) -> nn.Module:
+    """The causal-LM (or base) transformers model a Hugging Face folder's config.json describes, on meta."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
+    with torch.device("meta"):
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+            try:
+                return auto.from_config(config)
+            except ValueError:
+                continue
+    raise ModelSpecError(f"no transformers auto class builds the model in {folder}/config.json")
+
+
 def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
     source, _, name = spec.partition(":")
     if not name:

@@ -27,6 +27,7 @@ class ModulePlan:
     quant: str | None = None
     quant_rule: str | None = None
     group_size: int | None = None
+    gguf_type: str | None = None
     compile_unit: bool = False
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
 from torch import nn
 
 from ..schemas import Policy
@@ -67,6 +68,18 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
                 notes=(Note(f"`{stream.id}` is here", _rule_location(stream)),),
             ))
             relocate = None
+        weight = getattr(module, "weight", None)
+        if quant is not None and quant.min_weights and (not isinstance(weight, torch.Tensor) or weight.numel() < quant.min_weights):
+            quant = None  # too small to be worth quantizing
+        if quant is not None and quant.effective_group_size and isinstance(module, nn.Linear):
+            if module.in_features % quant.effective_group_size:
+                problems.append(_rule_problem(
+                    "invalid-group-size", quant,
+                    f"quant rule `{quant.id}`: group size {quant.effective_group_size} does not divide "
+                    f"in_features {module.in_features} of `{path}`",
+                    help="pick a power of 4 that divides every selected layer's in_features, or exclude the layer",
+                ))
+                quant = None
         unit = blocks is not None and blocks.matches(ref) and not any(_inside(path, u) for u in units)
         if unit:
             units.append(path)
@@ -83,6 +96,7 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
                 quant=quant.format if quant else None,
                 quant_rule=quant.id if quant else None,
                 group_size=quant.effective_group_size if quant else None,
+                gguf_type=quant.effective_gguf_type if quant else None,
                 compile_unit=unit,
             ))
 

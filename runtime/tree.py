@@ -23,9 +23,16 @@ class Fetcher(Protocol):
     def release(self, module: nn.Module, weight: Tensor | None, bias: Tensor | None, handle: object) -> None:
         ...
 
+    def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device) -> list[Tensor | None]:
+        """Tensors of a quantized resident, moved as they are stored: never cast, no functions applied."""
+        ...
+
 
 class TorchFetcher:
     """Plain torch: copy to the device (and dtype), then apply the module's weight functions."""
+
+    def fetch_raw(self, module, names, device):
+        return [None if (t := getattr(module, name)) is None else t.to(device) for name in names]
 
     def fetch(self, module, device, dtype):
         weight = _cast(module.weight, device, dtype, module.weight_function)

@@ -15,13 +15,22 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from .patterns import PatternError, check_class_name, compile_glob, compile_regex
-from .vocabulary import COMPILE_MODES, COMPUTE_KINDS, DEFAULT_GROUP_SIZE, GROUPED_QUANT_FORMATS, QUANT_FORMATS
+from .vocabulary import (
+    COMPILE_MODES,
+    COMPUTE_KINDS,
+    DEFAULT_GGUF_TYPE,
+    DEFAULT_GROUP_SIZE,
+    GGUF_WRITE_TYPES,
+    GROUPED_QUANT_FORMATS,
+    QUANT_FORMATS,
+)
 
 SCHEMA_VERSION = 1
 
 ComputeKind = Literal[tuple(COMPUTE_KINDS)]
 QuantFormat = Literal[tuple(QUANT_FORMATS)]
 CompileMode = Literal[tuple(COMPILE_MODES)]
+GGUFType = Literal[GGUF_WRITE_TYPES]
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BACKEND = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -142,6 +151,23 @@ class QuantRule(_Rule):
     """The storage format. `none` keeps float weights and beats any less specific rule."""
     group_size: Optional[int] = None
     """ConvRot only: Hadamard group size, a power of 4 that divides in_features (default 256)."""
+    gguf_type: Optional[GGUFType] = None
+    """`gguf` only: the GGML type `streamwise-quantize` writes for these layers (default Q8_0)."""
+    min_weights: int = Field(default=0, ge=0)
+    """Leave layers with fewer weight elements than this in float (small layers gain little)."""
+
+    @model_validator(mode="after")
+    def _gguf_type_fits_format(self) -> "QuantRule":
+        if self.gguf_type is not None and self.format != "gguf":
+            raise PydanticCustomError(
+                "invalid-value", "`gguf_type` applies only to the `gguf` format, not to `{format}`",
+                {"format": self.format, "field": "gguf_type"},
+            )
+        return self
+
+    @property
+    def effective_gguf_type(self) -> str | None:
+        return (self.gguf_type or DEFAULT_GGUF_TYPE) if self.format == "gguf" else None
 
     @model_validator(mode="after")
     def _group_size_fits_format(self) -> "QuantRule":
@@ -164,7 +190,7 @@ class QuantRule(_Rule):
 
     @property
     def decision(self) -> Any:
-        return (self.format, self.effective_group_size)
+        return (self.format, self.effective_group_size, self.effective_gguf_type, self.min_weights)
 
     @property
     def effective_group_size(self) -> int | None:

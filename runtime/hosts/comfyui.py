@@ -25,6 +25,7 @@ class ComfyFetcher:
     """Fetch through `comfy.ops.cast_bias_weight`, which also applies LoRA `LowVramPatch` functions."""
 
     def __init__(self) -> None:
+        import comfy.model_management
         import comfy.ops
 
         if not isinstance(getattr(comfy.ops.CastWeightBiasOp, "weight_function", None), list):
@@ -32,6 +33,7 @@ class ComfyFetcher:
         self._cast = comfy.ops.cast_bias_weight
         self._offloadable = "offloadable" in inspect.signature(self._cast).parameters
         self._uncast = getattr(comfy.ops, "uncast_bias_weight", None)
+        self._cast_to = comfy.model_management.cast_to
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
         weight, bias = module.weight, module.bias
@@ -50,6 +52,10 @@ class ComfyFetcher:
     def release(self, module: nn.Module, weight, bias, handle) -> None:
         if self._offloadable and self._uncast is not None:
             self._uncast(module, weight, bias, handle)
+
+    def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
+        """Raw storage through core's `cast_to`: `cast_bias_weight` would recast and patch it."""
+        return [None if (t := getattr(module, name)) is None else self._cast_to(t, None, device, non_blocking=True) for name in names]
 
 
 def model_patcher(
@@ -131,9 +137,24 @@ def _patcher_class(base: type) -> type:
 
         def unpatch_model(self, device_to=None, *args, **kwargs):
             result = base.unpatch_model(self, device_to, *args, **kwargs)
+            for module in self.model.modules():
+                if module.__dict__.pop("_sw_merged_patches", False):
+                    module.weight_function = []
             if device_to is not None:
                 _tree(self).offload_relocated(device_to)
             return result
+
+        def patch_weight_to_device(self, key, device_to=None, inplace_update=False, *args, **kwargs):
+            module_path, _, name = key.rpartition(".")
+            module = self.model.get_submodule(module_path)
+            if name != "weight" or not hasattr(type(module), "_sw_format"):
+                return base.patch_weight_to_device(self, key, device_to, inplace_update, *args, **kwargs)
+            if key in self.patches and not module.__dict__.get("_sw_merged_patches"):
+                # Raw quantized storage cannot take a merged patch: apply it on the fly instead.
+                import comfy.model_patcher
+
+                module.weight_function = [*module.weight_function, comfy.model_patcher.LowVramPatch(key, self.patches)]
+                module._sw_merged_patches = True
 
         _PATCHERS[base] = type(f"Streamwise{base.__name__}", (base,), {
             "__module__": __name__,
@@ -141,6 +162,7 @@ def _patcher_class(base: type) -> type:
             "load": load,
             "partially_unload": partially_unload,
             "unpatch_model": unpatch_model,
+            "patch_weight_to_device": patch_weight_to_device,
         })
     return _PATCHERS[base]
 

@@ -121,6 +121,9 @@ class _Streamer:
     def release(self, module, weight, bias, handle) -> None:
         pass
 
+    def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
+        return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=True) for name in names]
+
     def _take(self, module: nn.Module) -> tuple[Tensor | None, Tensor | None]:
         ready = self.ready.pop(id(module), None)
         if ready is None:

@@ -1,0 +1,51 @@
+"""The `streamwise` command: `streamwise quantize SRC DST --policy NAME` (more subcommands to come)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .checkpoint import CheckpointError
+from .diagnostics import PolicyError
+from .loading import load_policy
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamwise", description="Streamwise tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    quantize = commands.add_parser("quantize", help="write a .safetensors checkpoint as GGUF, types per the policy")
+    quantize.add_argument("source", help="a .safetensors file, a shard index, or a Hugging Face folder")
+    quantize.add_argument("destination", help="the .gguf file to write")
+    quantize.add_argument("--policy", required=True, help="a policy name or file whose `gguf` quant rules pick the types")
+    quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
+    quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
+    args = parser.parse_args(argv)
+    return _quantize(parser, args)
+
+
+def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .gguf_writer import quantize_to_gguf
+    from .model_spec import ModelSpecError, build_from_config, build_model
+
+    try:
+        policy = load_policy(args.policy)
+        if args.model:
+            model = build_model(args.model, json.loads(args.model_config) if args.model_config else None)
+        elif Path(args.source, "config.json").is_file():
+            model = build_from_config(args.source)
+        else:
+            parser.error("--model is needed when the source is not a folder with config.json")
+        report = quantize_to_gguf(args.source, args.destination, policy, model)
+    except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError) as exc:
+        print(f"streamwise quantize: {exc}", file=sys.stderr)
+        return 1
+    types = ", ".join(f"{name} x{count}" for name, count in report.types.items())
+    print(f"wrote {report.file}: {report.tensors} tensors ({types}), {report.bytes_in} -> {report.bytes_out} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""`streamwise quantize`: write a checkpoint as GGUF, with GGML types chosen by a policy.
+
+Each weight of a layer that a `gguf` quant rule selects is quantized to the rule's `gguf_type`
+with the gguf package's own quantizers (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, or F16/BF16/F32); every
+other tensor keeps its float type. Tensor names stay the model's state-dict keys, so
+`streamwise.load` reads the file back into the same tree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from ..schemas import Policy
+from .checkpoint import CheckpointError, open_checkpoint
+from .diagnostics import PolicyError
+from .resolve import resolve
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    file: str
+    tensors: int
+    types: dict[str, int]
+    bytes_in: int
+    bytes_out: int
+
+
+def quantize_to_gguf(source: str | os.PathLike, destination: str | os.PathLike, policy: Policy, model: nn.Module) -> QuantizeReport:
+    plan = resolve(policy, model)
+    if not plan.ok:
+        raise PolicyError(plan.diagnostics)
+    chosen = {entry.path: entry.gguf_type for entry in plan.modules if entry.gguf_type}
+    checkpoint = open_checkpoint(source)
+    writer = gguf.GGUFWriter(os.fspath(destination), arch="streamwise")
+    writer.add_string("streamwise.policy", policy.name)
+    types: dict[str, int] = {}
+    bytes_in = 0
+    try:
+        for name, stored in sorted(checkpoint.tensors.items()):
+            tensor = stored.read()
+            bytes_in += tensor.numel() * tensor.element_size()
+            data, qtype = _encode(name, tensor, chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            label = (qtype.name if qtype is not None else str(data.dtype))
+            types[label] = types.get(label, 0) + 1
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return QuantizeReport(os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in, os.path.getsize(destination))
+
+
+def _encode(name: str, tensor: torch.Tensor, gguf_type: str | None) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+    """The array to write and its GGML type (None: the array's own numpy type)."""
+    if tensor.dtype == torch.bfloat16 and gguf_type is None:
+        gguf_type = "BF16"
+    if gguf_type is None:
+        if not tensor.is_floating_point() and tensor.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
+            raise CheckpointError([f"tensor `{name}`: GGUF cannot store {tensor.dtype}"])
+        return tensor.numpy(), None
+    qtype = gguf.GGMLQuantizationType[gguf_type]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return tensor.to(torch.float32 if gguf_type == "F32" else torch.float16).numpy(), None
+    if tensor.ndim < 2 or tensor.shape[-1] % block:
+        return tensor.to(torch.float16).numpy(), None  # rows that do not fill whole blocks stay F16
+    return gguf.quants.quantize(tensor.float().numpy(), qtype), qtype

@@ -1,0 +1,209 @@
+"""`load(model, path, policy)`: fill a skeleton tree from a checkpoint, converting it as it goes.
+
+Everything is checked before the first change (missing, extra and misshapen tensors, dtype
+mismatches, unknown quant formats, a plan that does not fit): on any problem the model is left
+exactly as it was and a `CheckpointError` names the file and every offending tensor. Float
+tensors are views of the file's memory map; GGUF tensors that a `gguf` rule selects stay in
+their raw blocks as residents (other quantized GGUF tensors, embeddings and convolutions, are
+dequantized once); `.comfy_quant` layers load as INT8 residents; int8-family rules quantize the
+float weights on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..schemas import Policy
+from .apply import apply, check
+from .checkpoint import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
+from .diagnostics import PolicyError
+from .loading import load_policy
+from .quant.gguf_dequant import UnsupportedQuantType, dequantize
+from .quant.residents import make_resident
+from .resolve import resolve
+
+COMFY_QUANT = ".comfy_quant"
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    file: str
+    tensors: int
+    bytes: int
+    residents: dict[str, int]
+    dequantized: int
+
+
+@contextmanager
+def skeleton():
+    """Build a model with its parameters on the meta device and its buffers real.
+
+    Non-persistent buffers (rotary tables) are computed in `__init__` and are never in a
+    checkpoint, so they must exist for real; parameters cost nothing until `load` fills them.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, parameter):
+        register(module, name, parameter)
+        if parameter is not None and not parameter.is_meta:
+            module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load(
+    model: nn.Module,
+    path: str | os.PathLike,
+    policy: Policy | str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+) -> LoadReport:
+    """Load `path` into `model` as `policy` says, then convert the tree (see `apply`).
+
+    `dtype` converts floating-point tensors; without it a file dtype that differs from the
+    model's is an error.
+    """
+    policy = policy if isinstance(policy, Policy) else load_policy(policy)
+    plan = resolve(policy, model)
+    if not plan.ok:
+        raise PolicyError(plan.diagnostics)
+    checkpoint = open_checkpoint(path)
+    filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
+    filling.collect()
+    if filling.problems:
+        raise CheckpointError(filling.problems)
+    check(plan, model)  # a plan that cannot be applied fails before the first assignment
+    filling.assign()
+    apply(plan, model)
+    residents: dict[str, int] = {}
+    for module in model.modules():
+        fmt = getattr(type(module), "_sw_format", None)
+        if fmt is not None:
+            residents[fmt] = residents.get(fmt, 0) + 1
+    return LoadReport(
+        checkpoint.path, len(filling.tensors) + len(filling.residents),
+        sum(t.numel() * t.element_size() for t in filling.tensors.values()), dict(sorted(residents.items())),
+        filling.dequantized,
+    )
+
+
+class _Filling:
+    """What a checkpoint puts where: gathered and checked in full before anything is assigned."""
+
+    def __init__(self, model: nn.Module, checkpoint: Checkpoint, plans: dict, dtype: torch.dtype | None) -> None:
+        self.model, self.checkpoint, self.plans, self.dtype = model, checkpoint, plans, dtype
+        self.tensors: dict[str, Tensor] = {}
+        self.residents: dict[str, tuple[str, dict[str, Tensor], dict[str, object]]] = {}
+        self.problems: list[str] = []
+        self.dequantized = 0
+        self.aliases: dict[str, list[str]] = {}
+
+    def problem(self, name: str, message: str) -> None:
+        self.problems.append(f"{self.checkpoint.path}: tensor `{name}`: {message}")
+
+    def collect(self) -> None:
+        expected = self.model.state_dict(keep_vars=True)
+        groups: dict[int, list[str]] = {}
+        for name, tensor in expected.items():
+            groups.setdefault(id(tensor), []).append(name)
+        consumed = set(self._comfy_quant(expected))
+        for names in groups.values():
+            if any(n in self.tensors or n in consumed for n in names):
+                continue
+            present = [n for n in names if n in self.checkpoint.tensors]
+            if not present:
+                self.problem(names[0], "missing from the file")
+                continue
+            consumed.update(present)
+            self._take(names, expected[names[0]], self.checkpoint.tensors[present[0]])
+        for name in sorted(set(self.checkpoint.tensors) - consumed):
+            self.problem(name, "not in the model (an extra tensor)")
+        for module_path, module in self.model.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_meta and f"{module_path}.{name}".lstrip(".") not in expected:
+                    self.problem(f"{module_path}.{name}", "a non-persistent buffer on the meta device: build the model "
+                                 "inside `streamwise.skeleton()` so buffers stay real")
+
+    def _take(self, names: list[str], current: Tensor, stored: StoredTensor) -> None:
+        name = names[0]
+        if stored.shape != tuple(current.shape):
+            self.problem(name, f"shape {list(stored.shape)} in the file, {list(current.shape)} in the model")
+            return
+        target = self.dtype if (self.dtype is not None and current.is_floating_point()) else current.dtype
+        module_path, _, attribute = name.rpartition(".")
+        if stored.qtype is not None:
+            entry = self.plans.get(module_path)
+            module = self.model.get_submodule(module_path)
+            if attribute == "weight" and entry is not None and entry.quant == "gguf" and isinstance(module, nn.Linear):
+                self.residents[module_path] = ("gguf", {"weight": stored.read()}, {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape})
+                return
+            try:
+                tensor = dequantize(stored.read(), stored.qtype, stored.shape, target)
+            except (UnsupportedQuantType, ValueError) as exc:
+                self.problem(name, str(exc))
+                return
+            self.dequantized += 1
+        else:
+            tensor = stored.read()
+            if tensor.dtype != target:
+                if not (self.dtype is not None and tensor.is_floating_point() and current.is_floating_point()):
+                    self.problem(name, f"dtype {tensor.dtype} in the file, {current.dtype} in the model (pass dtype= to convert)")
+                    return
+                tensor = tensor.to(target)
+        self.tensors[name] = tensor
+        self.aliases[name] = names
+
+    def _comfy_quant(self, expected: dict[str, Tensor]) -> list[str]:
+        """Layers stored pre-quantized under ComfyUI's `<layer>.comfy_quant` convention."""
+        consumed = []
+        for key, stored in self.checkpoint.tensors.items():
+            if not key.endswith(COMFY_QUANT):
+                continue
+            prefix = key[: -len(COMFY_QUANT)]
+            consumed.append(key)
+            try:
+                meta = json.loads(bytes(stored.read().to(torch.uint8).tolist()).decode("utf-8"))
+                fmt = meta["format"]
+            except (ValueError, KeyError, TypeError) as exc:
+                self.problem(key, f"unreadable comfy_quant metadata ({exc})")
+                continue
+            if fmt != "int8_tensorwise":
+                self.problem(key, f"comfy_quant format `{fmt}` is not one Streamwise reads (int8_tensorwise)")
+                continue
+            weight, scale = self.checkpoint.tensors.get(f"{prefix}.weight"), self.checkpoint.tensors.get(f"{prefix}.weight_scale")
+            current = expected.get(f"{prefix}.weight")
+            if weight is None or scale is None or current is None:
+                self.problem(key, "needs `.weight` and `.weight_scale` in the file and a Linear `.weight` in the model")
+                continue
+            if weight.dtype != torch.int8 or weight.shape != tuple(current.shape) or scale.shape not in ((current.shape[0],), (current.shape[0], 1)):
+                self.problem(f"{prefix}.weight", f"an int8_tensorwise layer needs int8{list(current.shape)} and a scale per row")
+                continue
+            group = int(meta.get("convrot_groupsize", 256)) if meta.get("convrot") else None
+            stored_tensors = {"weight": weight.read(), "weight_scale": scale.read().float().reshape(-1)}
+            self.residents[prefix] = ("convrot_int8" if group else "int8", stored_tensors, {"_sw_group_size": group})
+            consumed += [f"{prefix}.weight", f"{prefix}.weight_scale"]
+        return consumed
+
+    def assign(self) -> None:
+        expected = self.model.state_dict(keep_vars=True)
+        for name, tensor in self.tensors.items():
+            current = expected[name]
+            value = nn.Parameter(tensor, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else tensor
+            for alias in self.aliases[name]:
+                module_path, _, attribute = alias.rpartition(".")
+                module = self.model.get_submodule(module_path)
+                slot = module._parameters if attribute in module._parameters else module._buffers
+                slot[attribute] = value
+        for module_path, (fmt, stored, attributes) in self.residents.items():
+            make_resident(self.model.get_submodule(module_path), fmt, stored, attributes)

@@ -1,0 +1,49 @@
+"""ConvRot: a group-wise regular Hadamard rotation that spreads outlier channels before quantizing.
+
+Weights are rotated once (W·Hᵀ per group of G input channels) and activations online (X·Hᵀ);
+H is orthonormal, so X·Hᵀ·(W·Hᵀ)ᵀ = X·Wᵀ and the product is unchanged while both operands lose
+their outliers. H is a Kronecker power of the 4×4 regular Hadamard matrix (constant row sums),
+which is why G must be a power of 4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+_H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
+
+
+def check_group_size(group_size: int, in_features: int) -> None:
+    if group_size < 4 or group_size & (group_size - 1) or (group_size.bit_length() - 1) % 2:
+        raise ValueError(f"ConvRot group size must be a power of 4, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(f"ConvRot group size {group_size} does not divide in_features {in_features}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(group_size: int) -> Tensor:
+    h4 = torch.tensor(_H4, dtype=torch.float64) / 2
+    matrix = h4
+    while matrix.shape[0] < group_size:
+        matrix = torch.kron(matrix, h4)
+    return matrix
+
+
+def hadamard(group_size: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The orthonormal regular Hadamard matrix of order `group_size`."""
+    return _hadamard_cpu(group_size).to(device=device, dtype=dtype)
+
+
+def rotate(x: Tensor, group_size: int) -> Tensor:
+    """x·Hᵀ over each group of `group_size` channels of the last dimension."""
+    shape = x.shape
+    grouped = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    h = hadamard(group_size, x.device, x.dtype)
+    return (grouped @ h.T).reshape(shape)
+
+
+# H is symmetric as well as orthonormal, so the rotation is its own inverse.
+unrotate = rotate

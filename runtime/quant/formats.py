@@ -1,0 +1,89 @@
+"""Quant formats: how a resident stores its weight and computes with it.
+
+One handler per quant format of the policy vocabulary (`none` needs none), registered with
+`@quant_format`. A handler names the tensors a resident streams (`stored`, in their raw dtype),
+turns a float weight into them (`quantize`), turns them back (`dequantize`, used for LoRA and by
+ComfyUI's patcher), and computes a linear layer straight from them (`linear`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import gguf
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .gguf_dequant import dequantize as gguf_dequantize
+from .int4 import dequantize_int4, int4_linear, quantize_int4
+from .int8 import dequantize_int8, int8_linear, quantize_int8
+
+FORMATS: dict[str, "QuantFormat"] = {}
+
+
+def quant_format(name: str):
+    def register(cls: type["QuantFormat"]) -> type["QuantFormat"]:
+        FORMATS[name] = cls(name)
+        return cls
+
+    return register
+
+
+class QuantFormat:
+    stored: ClassVar[tuple[str, ...]] = ("weight",)
+    compile_safe: ClassVar[bool] = True
+    quantizes_on_load: ClassVar[bool] = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def quantize(self, weight: Tensor, group_size: int | None) -> dict[str, Tensor]:
+        raise NotImplementedError(f"`{self.name}` residents come from the file, not from a float weight")
+
+    def dequantize(self, module: nn.Module, stored: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def linear(self, module: nn.Module, x: Tensor, stored: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        return F.linear(x, self.dequantize(module, stored, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+@quant_format("int8")
+@quant_format("convrot_int8")
+class Int8(QuantFormat):
+    stored = ("weight", "weight_scale")
+
+    def quantize(self, weight, group_size):
+        q, scale = quantize_int8(weight, group_size)
+        return {"weight": q, "weight_scale": scale}
+
+    def dequantize(self, module, stored, dtype):
+        return dequantize_int8(stored["weight"], stored["weight_scale"], module._sw_group_size, dtype)
+
+    def linear(self, module, x, stored, bias):
+        return int8_linear(x, stored["weight"], stored["weight_scale"], bias, module._sw_group_size)
+
+
+@quant_format("convrot_int4")
+class ConvRotInt4(QuantFormat):
+    stored = ("weight", "weight_scale")
+    compile_safe = False
+
+    def quantize(self, weight, group_size):
+        packed, scale = quantize_int4(weight, group_size)
+        return {"weight": packed, "weight_scale": scale}
+
+    def dequantize(self, module, stored, dtype):
+        return dequantize_int4(stored["weight"], stored["weight_scale"], module._sw_group_size, dtype)
+
+    def linear(self, module, x, stored, bias):
+        return int4_linear(x, stored["weight"], stored["weight_scale"], bias, module._sw_group_size)
+
+
+@quant_format("gguf")
+class GGUF(QuantFormat):
+    quantizes_on_load = False
+
+    def dequantize(self, module, stored, dtype):
+        qtype = gguf.GGMLQuantizationType(module.gguf_qtype)
+        return gguf_dequantize(stored["weight"], qtype, tuple(module.gguf_shape), dtype)

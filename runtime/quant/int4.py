@@ -1,0 +1,46 @@
+"""ConvRot INT4 weights: rotated like ConvRot INT8, symmetric 4-bit values packed two per byte,
+one fp32 scale per row and group of `scale_group` input channels.
+
+Compute is W4A16 (unpack, dequantize, matmul), enough on the CPU. These residents are not
+compile-safe: torch has no fake kernels for their packing, so the compile engine refuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .convrot import rotate, unrotate
+
+QMAX = 7
+SCALE_GROUP = 64
+
+
+def scale_group_for(group_size: int) -> int:
+    """Scale groups of 64 channels, or the rotation group when that is smaller (both divide in_features)."""
+    return min(SCALE_GROUP, group_size)
+
+
+def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """(uint8 [out, in/2] with two values a byte, fp32 scale [out, in/scale_group])."""
+    w = rotate(weight.float(), group_size)
+    out_features, in_features = w.shape
+    grouped = w.reshape(out_features, -1, scale_group_for(group_size))
+    scale = grouped.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / QMAX
+    q = torch.round(grouped / scale[..., None]).clamp(-QMAX, QMAX).to(torch.int16) + 8  # 1..15
+    q = q.reshape(out_features, in_features // 2, 2)
+    packed = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)
+    return packed, scale
+
+
+def dequantize_int4(packed: Tensor, scale: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
+    out_features = packed.shape[0]
+    low, high = (packed & 0x0F).to(torch.int16), (packed >> 4).to(torch.int16)
+    q = torch.stack((low, high), dim=-1).reshape(out_features, -1, scale_group_for(group_size)) - 8
+    w = (q.float() * scale.float()[..., None]).reshape(out_features, -1)
+    return unrotate(w, group_size).to(dtype)
+
+
+def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
+    return F.linear(x, dequantize_int4(packed, scale, group_size, x.dtype), bias)

@@ -1,0 +1,71 @@
+"""Quantized residents: Linear leaves that hold their weight in a quant format's raw storage.
+
+A resident streams like any streamed leaf (ComfyUI's flags and weight functions), but its
+stored tensors always travel in their raw dtype: the host never casts them, and their
+`<param>_comfy_model_dtype` pins that dtype where newer ComfyUI cores read it. Weight functions
+(LoRA) apply to the dequantized weight, also when the resident is fully loaded: the ComfyUI host
+attaches patches as weight functions instead of merging them into raw storage.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .formats import FORMATS
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def resident_class(cls: type[nn.Module], fmt: str) -> type[nn.Module]:
+    original = getattr(cls, "_sw_original_class", cls)
+    key = (original, fmt)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{fmt.title().replace('_', '')}{original.__name__}", (original,), {
+            "forward": _forward,
+            "__module__": __name__,
+            "__doc__": f"{original.__qualname__} holding its weight as `{fmt}` (Streamwise resident).",
+            "_sw_original_class": original,
+            "_sw_kind": "linear",
+            "_sw_format": fmt,
+            "compile_safe": FORMATS[fmt].compile_safe,
+        })
+    return _CLASSES[key]
+
+
+def make_resident(module: nn.Module, fmt: str, stored: dict[str, Tensor], attributes: dict[str, object]) -> None:
+    """Turn a Linear (plain or streamed) into a resident holding `stored` as parameters."""
+    for name, tensor in stored.items():
+        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        module.__dict__[f"{name}_comfy_model_dtype"] = tensor.dtype
+    module.__class__ = resident_class(type(module), fmt)
+    module.__dict__.update(attributes)
+    for name, default in (("comfy_cast_weights", False), ("weight_function", []), ("bias_function", [])):
+        module.__dict__.setdefault(name, default)
+
+
+def _stored(module: nn.Module, x: Tensor) -> tuple[dict[str, Tensor], Tensor | None]:
+    fmt = FORMATS[module._sw_format]
+    names = (*fmt.stored, "bias")
+    if module.comfy_cast_weights or module.weight_function or module.bias_function:
+        tree = module._sw_tree
+        tree.compute_device = x.device
+        tensors = tree.fetcher.fetch_raw(module, names, x.device)
+    else:
+        tensors = [getattr(module, name) for name in names]
+    return dict(zip(fmt.stored, tensors)), tensors[-1]
+
+
+def _forward(self, x: Tensor) -> Tensor:
+    fmt = FORMATS[self._sw_format]
+    stored, bias = _stored(self, x)
+    if not (self.weight_function or self.bias_function):
+        return fmt.linear(self, x, stored, bias)
+    weight = fmt.dequantize(self, stored, x.dtype)
+    for function in self.weight_function:
+        weight = function(weight)
+    if bias is not None:
+        bias = bias.to(x.dtype)
+        for function in self.bias_function:
+            bias = function(bias)
+    return F.linear(x, weight, bias)
