@@ -121,8 +121,6 @@ def _quantize(plan: Plan, model: nn.Module, state: AppliedState) -> None:
         module = model.get_submodule(entry.path) if fmt is not None else None
         if module is None or not fmt.quantizes_on_load or hasattr(type(module), "_sw_format"):
             continue
-        if not isinstance(module, nn.Linear):
-            raise ConversionError(f"`{entry.path}`: quant format `{entry.quant}` applies to Linear layers only")
         stored = fmt.quantize(module.weight.detach(), entry.group_size)
         make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size, "_sw_tree": state.tree})
 

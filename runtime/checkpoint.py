@@ -47,7 +47,7 @@ class StoredTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[], Tensor] = field(repr=False, compare=False)
-    qtype: int | None = None  # a gguf.GGMLQuantizationType for quantized GGUF tensors
+    qtype: object = None  # the gguf.GGMLQuantizationType of a quantized GGUF tensor
 
 
 @dataclass
@@ -164,5 +164,5 @@ def _gguf(path: Path) -> dict[str, StoredTensor]:
             tensors[entry.name] = StoredTensor(entry.name, str(path), shape, plain[qtype], read)
         else:
             read = (lambda data=data: torch.from_numpy(data).view(torch.uint8).reshape(-1))
-            tensors[entry.name] = StoredTensor(entry.name, str(path), shape, torch.uint8, read, int(qtype))
+            tensors[entry.name] = StoredTensor(entry.name, str(path), shape, torch.uint8, read, qtype)
     return tensors

@@ -42,6 +42,7 @@ CODES: dict[str, str] = {
     "stream-container": "a stream rule selects a module whose children hold parameters",
     "stranded-tensors": "parameters or buffers that no rule handles (warning)",
     "invalid-group-size": "a ConvRot group size that does not divide a selected layer's in_features",
+    "quant-unsupported": "an INT8/INT4 quant rule selects a layer that is not a Linear",
 }
 
 

@@ -11,7 +11,6 @@ float weights on load.
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,14 +21,13 @@ from torch import Tensor, nn
 
 from ..schemas import Policy
 from .apply import apply, check
+from . import comfy_quant
 from .checkpoint import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 from .diagnostics import PolicyError
 from .loading import load_policy
 from .quant.gguf_dequant import UnsupportedQuantType, dequantize
 from .quant.residents import make_resident
 from .resolve import resolve
-
-COMFY_QUANT = ".comfy_quant"
 
 
 @dataclass(frozen=True)
@@ -168,18 +166,14 @@ class _Filling:
         """Layers stored pre-quantized under ComfyUI's `<layer>.comfy_quant` convention."""
         consumed = []
         for key, stored in self.checkpoint.tensors.items():
-            if not key.endswith(COMFY_QUANT):
+            if not key.endswith(comfy_quant.SUFFIX):
                 continue
-            prefix = key[: -len(COMFY_QUANT)]
+            prefix = key[: -len(comfy_quant.SUFFIX)]
             consumed.append(key)
             try:
-                meta = json.loads(bytes(stored.read().to(torch.uint8).tolist()).decode("utf-8"))
-                fmt = meta["format"]
-            except (ValueError, KeyError, TypeError) as exc:
-                self.problem(key, f"unreadable comfy_quant metadata ({exc})")
-                continue
-            if fmt != "int8_tensorwise":
-                self.problem(key, f"comfy_quant format `{fmt}` is not one Streamwise reads (int8_tensorwise)")
+                fmt, group = comfy_quant.decode(stored.read())
+            except ValueError as exc:
+                self.problem(key, str(exc))
                 continue
             weight, scale = self.checkpoint.tensors.get(f"{prefix}.weight"), self.checkpoint.tensors.get(f"{prefix}.weight_scale")
             current = expected.get(f"{prefix}.weight")
@@ -187,11 +181,10 @@ class _Filling:
                 self.problem(key, "needs `.weight` and `.weight_scale` in the file and a Linear `.weight` in the model")
                 continue
             if weight.dtype != torch.int8 or weight.shape != tuple(current.shape) or scale.shape not in ((current.shape[0],), (current.shape[0], 1)):
-                self.problem(f"{prefix}.weight", f"an int8_tensorwise layer needs int8{list(current.shape)} and a scale per row")
+                self.problem(f"{prefix}.weight", f"an int8_tensorwise layer needs int8{list(current.shape)} and one scale per row")
                 continue
-            group = int(meta.get("convrot_groupsize", 256)) if meta.get("convrot") else None
             stored_tensors = {"weight": weight.read(), "weight_scale": scale.read().float().reshape(-1)}
-            self.residents[prefix] = ("convrot_int8" if group else "int8", stored_tensors, {"_sw_group_size": group})
+            self.residents[prefix] = (fmt, stored_tensors, {"_sw_group_size": group})
             consumed += [f"{prefix}.weight", f"{prefix}.weight_scale"]
         return consumed
 

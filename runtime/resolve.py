@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import torch
 from torch import nn
 
 from ..schemas import Policy
@@ -21,6 +20,7 @@ from .precedence import RuleConflict, decide
 from .selectors import CompiledSelector, ModuleRef
 
 _SECTIONS = ("stream", "relocate", "quant")
+_LINEAR_ONLY = ("int8", "convrot_int8", "convrot_int4")
 _MAX_LISTED = 8
 
 
@@ -68,9 +68,16 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
                 notes=(Note(f"`{stream.id}` is here", _rule_location(stream)),),
             ))
             relocate = None
-        weight = getattr(module, "weight", None)
-        if quant is not None and quant.min_weights and (not isinstance(weight, torch.Tensor) or weight.numel() < quant.min_weights):
-            quant = None  # too small to be worth quantizing
+        weight = module._parameters.get("weight")
+        if quant is not None and (weight is None or weight.numel() < quant.min_weights):
+            quant = None  # nothing to quantize, or too small to be worth it
+        if quant is not None and quant.format in _LINEAR_ONLY and not isinstance(module, nn.Linear):
+            problems.append(_rule_problem(
+                "quant-unsupported", quant,
+                f"quant rule `{quant.id}`: `{quant.format}` applies to Linear layers, and `{path}` is a {ref.classes[0][0]}",
+                help="narrow the selector, or exclude these layers in [quant]",
+            ))
+            quant = None
         if quant is not None and quant.effective_group_size and isinstance(module, nn.Linear):
             if module.in_features % quant.effective_group_size:
                 problems.append(_rule_problem(

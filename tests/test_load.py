@@ -1,0 +1,236 @@
+"""streamwise.load: real files written by the real libraries, in place, atomic on every failure."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import streamwise
+from streamwise.runtime import comfy_quant
+from streamwise.runtime.checkpoint import CheckpointError
+from streamwise.runtime.commands import main as streamwise_main
+
+from helpers import make_policy, tiny_qwen2, write_policy
+
+IDS = torch.tensor([[3, 17, 99, 5, 64, 2]])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Qwen2 saved by transformers (config.json + model.safetensors), and its logits."""
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    folder = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        return folder, model, model(IDS).logits
+
+
+def skeleton_model(**overrides):
+    with streamwise.skeleton():
+        return tiny_qwen2(**overrides)
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def fingerprint(model):
+    return [(name, type(m), sorted(m.__dict__), [(n, id(t)) for n, t in m._parameters.items()]) for name, m in model.named_modules()]
+
+
+def test_skeleton_puts_parameters_on_meta_and_keeps_buffers():
+    model = skeleton_model()
+    assert all(p.is_meta for p in model.parameters())
+    assert not model.model.rotary_emb.inv_freq.is_meta
+
+
+def test_safetensors_load_is_exact_and_converts_the_tree(saved):
+    folder, _, expected = saved
+    model = skeleton_model()
+    report = streamwise.load(model, folder / "model.safetensors", "decoder-llm")
+    assert report.tensors == 27 and report.residents == {} and report.dequantized == 0
+    assert not any(p.is_meta for p in model.parameters())
+    assert torch.equal(logits(model), expected)
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "StreamedLinear"
+
+
+def test_sharded_folder_with_an_index(saved, tmp_path):
+    _, original, expected = saved
+    original.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model = skeleton_model()
+    streamwise.load(model, tmp_path, "decoder-llm")
+    assert torch.equal(logits(model), expected)
+
+
+def test_quantize_on_load_from_a_float_checkpoint(saved, tmp_path):
+    folder, _, expected = saved
+    policy = write_policy(tmp_path, "int8", """extends = "decoder-llm"
+
+[quant]
+exclude = { path = "lm_head" }
+
+[[quant.rule]]
+id = "linears"
+select = { class = "Linear" }
+format = "convrot_int8"
+group_size = 16
+""")
+    model = skeleton_model()
+    report = streamwise.load(model, folder, policy)
+    assert report.residents == {"convrot_int8": 14}
+    result = logits(model)
+    assert (result - expected).norm() / expected.norm() < 0.02
+
+
+def test_gguf_written_by_streamwise_quantize_loads_as_residents(saved, tmp_path, capsys):
+    folder, _, expected = saved
+    policy = write_policy(tmp_path, "q8", """extends = "decoder-llm"
+
+[[quant.rule]]
+id = "linears"
+select = { class = "Linear" }
+format = "gguf"
+gguf_type = "Q8_0"
+""")
+    target = tmp_path / "model.gguf"
+    assert streamwise_main(["quantize", str(folder), str(target), "--policy", str(policy)]) == 0
+    assert "Q8_0 x15" in capsys.readouterr().out
+    resident = skeleton_model()
+    assert streamwise.load(resident, target, policy).residents == {"gguf": 15}
+    assert resident.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+    dequantized_once = skeleton_model()  # without a gguf rule, quantized tensors dequantize at load
+    assert streamwise.load(dequantized_once, target, "decoder-llm").dequantized == 15
+    assert torch.equal(logits(resident), logits(dequantized_once))
+    assert (logits(resident) - expected).norm() / expected.norm() < 0.02
+
+
+def test_comfy_quant_round_trip(saved, tmp_path):
+    folder, _, _ = saved
+    policy = make_policy(stream={"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
+                         quant={"rule": [{"id": "q", "select": {"path": "model.layers.*.mlp.*"}, "format": "convrot_int8", "group_size": 16}]})
+    quantized = skeleton_model()
+    streamwise.load(quantized, folder, streamwise.load_policy("decoder-llm").model_copy(update={"quant": policy.quant}))
+    path = tmp_path / "int8.safetensors"
+    safetensors.torch.save_file(comfy_quant.state_dict(quantized), path)
+    meta = safetensors.torch.load_file(path)["model.layers.0.mlp.up_proj.comfy_quant"]
+    assert json.loads(bytes(meta.tolist())) == {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 16}
+    reloaded = skeleton_model()
+    report = streamwise.load(reloaded, path, "decoder-llm")
+    assert report.residents == {"convrot_int8": 6}
+    assert torch.equal(logits(reloaded), logits(quantized))
+
+
+def test_dtype_conversion_is_explicit(saved):
+    folder, _, expected = saved
+    model = skeleton_model().to(torch.bfloat16)
+    with pytest.raises(CheckpointError, match="dtype torch.float32 in the file, torch.bfloat16 in the model"):
+        streamwise.load(model, folder, "decoder-llm")
+    streamwise.load(model, folder, "decoder-llm", dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def failing_load(model, path, policy="decoder-llm"):
+    before = fingerprint(model)
+    with pytest.raises(CheckpointError) as raised:
+        streamwise.load(model, path, policy)
+    assert fingerprint(model) == before  # nothing assigned, nothing converted
+    return str(raised.value)
+
+
+def test_missing_extra_and_misshapen_tensors_are_all_named(saved, tmp_path):
+    folder, original, _ = saved
+    tensors = {k: v.contiguous() for k, v in original.state_dict().items()}
+    del tensors["model.norm.weight"]
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(3, 3)
+    tensors["vision_tower.patch_embed.weight"] = torch.zeros(2)
+    path = tmp_path / "broken.safetensors"
+    safetensors.torch.save_file(tensors, path)
+    message = failing_load(skeleton_model(), path)
+    assert f"{path}: tensor `model.norm.weight`: missing from the file" in message
+    assert "tensor `model.layers.0.mlp.gate_proj.weight`: shape [3, 3] in the file, [128, 64] in the model" in message
+    assert "tensor `vision_tower.patch_embed.weight`: not in the model (an extra tensor)" in message
+
+
+def test_unknown_comfy_quant_format_is_refused(saved, tmp_path):
+    folder, original, _ = saved
+    tensors = {k: v.contiguous() for k, v in original.state_dict().items()}
+    tensors["lm_head.comfy_quant"] = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+    path = tmp_path / "fp8.safetensors"
+    safetensors.torch.save_file(tensors, path)
+    assert "comfy_quant format `float8_e4m3fn` is not one Streamwise reads" in failing_load(skeleton_model(), path)
+
+
+def test_unsupported_gguf_type_names_the_tensor(saved, tmp_path):
+    folder, original, _ = saved
+    path = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="test")
+    for name, tensor in original.state_dict().items():
+        if name == "lm_head.weight":
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+            raw = np.zeros((128, 64 // block * size), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        else:
+            writer.add_tensor(name, tensor.numpy())
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    message = failing_load(skeleton_model(), path)
+    assert "tensor `lm_head.weight`" in message and "IQ4_NL" in message
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "empty", "junk"])
+def test_corrupt_safetensors_files(saved, tmp_path, damage):
+    folder, _, _ = saved
+    data = (folder / "model.safetensors").read_bytes()
+    data = {
+        "truncate": data[: len(data) // 2],
+        "header": data[:8] + b"{not json" + data[17:],
+        "empty": b"",
+        "junk": struct.pack("<Q", 2**40) + b"x" * 100,
+    }[damage]
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(data)
+    assert str(path) in failing_load(skeleton_model(), path)
+
+
+def test_truncated_gguf(saved, tmp_path, capsys):
+    folder, _, _ = saved
+    target = tmp_path / "model.gguf"
+    streamwise_main(["quantize", str(folder), str(target), "--policy", "decoder-llm"])
+    damaged = tmp_path / "truncated.gguf"
+    damaged.write_bytes(target.read_bytes()[:5000])
+    assert f"{damaged}: not a readable GGUF file" in failing_load(skeleton_model(), damaged)
+
+
+@pytest.fixture(scope="module")
+def small_files(tmp_path_factory, saved):
+    folder, _, _ = saved
+    target = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    streamwise_main(["quantize", str(folder), str(target), "--policy", "decoder-llm"])
+    return {"safetensors": (folder / "model.safetensors").read_bytes(), "gguf": target.read_bytes()}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(kind=st.sampled_from(["safetensors", "gguf"]), cuts=st.lists(st.tuples(st.integers(0, 2**20), st.binary(max_size=16)), min_size=1, max_size=4))
+def test_mutated_files_give_clean_errors(small_files, tmp_path, kind, cuts):
+    data = bytearray(small_files[kind])
+    for offset, patch in cuts:
+        offset %= len(data)
+        data[offset : offset + len(patch)] = patch
+    path = tmp_path / f"mutated.{kind}"
+    path.write_bytes(bytes(data))
+    model = skeleton_model()
+    before = fingerprint(model)
+    try:
+        streamwise.load(model, path, "decoder-llm")
+    except CheckpointError:
+        assert fingerprint(model) == before
