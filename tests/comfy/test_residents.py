@@ -1,0 +1,83 @@
+"""Quantized residents under real ComfyUI core: raw storage streams, LoRA applies exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import streamwise
+
+from helpers import make_policy, tiny_qwen2
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+KEY = "model.layers.1.mlp.down_proj.weight"
+
+
+def quantized_qwen(fmt: str, tmp_path) -> torch.nn.Module:
+    """A tiny Qwen2 whose Linear layers are `fmt` residents (GGUF through a real .gguf file)."""
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    rule = {"id": "q", "select": {"class": "Linear"}, "format": fmt, **({"group_size": 16} if "convrot" in fmt else {})}
+    decoder = streamwise.load_policy("decoder-llm")
+    policy = decoder.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
+    if fmt == "gguf":
+        from streamwise.runtime.commands import main
+
+        model.save_pretrained(tmp_path)
+        policy_file = tmp_path / "q8.toml"
+        policy_file.write_text('schema_version = 1\n[policy]\nname = "q8"\nextends = "decoder-llm"\n'
+                               '[[quant.rule]]\nid = "q"\nselect = { class = "Linear" }\nformat = "gguf"\n')
+        assert main(["quantize", str(tmp_path), str(tmp_path / "m.gguf"), "--policy", str(policy_file)]) == 0
+        with streamwise.skeleton():
+            model = tiny_qwen2()
+        streamwise.load(model, tmp_path / "m.gguf", policy_file)
+    else:
+        streamwise.apply(streamwise.resolve(policy, model), model)
+    return model
+
+
+def dequantized(module) -> torch.Tensor:
+    from streamwise.runtime.quant.formats import FORMATS
+
+    fmt = FORMATS[module._sw_format]
+    return fmt.dequantize(module, {name: getattr(module, name) for name in fmt.stored}, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "int8", "convrot_int8"])
+@pytest.mark.parametrize("budget", [20_000, 10**9], ids=["lowvram", "full-load"])
+def test_lora_on_residents_equals_patching_the_dequantized_weight(comfy_nodes, tmp_path, fmt, budget):
+    model = quantized_qwen(fmt, tmp_path)
+    ids = torch.randint(0, 128, (1, 6))
+    diff = torch.randn(64, 128) * 0.05
+    layer = model.get_submodule(KEY.rsplit(".", 1)[0])
+    merged = dequantized(layer) + diff
+    with torch.no_grad():
+        unpatched = model(ids).logits
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU)
+    assert patcher.add_patches({KEY: ("diff", (diff,))}, 1.0) == [KEY]
+    stored = model.get_parameter(KEY)
+    patcher.load(CPU, lowvram_model_memory=budget, full_load=budget > 10**6)
+    seen = []
+    hook = layer.register_forward_hook(lambda module, args, output: seen.append((args[0], output)))
+    with torch.no_grad():
+        patched = model(ids).logits
+    hook.remove()
+    (x, output), = seen
+    assert torch.allclose(output, torch.nn.functional.linear(x, merged, layer.bias), atol=1e-5)
+    assert not torch.allclose(patched, unpatched, atol=1e-4)
+    assert model.get_parameter(KEY) is stored and not stored.is_floating_point()  # raw storage untouched
+    patcher.detach()
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, unpatched, atol=1e-6)  # the patch leaves with the unload
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "int8"])
+def test_partial_load_on_meta_moves_residents_in_their_storage_dtype(comfy_nodes, tmp_path, fmt):
+    model = quantized_qwen(fmt, tmp_path)
+    patcher = streamwise.model_patcher(model, load_device=META, offload_device=CPU)
+    patcher.load(META, lowvram_model_memory=60_000)
+    dtypes = {m.weight.dtype for m in model.modules() if hasattr(type(m), "_sw_format")}
+    assert dtypes == {torch.uint8 if fmt == "gguf" else torch.int8}
+    assert model(torch.randint(0, 128, (1, 6)).to(META)).logits.is_meta
