@@ -25,6 +25,8 @@ _ENGINE = {
     "model_patcher": ".runtime.hosts.comfyui",
     "load": ".runtime.load",
     "skeleton": ".runtime.load",
+    "lazy_compile": ".runtime.compile",
+    "compile_stats": ".runtime.compile",
 }
 
 

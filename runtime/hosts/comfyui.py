@@ -74,7 +74,8 @@ def model_patcher(
     import comfy.model_patcher
 
     if policy is not None:
-        plan = resolve(policy if isinstance(policy, Policy) else load_policy(policy), model)
+        policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        plan = resolve(policy, model)
         if not plan.ok:
             raise PolicyError(plan.diagnostics)
         apply(plan, model)
@@ -88,7 +89,12 @@ def model_patcher(
     if archive is not None:
         archive(model)  # pins each tensor's storage dtype where newer cores read it
     base = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)
-    return _patcher_class(base)(model, load_device=load_device, offload_device=offload_device)
+    patcher = _patcher_class(base)(model, load_device=load_device, offload_device=offload_device)
+    if policy is not None and policy.compile.enabled:
+        from ..compile import lazy_compile
+
+        patcher = lazy_compile(patcher, policy)
+    return patcher
 
 
 class _SettableDevice:

@@ -72,6 +72,10 @@ def offload(
             _place(module, device, pin=False)
     state.tree.compute_device = device
     state.tree.fetcher = streamer
+    if policy.compile.enabled:
+        from ..compile import lazy_compile
+
+        lazy_compile(model, policy)
     return OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count, resident_bytes, streamed_bytes)
 
 

@@ -8,8 +8,6 @@ which is why G must be a power of 4.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -23,18 +21,18 @@ def check_group_size(group_size: int, in_features: int) -> None:
         raise ValueError(f"ConvRot group size {group_size} does not divide in_features {in_features}")
 
 
-@functools.lru_cache(maxsize=None)
-def _hadamard_cpu(group_size: int) -> Tensor:
-    h4 = torch.tensor(_H4, dtype=torch.float64) / 2
-    matrix = h4
-    while matrix.shape[0] < group_size:
-        matrix = torch.kron(matrix, h4)
-    return matrix
+_MATRICES: dict[int, Tensor] = {}
 
 
 def hadamard(group_size: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The orthonormal regular Hadamard matrix of order `group_size`."""
-    return _hadamard_cpu(group_size).to(device=device, dtype=dtype)
+    """The orthonormal regular Hadamard matrix of order `group_size` (built once per order)."""
+    if group_size not in _MATRICES:
+        h4 = torch.tensor(_H4, dtype=torch.float64) / 2
+        matrix = h4
+        while matrix.shape[0] < group_size:
+            matrix = torch.kron(matrix, h4)
+        _MATRICES[group_size] = matrix
+    return _MATRICES[group_size].to(device=device, dtype=dtype)
 
 
 def rotate(x: Tensor, group_size: int) -> Tensor:

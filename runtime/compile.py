@@ -1,0 +1,251 @@
+"""Quantized Lazy Torch Compile: regional, lazy `torch.compile` driven by a policy's `[compile]`.
+
+`lazy_compile` arms a tree and returns at once: nothing is traced until the first forward.
+Blocks named by the policy's `blocks` selector are compiled regionally, one compiled callable per
+block class, so N identical blocks compile once. Streamed leaves trace cleanly inside a block
+(their resident fast path is the original forward). Trees holding ConvRot INT4 residents are
+left eager (torch has no fake kernels for their packing). A compile error warns once, falls
+back to eager for good, and never breaks inference. `compile_stats` reports what happened.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..schemas import CompileSettings, Policy
+from .loading import load_policy
+from .selectors import CompiledSelector, ModuleRef
+
+log = logging.getLogger("streamwise.compile")
+
+STATE_ATTRIBUTE = "_sw_compile"
+INT4_MESSAGE = "Native ConvRot INT4 detected; torch.compile was not applied."
+DYNAMIC_VRAM_MESSAGE = (
+    "Dynamic VRAM remains enabled for this MODEL; ComfyUI currently treats this combination as experimental "
+    "because VBAR operations cause graph breaks."
+)
+#: Per-call dictionaries whose contents change every call: guarding on them only forces recompiles.
+PER_CALL_DICTS = ("transformer_options", "model_options", "patches_replace")
+#: `lazy_compile` keyword arguments that are not policy keys.
+_NODE_NAMES = {"dynamic_shape_tracing": "dynamic"}
+
+
+@dataclass
+class CompileStats:
+    applied: bool = False
+    reason: str | None = None
+    units: int = 0
+    regions: int = 0
+    graphs: int = 0
+    recompiles: list[str] = field(default_factory=list)
+    graph_breaks: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+    compile_seconds: float = 0.0
+
+
+def compile_stats(model: Any) -> CompileStats:
+    """What lazy compilation did to `model` (a module or a ComfyUI MODEL) so far."""
+    module = getattr(model, "model", model)
+    state = module.__dict__.get(STATE_ATTRIBUTE)
+    if state is None:
+        raise ValueError("this model was not armed with streamwise.lazy_compile")
+    return state.stats
+
+
+def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_transformer_blocks_only: bool = True, **overrides) -> Any:
+    """Arm `model` (a module, or a ComfyUI MODEL) for compilation on its first forward; returns it.
+
+    Keyword overrides take the policy's `[compile]` keys (`dynamic_shape_tracing` is `dynamic`).
+    """
+    settings = _settings(policy, overrides)
+    patcher, module = (model, model.model) if _is_patcher(model) else (None, model)
+    if patcher is not None:
+        patcher = _handle_dynamic_vram(patcher, settings)
+        module = patcher.model
+    disarm(module)
+    stats = CompileStats()
+    module.__dict__[STATE_ATTRIBUTE] = _Armed(stats, [])
+    if any(getattr(m, "compile_safe", True) is False for m in module.modules()):
+        warnings.warn(INT4_MESSAGE, stacklevel=2)
+        stats.reason = INT4_MESSAGE
+        return patcher or model
+    backend = _backend(settings.backend)
+    _set_cache_limits(settings.dynamo_cache_size_limit)
+    units = _units(module, settings if compile_transformer_blocks_only else settings.model_copy(update={"blocks": None}))
+    regions: dict[Any, _Region] = {}
+    armed = module.__dict__[STATE_ATTRIBUTE]
+    for unit in units:
+        function = type(unit).forward
+        region = regions.setdefault(function, _Region(function, settings, backend, stats))
+        unit.__dict__["forward"] = functools.partial(region, unit)
+        armed.units.append(unit)
+    stats.applied, stats.units, stats.regions = True, len(units), len(regions)
+    if settings.verbose:
+        log.info("armed %d unit(s) in %d region(s): backend=%s mode=%s fullgraph=%s dynamic=%s guard_filter=%s",
+                 len(units), len(regions), settings.backend, settings.mode, settings.fullgraph, settings.dynamic,
+                 settings.use_guard_filter)
+    return patcher or model
+
+
+def disarm(model: Any) -> None:
+    """Undo `lazy_compile`: every unit runs its own forward again."""
+    module = getattr(model, "model", model) if _is_patcher(model) else model
+    armed = module.__dict__.pop(STATE_ATTRIBUTE, None)
+    for unit in armed.units if armed else ():
+        unit.__dict__.pop("forward", None)
+
+
+@dataclass
+class _Armed:
+    stats: CompileStats
+    units: list[nn.Module]
+
+
+class _Region:
+    """One compiled callable shared by every block of one class; compiled on its first call."""
+
+    def __init__(self, function, settings: CompileSettings, backend, stats: CompileStats) -> None:
+        self.function, self.settings, self.stats = function, settings, stats
+        self.backend = self._counting(backend)
+        self.compiled = None
+        self.failed = False
+
+    def _counting(self, backend):
+        def count(graph, example_inputs):
+            start = time.perf_counter()
+            self.stats.graphs += 1
+            try:
+                return backend(graph, example_inputs)
+            finally:
+                self.stats.compile_seconds += time.perf_counter() - start
+
+        count.__name__ = self.settings.backend  # dynamo names the backend in its messages
+        return count
+
+    def __call__(self, module: nn.Module, *args, **kwargs):
+        if self.failed:
+            return self.function(module, *args, **kwargs)
+        if self.compiled is None:
+            options = {"guard_filter_fn": _guard_filter} if self.settings.use_guard_filter else None
+            self.compiled = torch.compile(
+                self.function, backend=self.backend, mode=None if self.settings.mode == "default" else self.settings.mode,
+                fullgraph=self.settings.fullgraph, dynamic=self.settings.dynamic, options=options,
+            )
+        graphs, breaks, start = self.stats.graphs, _graph_breaks(), time.perf_counter()
+        try:
+            result = self.compiled(module, *args, **kwargs)
+        except Exception as exc:  # a compiler failure must not break inference: fall back to eager, once
+            self.failed = True
+            cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+            reason = f"{type(module).__name__}: {type(cause).__name__}: {cause}".splitlines()[0]
+            self.stats.fallbacks.append(reason)
+            warnings.warn(f"torch.compile failed, running it eagerly from now on ({reason})", stacklevel=2)
+            return self.function(module, *args, **kwargs)
+        if self.stats.graphs != graphs:
+            self.stats.graph_breaks += _graph_breaks() - breaks
+            self._note_recompiles()
+            if self.settings.verbose:
+                log.info("%s: %d new graph(s) in %.2f s (%d in total)", type(module).__name__,
+                         self.stats.graphs - graphs, time.perf_counter() - start, self.stats.graphs)
+        return result
+
+    def _note_recompiles(self) -> None:
+        from torch._dynamo.utils import guard_failures
+
+        reasons = [str(reason) for reason in guard_failures.get(self.function.__code__, [])]
+        for reason in reasons[len(self.stats.recompiles):]:
+            self.stats.recompiles.append(reason)
+            if self.settings.verbose:
+                log.info("recompiled %s: %s", self.function.__qualname__, reason)
+
+
+def _settings(policy: Policy | str | None, overrides: dict[str, Any]) -> CompileSettings:
+    base = (policy if isinstance(policy, Policy) else load_policy(policy)).compile if policy is not None else CompileSettings()
+    updates = {_NODE_NAMES.get(key, key): value for key, value in overrides.items()}
+    unknown = sorted(set(updates) - set(CompileSettings.model_fields))
+    if unknown:
+        raise TypeError(f"unknown compile setting(s): {', '.join(unknown)}")
+    mode = updates.pop("mode", base.mode)
+    settings = CompileSettings.model_validate({**base.model_dump(by_alias=True, exclude={"blocks"}), **updates, "blocks": base.blocks})
+    if mode not in _modes():
+        raise ValueError(f"compile mode `{mode}` is not one this torch accepts: {', '.join(sorted(_modes()))}")
+    return settings.model_copy(update={"mode": mode})
+
+
+def _modes() -> set[str]:
+    from torch._inductor import list_mode_options
+
+    return {"default", *list_mode_options()}
+
+
+def _backend(name: str):
+    import torch._dynamo
+
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"`{name}` is not a torch.compile backend here; available: {', '.join(torch._dynamo.list_backends())}")
+    return torch._dynamo.lookup_backend(name)
+
+
+def _set_cache_limits(limit: int) -> None:
+    """Set only the limits this torch has (their names changed across releases)."""
+    config = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(config, name):
+            setattr(config, name, limit)
+    for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
+
+
+def _units(module: nn.Module, settings: CompileSettings) -> list[nn.Module]:
+    if settings.blocks is None:
+        warnings.warn("no block classes to compile regionally; compiling the whole model", stacklevel=3)
+        return [module]
+    selector = CompiledSelector(settings.blocks)
+    units: list[tuple[str, nn.Module]] = []
+    for path, child in module.named_modules():
+        if selector.matches(ModuleRef.of(path, child)) and not any(path.startswith(p + ".") or p == "" for p, _ in units):
+            units.append((path, child))
+    if not units:
+        warnings.warn("the policy's compile blocks match nothing in this model; compiling the whole model", stacklevel=3)
+        return [module]
+    return [child for _, child in units]
+
+
+def _guard_filter(entries) -> list[bool]:
+    return [not any(key in entry.name for key in PER_CALL_DICTS) for entry in entries]
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _is_patcher(model: Any) -> bool:
+    return isinstance(getattr(model, "model", None), nn.Module) and hasattr(model, "load_device")
+
+
+def _handle_dynamic_vram(patcher: Any, settings: CompileSettings) -> Any:
+    is_dynamic = getattr(patcher, "is_dynamic", None)
+    if not (callable(is_dynamic) and is_dynamic()):
+        return patcher
+    if not settings.disable_dynamic_vram:
+        warnings.warn(DYNAMIC_VRAM_MESSAGE, stacklevel=3)
+        return patcher
+    if "disable_dynamic" not in inspect.signature(patcher.clone).parameters:
+        warnings.warn("this ComfyUI core cannot demote a dynamic-VRAM MODEL; " + DYNAMIC_VRAM_MESSAGE, stacklevel=3)
+        return patcher
+    demoted = patcher.clone(disable_dynamic=True)
+    if settings.verbose:
+        log.info("demoted the MODEL to a non-dynamic patcher (%s) before compiling", type(demoted).__name__)
+    return demoted

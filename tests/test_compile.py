@@ -1,0 +1,230 @@
+"""Quantized Lazy Torch Compile: lazy, regional, streaming-friendly, quant-aware, never fatal."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import streamwise
+from streamwise.runtime import compile as lazy
+from streamwise.runtime.compile import DYNAMIC_VRAM_MESSAGE, INT4_MESSAGE, compile_stats
+
+from helpers import force_streaming, make_policy, stream_rule
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, blocks: int = 12) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+POLICY = make_policy(
+    stream={"rule": [stream_rule("linear", "linear", **{"class": "Linear"}), stream_rule("norm", "layer_norm", **{"class": "LayerNorm"})]},
+    compile={"blocks": {"class": "Block"}},
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def run(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def test_nothing_is_traced_until_the_first_forward():
+    model = Net()
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    stats = compile_stats(model)
+    assert (stats.applied, stats.units, stats.regions, stats.graphs, stats.compile_seconds) == (True, 12, 1, 0, 0.0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_twelve_identical_blocks_compile_into_one_graph(backend):
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    streamwise.lazy_compile(model, POLICY, backend=backend)
+    assert torch.allclose(run(model, x), expected, atol=1e-5)
+    assert torch.allclose(run(model, x), expected, atol=1e-5)
+    stats = compile_stats(model)
+    assert (stats.graphs, stats.graph_breaks, stats.fallbacks) == (1, 0, [])
+    assert stats.compile_seconds > 0
+
+
+def test_a_streaming_tree_still_compiles_into_one_graph():
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    streamwise.apply(streamwise.resolve(POLICY, model), model)
+    force_streaming(model)  # every leaf fetches its weights inside the compiled block
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    assert torch.allclose(run(model, x), expected, atol=1e-5)
+    stats = compile_stats(model)
+    assert (stats.graphs, stats.graph_breaks) == (1, 0)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "convrot_int8"])
+def test_int8_residents_compile(fmt):
+    model = Net()
+    rule = {"id": "q", "select": {"path": "blocks.*.up"}, "format": fmt, **({"group_size": 16} if "convrot" in fmt else {})}
+    policy = POLICY.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
+    streamwise.apply(streamwise.resolve(policy, model), model)
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    streamwise.lazy_compile(model, policy, backend="aot_eager")
+    assert torch.allclose(run(model, x), expected, atol=1e-4)
+    assert compile_stats(model).fallbacks == [] and compile_stats(model).graphs >= 1
+
+
+def test_convrot_int4_residents_keep_the_model_eager():
+    model = Net()
+    rule = {"id": "q", "select": {"path": "blocks.*.up"}, "format": "convrot_int4", "group_size": 16}
+    policy = POLICY.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
+    streamwise.apply(streamwise.resolve(policy, model), model)
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    with pytest.warns(UserWarning, match=INT4_MESSAGE):
+        streamwise.lazy_compile(model, policy, backend="aot_eager")
+    assert torch.equal(run(model, x), expected)
+    stats = compile_stats(model)
+    assert (stats.applied, stats.reason, stats.graphs) == (False, INT4_MESSAGE, 0)
+
+
+def test_a_compile_error_falls_back_to_eager_once():
+    calls = []
+
+    def broken_backend(graph, inputs):
+        calls.append(1)
+        raise RuntimeError("backend exploded")
+
+    torch._dynamo.register_backend(broken_backend, name="sw_broken_test")
+    model = Net(blocks=3)
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    with pytest.warns(UserWarning, match="running it eagerly"):
+        streamwise.lazy_compile(model, POLICY, backend="sw_broken_test")
+        result = run(model, x)
+    assert torch.allclose(result, expected)
+    assert torch.allclose(run(model, x), expected)
+    assert len(calls) == 1  # remembered: never retried
+    assert compile_stats(model).fallbacks and "backend exploded" in compile_stats(model).fallbacks[0]
+
+
+def test_recompiles_are_counted_with_their_reasons():
+    model = Net(blocks=2)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager", dynamic=False)
+    run(model, torch.randn(2, 32))
+    run(model, torch.randn(5, 32))
+    stats = compile_stats(model)
+    assert stats.graphs == 2 and len(stats.recompiles) == 1
+    assert "size" in stats.recompiles[0]
+
+
+def test_without_blocks_the_whole_model_compiles_with_a_warning():
+    model = Net(blocks=2)
+    with pytest.warns(UserWarning, match="compiling the whole model"):
+        streamwise.lazy_compile(model, backend="aot_eager")
+    assert compile_stats(model).units == 1
+    model2 = Net(blocks=2)
+    with pytest.warns(UserWarning, match="compiling the whole model"):
+        streamwise.lazy_compile(model2, POLICY, backend="aot_eager", compile_transformer_blocks_only=False)
+
+
+def test_settings_are_validated_and_cache_limits_set():
+    with pytest.raises(ValueError, match="not a torch.compile backend"):
+        streamwise.lazy_compile(Net(blocks=1), POLICY, backend="inducter")
+    with pytest.raises(ValueError, match="compile mode `turbo`"):
+        streamwise.lazy_compile(Net(blocks=1), POLICY, mode="turbo")
+    with pytest.raises(TypeError, match="unknown compile setting"):
+        streamwise.lazy_compile(Net(blocks=1), POLICY, fullgraf=True)
+    streamwise.lazy_compile(Net(blocks=1), POLICY, backend="aot_eager", dynamo_cache_size_limit=17)
+    assert getattr(torch._dynamo.config, "recompile_limit", None) in (17, None)
+    assert getattr(torch._dynamo.config, "cache_size_limit", 17) == 17
+
+
+def test_disarm_restores_eager_forwards():
+    model = Net(blocks=2)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    assert "forward" in model.blocks[0].__dict__
+    lazy.disarm(model)
+    assert "forward" not in model.blocks[0].__dict__
+
+
+def test_verbose_logs_preparation_and_graph_growth(caplog):
+    model = Net(blocks=2)
+    with caplog.at_level(logging.INFO, logger="streamwise.compile"):
+        streamwise.lazy_compile(model, POLICY, backend="aot_eager", verbose=True)
+        run(model, torch.randn(2, 32))
+    text = caplog.text
+    assert "armed 2 unit(s) in 1 region(s)" in text and "1 new graph(s)" in text
+
+
+def test_guard_filter_drops_guards_on_per_call_dicts():
+    class Entry:
+        def __init__(self, name):
+            self.name = name
+
+    entries = [Entry("L['x']"), Entry("L['kwargs']['transformer_options']['sigmas']"), Entry("L['self'].up.weight")]
+    assert lazy._guard_filter(entries) == [True, False, True]
+
+
+class FakePatcher:
+    """Just what lazy_compile reads of a ComfyUI MODEL: dynamic VRAM cannot run on a CPU core."""
+
+    def __init__(self, dynamic: bool) -> None:
+        self.model, self.load_device, self.dynamic, self.clones = Net(blocks=2), torch.device("cpu"), dynamic, []
+
+    def is_dynamic(self):
+        return self.dynamic
+
+    def clone(self, disable_dynamic=False):
+        self.clones.append(disable_dynamic)
+        return FakePatcher(dynamic=not disable_dynamic)
+
+
+def test_dynamic_vram_is_warned_about_or_demoted():
+    patcher = FakePatcher(dynamic=True)
+    with pytest.warns(UserWarning, match="Dynamic VRAM remains enabled"):
+        assert streamwise.lazy_compile(patcher, POLICY, backend="aot_eager") is patcher
+    demoted = streamwise.lazy_compile(patcher, POLICY, backend="aot_eager", disable_dynamic_vram=True)
+    assert patcher.clones == [True] and demoted is not patcher and not demoted.is_dynamic()
+    assert compile_stats(demoted).units == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        streamwise.lazy_compile(FakePatcher(dynamic=False), POLICY, backend="aot_eager")
+
+
+def test_a_policy_with_compile_enabled_arms_the_standalone_host():
+    policy = POLICY.model_copy(update={"compile": POLICY.compile.model_copy(update={"enabled": True, "backend": "aot_eager"})})
+    model = Net(blocks=2)
+    streamwise.offload(model, policy, device="cpu", budget=0)
+    run(model, torch.randn(2, 32))
+    assert compile_stats(model).graphs == 1
