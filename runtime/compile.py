@@ -79,6 +79,7 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
         stats.reason = INT4_MESSAGE
         return patcher or model
     backend = _backend(settings.backend)
+    _quiet_fetchers(module, settings)
     _set_cache_limits(settings.dynamo_cache_size_limit)
     units = _units(module, settings if compile_transformer_blocks_only else settings.model_copy(update={"blocks": None}))
     regions: dict[Any, _Region] = {}
@@ -219,6 +220,16 @@ def _units(module: nn.Module, settings: CompileSettings) -> list[nn.Module]:
         warnings.warn("the policy's compile blocks match nothing in this model; compiling the whole model", stacklevel=3)
         return [module]
     return [child for _, child in units]
+
+
+def _quiet_fetchers(module: nn.Module, settings: CompileSettings) -> None:
+    """A fetcher that prefetches on a side stream keeps Python bookkeeping a graph cannot hold."""
+    state = module.__dict__.get("_streamwise")
+    stop = getattr(getattr(state, "tree", None) and state.tree.fetcher, "stop_prefetching", None)
+    if stop is not None:
+        stop()
+        if settings.verbose:
+            log.info("side-stream prefetch turned off: compiled blocks fetch their weights inline")
 
 
 def _guard_filter(entries) -> list[bool]:

@@ -107,17 +107,15 @@ class _Streamer:
         self.ready: dict[int, tuple[Tensor | None, Tensor | None, object]] = {}
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
-        key = id(module)
-        if key not in self.position:
-            self.position[key] = len(self.order)
-            self.order.append(module)
-        if self.cuda:
+        if self.side is not None:  # prefetching: learn the forward order, take what was copied ahead
+            key = id(module)
+            if key not in self.position:
+                self.position[key] = len(self.order)
+                self.order.append(module)
             weight, bias = self._take(module)
-            if self.side is not None:
-                self._prefetch_after(key)
-        else:
-            weight, bias = module.weight.to(device), getattr(module, "bias", None)
-            bias = None if bias is None else bias.to(device)
+            self._prefetch_after(key)
+        else:  # plain tensor ops: also what torch.compile traces cleanly inside a block
+            weight, bias = _copy(module, device)
         weight = _finish(weight, dtype, module.weight_function)
         bias = _finish(bias, dtype, module.bias_function)
         return weight, bias, None
@@ -127,6 +125,11 @@ class _Streamer:
 
     def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
         return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=True) for name in names]
+
+    def stop_prefetching(self) -> None:
+        """Copy on demand from now on (compiled blocks cannot trace the side-stream bookkeeping)."""
+        self.side = None
+        self.ready.clear()
 
     def _take(self, module: nn.Module) -> tuple[Tensor | None, Tensor | None]:
         ready = self.ready.pop(id(module), None)
