@@ -71,19 +71,25 @@ def apply(plan: Plan, model: nn.Module) -> Census:
     state = applied_state(model) or AppliedState(plan=plan)
     changes = [(entry, module, cls) for entry, (module, cls) in targets if type(module) is not cls]
     done: list[_Record] = []
+    path = ""
     try:
+        quantized = _quantized(plan, model)  # the heavy part, before anything changes
         for entry, module, cls in changes:
+            path = entry.path
             done.append(_convert(module, cls, entry, state.tree))
     except BaseException as exc:
         for record in reversed(done):
             _restore(record)
-        raise ConversionError(f"converting `{entry.path}` failed ({exc!r}); the tree was restored unchanged") from exc
+        raise ConversionError(f"converting `{path}` failed ({exc!r}); the tree was restored unchanged") from exc
     state.records += done
     model.__dict__[STATE_ATTRIBUTE] = state
+    from .quant.residents import make_resident
+
+    for entry, module, stored in quantized:
+        make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size})
     for module in model.modules():
         if hasattr(type(module), "_sw_format"):
             module.__dict__.setdefault("_sw_tree", state.tree)
-    _quantize(plan, model, state)
     return state.census()
 
 
@@ -108,21 +114,21 @@ def revert(model: nn.Module) -> None:
         _restore(record)
 
 
-def _quantize(plan: Plan, model: nn.Module, state: AppliedState) -> None:
-    """Quantize float weights already in the tree by the plan's int8-family formats.
+def _quantized(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, dict]]:
+    """The quantized tensors for the plan's int8-family layers, computed without changing the tree.
 
     GGUF residents come from GGUF files (`streamwise.load`); a `gguf` rule on float weights keeps them.
     """
     from .quant.formats import FORMATS
-    from .quant.residents import make_resident
 
+    quantized = []
     for entry in plan.modules:
         fmt = FORMATS.get(entry.quant or "")
         module = model.get_submodule(entry.path) if fmt is not None else None
         if module is None or not fmt.quantizes_on_load or hasattr(type(module), "_sw_format"):
             continue
-        stored = fmt.quantize(module.weight.detach(), entry.group_size)
-        make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size, "_sw_tree": state.tree})
+        quantized.append((entry, module, fmt.quantize(module.weight.detach(), entry.group_size)))
+    return quantized
 
 
 def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:

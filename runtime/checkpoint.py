@@ -154,7 +154,12 @@ def _gguf(path: Path) -> dict[str, StoredTensor]:
     except Exception as exc:  # the gguf reader signals corruption with many exception types
         raise CheckpointError([f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"]) from None
     tensors = {}
-    plain = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16}
+    plain = {
+        gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
+        gguf.GGMLQuantizationType.F64: torch.float64, gguf.GGMLQuantizationType.I8: torch.int8,
+        gguf.GGMLQuantizationType.I16: torch.int16, gguf.GGMLQuantizationType.I32: torch.int32,
+        gguf.GGMLQuantizationType.I64: torch.int64,
+    }
     for entry in entries:
         qtype = gguf.GGMLQuantizationType(entry.tensor_type)
         shape = tuple(int(d) for d in reversed(entry.shape.tolist()))

@@ -41,6 +41,9 @@ def state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The model's tensors with INT8 residents in ComfyUI's convention, ready for safetensors."""
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     for path, module in model.named_modules():
-        if getattr(type(module), "_sw_format", None) in ("int8", "convrot_int8"):
+        fmt = getattr(type(module), "_sw_format", None)
+        if fmt in ("int8", "convrot_int8"):
             tensors[f"{path}{SUFFIX}"] = encode(module._sw_group_size)
+        elif fmt is not None:
+            raise ValueError(f"`{path}` is a `{fmt}` resident, which ComfyUI's comfy_quant convention cannot describe")
     return tensors

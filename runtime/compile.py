@@ -5,7 +5,9 @@ Blocks named by the policy's `blocks` selector are compiled regionally, one comp
 block class, so N identical blocks compile once. Streamed leaves trace cleanly inside a block
 (their resident fast path is the original forward). Trees holding ConvRot INT4 residents are
 left eager (torch has no fake kernels for their packing). A compile error warns once, falls
-back to eager for good, and never breaks inference. `compile_stats` reports what happened.
+back to eager for good, and never breaks inference (errors raised while the compiled code runs
+are the model's own and propagate). `compile_stats` reports what happened. Dynamo's cache limits
+are process-wide settings of torch: arming sets them for every compiled model in the process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import nn
 
 from ..schemas import CompileSettings, Policy
@@ -119,6 +122,7 @@ class _Region:
         self.backend = self._counting(backend)
         self.compiled = None
         self.failed = False
+        self.recompiles = 0
 
     def _counting(self, backend):
         def count(graph, example_inputs):
@@ -144,7 +148,7 @@ class _Region:
         graphs, breaks, start = self.stats.graphs, _graph_breaks(), time.perf_counter()
         try:
             result = self.compiled(module, *args, **kwargs)
-        except Exception as exc:  # a compiler failure must not break inference: fall back to eager, once
+        except torch._dynamo.exc.TorchDynamoException as exc:  # a compiler failure: fall back to eager, once
             self.failed = True
             cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
             reason = f"{type(module).__name__}: {type(cause).__name__}: {cause}".splitlines()[0]
@@ -163,7 +167,8 @@ class _Region:
         from torch._dynamo.utils import guard_failures
 
         reasons = [str(reason) for reason in guard_failures.get(self.function.__code__, [])]
-        for reason in reasons[len(self.stats.recompiles):]:
+        for reason in reasons[self.recompiles:]:
+            self.recompiles += 1
             self.stats.recompiles.append(reason)
             if self.settings.verbose:
                 log.info("recompiled %s: %s", self.function.__qualname__, reason)

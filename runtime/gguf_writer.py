@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -52,23 +53,29 @@ def quantize_to_gguf(source: str | os.PathLike, destination: str | os.PathLike, 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-    finally:
+    except BaseException:
         writer.close()
+        Path(destination).unlink(missing_ok=True)  # never leave half a file behind
+        raise
+    writer.close()
     return QuantizeReport(os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in, os.path.getsize(destination))
 
 
 def _encode(name: str, tensor: torch.Tensor, gguf_type: str | None) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
     """The array to write and its GGML type (None: the array's own numpy type)."""
-    if tensor.dtype == torch.bfloat16 and gguf_type is None:
-        gguf_type = "BF16"
-    if gguf_type is None:
-        if not tensor.is_floating_point() and tensor.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64):
-            raise CheckpointError([f"tensor `{name}`: GGUF cannot store {tensor.dtype}"])
-        return tensor.numpy(), None
-    qtype = gguf.GGMLQuantizationType[gguf_type]
-    block, _ = gguf.GGML_QUANT_SIZES[qtype]
-    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        return tensor.to(torch.float32 if gguf_type == "F32" else torch.float16).numpy(), None
-    if tensor.ndim < 2 or tensor.shape[-1] % block:
-        return tensor.to(torch.float16).numpy(), None  # rows that do not fill whole blocks stay F16
-    return gguf.quants.quantize(tensor.float().numpy(), qtype), qtype
+    if gguf_type is not None:
+        qtype = gguf.GGMLQuantizationType[gguf_type]
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        if gguf_type in ("F32", "F16"):
+            return tensor.to(torch.float32 if gguf_type == "F32" else torch.float16).numpy(), None
+        if tensor.ndim >= 2 and tensor.shape[-1] % block == 0:
+            return gguf.quants.quantize(tensor.float().numpy(), qtype), qtype
+    # Not quantized (or rows that do not fill whole blocks): the tensor's own type, unchanged.
+    if tensor.dtype == torch.bfloat16:
+        return gguf.quants.quantize(tensor.float().numpy(), gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+    if tensor.dtype not in _NUMPY_TYPES:
+        raise CheckpointError([f"tensor `{name}`: GGUF cannot store {tensor.dtype}"])
+    return tensor.numpy(), None
+
+
+_NUMPY_TYPES = (torch.float32, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64)

@@ -25,6 +25,7 @@ from . import comfy_quant
 from .checkpoint import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 from .diagnostics import PolicyError
 from .loading import load_policy
+from .quant.convrot import check_group_size
 from .quant.gguf_dequant import UnsupportedQuantType, dequantize
 from .quant.residents import make_resident
 from .resolve import resolve
@@ -182,6 +183,15 @@ class _Filling:
                 continue
             if weight.dtype != torch.int8 or weight.shape != tuple(current.shape) or scale.shape not in ((current.shape[0],), (current.shape[0], 1)):
                 self.problem(f"{prefix}.weight", f"an int8_tensorwise layer needs int8{list(current.shape)} and one scale per row")
+                continue
+            if not isinstance(self.model.get_submodule(prefix), nn.Linear):
+                self.problem(key, f"`{prefix}` is not a Linear layer")
+                continue
+            try:
+                if group:
+                    check_group_size(group, current.shape[1])
+            except ValueError as exc:
+                self.problem(key, str(exc))
                 continue
             stored_tensors = {"weight": weight.read(), "weight_scale": scale.read().float().reshape(-1)}
             self.residents[prefix] = (fmt, stored_tensors, {"_sw_group_size": group})

@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass, field
 
 from .diagnostics import Diagnostic
 
-ROLES = ("streamed", "relocated", "stranded")
-
 
 @dataclass(frozen=True)
 class ModulePlan:

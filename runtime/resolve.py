@@ -21,6 +21,7 @@ from .selectors import CompiledSelector, ModuleRef
 
 _SECTIONS = ("stream", "relocate", "quant")
 _LINEAR_ONLY = ("int8", "convrot_int8", "convrot_int4")
+_FETCHED = ("weight", "bias")  # what a streamed leaf's fetch brings; any other tensor of it stays behind
 _MAX_LISTED = 8
 
 
@@ -141,7 +142,8 @@ class _Census:
             if len(aliases) > 1:
                 continue
             size = tensor.numel() * tensor.element_size()
-            role = "relocated" if relocated else "streamed" if streamed and kind == "parameter" else "stranded"
+            fetched = streamed and kind == "parameter" and name in _FETCHED
+            role = "relocated" if relocated else "streamed" if fetched else "stranded"
             self.bytes[role] += size
             if role == "stranded":
                 self.stranded.append(TensorRef(full, kind, size))

@@ -26,10 +26,10 @@ def streaming_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
 def _derive(cls: type[nn.Module], kind: ComputeKind) -> type[nn.Module]:
     original_forward = cls.forward
 
-    def forward(self, x, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         if self.comfy_cast_weights or self.weight_function or self.bias_function:
-            return _streamed_forward(self, kind, x, args, kwargs)
-        return original_forward(self, x, *args, **kwargs)
+            return _streamed_forward(self, kind, args, kwargs)
+        return original_forward(self, *args, **kwargs)
 
     return type(
         f"Streamed{cls.__name__}",
@@ -44,7 +44,12 @@ def _derive(cls: type[nn.Module], kind: ComputeKind) -> type[nn.Module]:
     )
 
 
-def _streamed_forward(module: nn.Module, kind: ComputeKind, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
+def _streamed_forward(module: nn.Module, kind: ComputeKind, args: tuple, kwargs: dict) -> Tensor:
+    if args:
+        x, args = args[0], args[1:]
+    else:  # called with the input by keyword (`layer(input=x)`)
+        name = next(iter(kwargs))
+        x = kwargs.pop(name)
     tree = module._sw_tree
     tree.compute_device = x.device
     dtype = x.dtype if kind.dtype == "input" else None

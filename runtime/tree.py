@@ -35,16 +35,16 @@ class TorchFetcher:
         return [None if (t := getattr(module, name)) is None else t.to(device) for name in names]
 
     def fetch(self, module, device, dtype):
-        weight = _cast(module.weight, device, dtype, module.weight_function)
-        bias = getattr(module, "bias", None)
-        bias = _cast(bias, device, dtype, module.bias_function)
+        weight = cast_for_compute(module.weight, device, dtype, module.weight_function)
+        bias = cast_for_compute(getattr(module, "bias", None), device, dtype, module.bias_function)
         return weight, bias, None
 
     def release(self, module, weight, bias, handle) -> None:
         pass
 
 
-def _cast(tensor: Tensor | None, device: torch.device, dtype: torch.dtype | None, functions) -> Tensor | None:
+def cast_for_compute(tensor: Tensor | None, device: torch.device, dtype: torch.dtype | None, functions) -> Tensor | None:
+    """`tensor` on `device` in `dtype` with the weight functions applied, never mutating the stored one."""
     if tensor is None:
         return None
     # A weight function (a LoRA patch) may write into its input: never hand it the stored tensor.

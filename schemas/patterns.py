@@ -69,7 +69,7 @@ def _translate_segment(segment: str, offset: int) -> str:
             if not found or not found.group(2):
                 raise PatternError(f"unclosed or empty `[` in path glob segment `{segment}`", offset + i)
             negate, body = found.groups()
-            body = body.replace("\\", r"\\").replace("^", r"\^")
+            body = body.replace("\\", r"\\").replace("^", r"\^").replace("]", r"\]").replace("[", r"\[")
             out.append(f"[{'^.' if negate else ''}{body}]")
             i = found.end()
             continue

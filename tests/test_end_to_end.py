@@ -69,3 +69,12 @@ def test_budget_none_keeps_everything_resident():
 def test_offload_refuses_a_policy_that_does_not_fit():
     with pytest.raises(streamwise.PolicyError, match="unmatched-rule"):
         streamwise.offload(tiny_acoustic_tokenizer(), "decoder-llm", device="cpu", budget=0)
+
+
+def test_tied_weights_stream_or_stay_together():
+    model = tiny_qwen2(tie_word_embeddings=True)
+    embedding_bytes = 128 * 64 * 4
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=embedding_bytes - 1)
+    assert model.model.embed_tokens.comfy_cast_weights and model.lm_head.comfy_cast_weights
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() counts tied ones once
+    assert report.resident_bytes + report.streamed_bytes == unique  # every parameter belongs to a streamed leaf

@@ -99,3 +99,12 @@ def test_weight_functions_apply_to_a_private_copy():
 
 def test_every_kind_of_the_vocabulary_has_a_handler():
     assert sorted(COMPUTE_KINDS) == sorted(VOCABULARY)
+
+
+def test_streamed_leaves_accept_their_input_by_keyword():
+    original = with_random_weights(nn.Linear(4, 3))
+    x = torch.randn(2, 4)
+    converted = convert(copy.deepcopy(original), "linear")
+    assert torch.equal(converted[0](input=x), original(input=x))
+    force_streaming(converted)
+    assert torch.equal(converted[0](input=x), original(input=x))

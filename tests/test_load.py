@@ -234,3 +234,27 @@ def test_mutated_files_give_clean_errors(small_files, tmp_path, kind, cuts):
         streamwise.load(model, path, "decoder-llm")
     except CheckpointError:
         assert fingerprint(model) == before
+
+
+def test_quantize_keeps_bf16_and_integer_tensors_loadable(tmp_path):
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 16)
+            self.register_buffer("steps", torch.tensor([7, 70000], dtype=torch.int64))
+
+    torch.manual_seed(0)
+    source = Tiny().to(torch.bfloat16)
+    with torch.no_grad():
+        source.proj.bias.fill_(70000.0)  # beyond float16's range: must not be forced to F16
+    safetensors.torch.save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "tiny.safetensors")
+    policy = make_policy(stream={"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
+                         quant={"rule": [{"id": "q", "select": {"class": "Linear"}, "format": "gguf"}]})
+    from streamwise.runtime.gguf_writer import quantize_to_gguf
+
+    report = quantize_to_gguf(tmp_path / "tiny.safetensors", tmp_path / "tiny.gguf", policy, Tiny())
+    assert report.types == {"BF16": 1, "Q8_0": 1, "int64": 1}
+    with streamwise.skeleton():
+        target = Tiny().to(torch.bfloat16)
+    streamwise.load(target, tmp_path / "tiny.gguf", policy)
+    assert torch.equal(target.steps, source.steps) and torch.equal(target.proj.bias, source.proj.bias)

@@ -148,3 +148,43 @@ def test_small_layers_stay_float_below_min_weights():
     model = two_layers()  # 64x32 = 2048 weights, then 32x16 = 512
     streamwise.apply(streamwise.resolve(make_policy(**POLICY, quant={"rule": [rule]}), model), model)
     assert model[0].weight.dtype == torch.int8 and model[1].weight.dtype == torch.float32
+
+
+def test_int8_on_the_cpu_handles_in_features_the_packed_kernel_cannot():
+    torch.manual_seed(0)
+    weight, x = torch.randn(24, 40), torch.randn(3, 40)  # 40 is not a multiple of 16
+    q, scale = quantize_int8(weight)
+    assert per_row_error(int8_math.int8_linear(x, q, scale, None, None), x @ weight.T) < 0.01
+
+
+def test_int4_casts_a_float32_bias_for_bf16_activations():
+    model = quantized(two_layers(), "convrot_int4", 16)
+    assert model(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_a_failing_quantization_leaves_the_tree_unchanged(monkeypatch):
+    from streamwise.runtime.quant.formats import FORMATS
+
+    model = two_layers()
+    calls = []
+    real = FORMATS["int8"].quantize
+
+    def flaky(weight, group_size):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of memory")
+        return real(weight, group_size)
+
+    monkeypatch.setattr(FORMATS["int8"], "quantize", flaky)
+    with pytest.raises(streamwise.runtime.apply.ConversionError, match="out of memory"):
+        quantized(model, "int8")
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+    assert all(m.weight.dtype == torch.float32 for m in model)
+    assert streamwise.runtime.apply.applied_state(model) is None
+
+
+def test_comfy_quant_cannot_describe_int4_residents():
+    from streamwise.runtime import comfy_quant
+
+    with pytest.raises(ValueError, match="convrot_int4"):
+        comfy_quant.state_dict(quantized(two_layers(), "convrot_int4", 16))

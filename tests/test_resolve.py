@@ -130,3 +130,14 @@ def test_tied_parameters_are_counted_once_and_reported():
     assert plan.coverage.tied == (("model.embed_tokens.weight", "lm_head.weight"),)
     untied = streamwise.resolve(streamwise.load_policy("decoder-llm"), tiny_qwen2())
     assert untied.coverage.bytes["streamed"] - plan.coverage.bytes["streamed"] == 128 * 64 * 4
+
+
+def test_a_streamed_leafs_extra_parameters_are_stranded():
+    class ScaledLinear(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+    policy = make_policy(stream={"rule": [stream_rule("l", "linear", **{"class": "ScaledLinear"})]})
+    plan = streamwise.resolve(policy, torch.nn.Sequential(ScaledLinear()))
+    assert [t.name for t in plan.coverage.stranded] == ["0.scale"]  # a fetch moves weight and bias only

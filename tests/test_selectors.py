@@ -101,3 +101,8 @@ def test_real_torch_classes_match_by_short_and_qualified_name():
 
 def test_a_lone_string_is_a_one_item_list():
     assert Selector(**{"class": "Linear", "path": "a.b"}) == Selector(**{"class": ["Linear"], "path": ["a.b"]})
+
+
+def test_brackets_inside_a_character_class_are_literal():
+    assert glob("a[!]]", "ab") and not glob("a[!]]", "a]")
+    assert glob("a[]x]", "a]") and glob("a[]x]", "ax") and not glob("a[]x]", "ab")

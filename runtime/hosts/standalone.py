@@ -1,8 +1,10 @@
 """`offload(model, policy, device=..., budget=...)`: low-VRAM inference without ComfyUI.
 
 Streamed leaves keep their weights on the offload device (pinned CPU memory when CUDA is
-present). As many leaves as fit the budget, in forward order, become resident on the compute
-device and run the original forward; the others fetch their weights per forward. On CUDA the
+present). As many leaves as fit the budget, in registration order (forward order for transformers
+models; leaves sharing a tied weight decide together), become resident on the compute device and
+run the original forward; the others fetch their weights per forward. The budget counts streamed
+leaves only: relocated and unplanned tensors always live on the compute device. On CUDA the
 next streamed leaf's weights are copied on a side stream while the current one computes. With
 offload and compute device both CPU everything still runs, through the same code paths.
 """
@@ -20,6 +22,7 @@ from ..apply import apply, applied_state
 from ..diagnostics import PolicyError
 from ..loading import load_policy
 from ..resolve import resolve
+from ..tree import cast_for_compute
 
 
 @dataclass(frozen=True)
@@ -54,16 +57,19 @@ def offload(
         raise PolicyError(plan.diagnostics)
     apply(plan, model)
     state = applied_state(model)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # compared with tensors' indexed devices
     leaves = [model.get_submodule(entry.path) for entry in plan.modules if entry.stream]
     streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
     resident_bytes = streamed_bytes = resident_count = 0
-    for leaf in leaves:
-        size = _leaf_bytes(leaf)
+    for group in _tied_groups(leaves):
+        size = sum(t.numel() * t.element_size() for t in {id(p): p for leaf in group for p in leaf.parameters(recurse=False)}.values())
         resident = budget is None or resident_bytes + size <= budget
-        _place(leaf, device if resident else offload_device, pin=streamer.pin and not resident)
-        leaf.comfy_cast_weights = not resident
+        for leaf in group:
+            _place(leaf, device if resident else offload_device, pin=streamer.pin and not resident)
+            leaf.comfy_cast_weights = not resident
         if resident:
-            resident_bytes, resident_count = resident_bytes + size, resident_count + 1
+            resident_bytes, resident_count = resident_bytes + size, resident_count + len(group)
         else:
             streamed_bytes += size
     converted = {id(leaf) for leaf in leaves} | {id(m) for m in state.tree.relocating}
@@ -79,8 +85,19 @@ def offload(
     return OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count, resident_bytes, streamed_bytes)
 
 
-def _leaf_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
+def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
+    """Leaves in registration order, those sharing a parameter (tied embeddings) kept together."""
+    groups: list[list[nn.Module]] = []
+    owner: dict[int, list[nn.Module]] = {}
+    for leaf in leaves:
+        shared = next((owner[id(p)] for p in leaf.parameters(recurse=False) if id(p) in owner), None)
+        group = shared if shared is not None else []
+        if shared is None:
+            groups.append(group)
+        group.append(leaf)
+        for parameter in leaf.parameters(recurse=False):
+            owner[id(parameter)] = group
+    return groups
 
 
 def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
@@ -116,9 +133,7 @@ class _Streamer:
             self._prefetch_after(key)
         else:  # plain tensor ops: also what torch.compile traces cleanly inside a block
             weight, bias = _copy(module, device)
-        weight = _finish(weight, dtype, module.weight_function)
-        bias = _finish(bias, dtype, module.bias_function)
-        return weight, bias, None
+        return cast_for_compute(weight, device, dtype, module.weight_function), cast_for_compute(bias, device, dtype, module.bias_function), None
 
     def release(self, module, weight, bias, handle) -> None:
         pass
@@ -133,9 +148,9 @@ class _Streamer:
 
     def _take(self, module: nn.Module) -> tuple[Tensor | None, Tensor | None]:
         ready = self.ready.pop(id(module), None)
-        if ready is None:
+        if ready is None or ready[3] != _versions(module):  # changed in place since the copy: copy again
             return _copy(module, self.device)
-        weight, bias, event = ready
+        weight, bias, event, _ = ready
         torch.cuda.current_stream(self.device).wait_event(event)
         for tensor in (weight, bias):
             if tensor is not None:
@@ -154,7 +169,7 @@ class _Streamer:
             weight, bias = _copy(module, self.device)
             event = torch.cuda.Event()
             event.record(self.side)
-        self.ready[id(module)] = (weight, bias, event)
+        self.ready[id(module)] = (weight, bias, event, _versions(module))
 
 
 def _copy(module: nn.Module, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
@@ -165,14 +180,6 @@ def _copy(module: nn.Module, device: torch.device) -> tuple[Tensor | None, Tenso
     )
 
 
-def _finish(tensor: Tensor | None, dtype: torch.dtype | None, functions) -> Tensor | None:
-    """Cast on the compute device, then apply weight functions to a private copy."""
-    if tensor is None:
-        return None
-    if dtype is not None and tensor.dtype != dtype:
-        tensor = tensor.to(dtype)
-    elif functions:
-        tensor = tensor.clone()
-    for function in functions:
-        tensor = function(tensor)
-    return tensor
+def _versions(module: nn.Module) -> tuple[int, ...]:
+    """In-place update counters of a leaf's weight and bias: a prefetched copy is stale once they move."""
+    return tuple(t._version for t in (module.weight, getattr(module, "bias", None)) if t is not None)

@@ -21,18 +21,19 @@ def check_group_size(group_size: int, in_features: int) -> None:
         raise ValueError(f"ConvRot group size {group_size} does not divide in_features {in_features}")
 
 
-_MATRICES: dict[int, Tensor] = {}
+_MATRICES: dict[tuple[int, torch.device | None, torch.dtype], Tensor] = {}
 
 
 def hadamard(group_size: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The orthonormal regular Hadamard matrix of order `group_size` (built once per order)."""
-    if group_size not in _MATRICES:
+    """The orthonormal regular Hadamard matrix of order `group_size`, built once per device and dtype."""
+    key = (group_size, device, dtype)
+    if key not in _MATRICES:
         h4 = torch.tensor(_H4, dtype=torch.float64) / 2
         matrix = h4
         while matrix.shape[0] < group_size:
             matrix = torch.kron(matrix, h4)
-        _MATRICES[group_size] = matrix
-    return _MATRICES[group_size].to(device=device, dtype=dtype)
+        _MATRICES[key] = matrix.to(device=device, dtype=dtype)
+    return _MATRICES[key]
 
 
 def rotate(x: Tensor, group_size: int) -> Tensor:

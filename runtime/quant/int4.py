@@ -43,4 +43,4 @@ def dequantize_int4(packed: Tensor, scale: Tensor, group_size: int, dtype: torch
 
 
 def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
-    return F.linear(x, dequantize_int4(packed, scale, group_size, x.dtype), bias)
+    return F.linear(x, dequantize_int4(packed, scale, group_size, x.dtype), None if bias is None else bias.to(x.dtype))

@@ -3,7 +3,8 @@
 The matmul takes the fastest exact-enough path the device offers: W8A8 through `torch._int_mm`
 where its shape rules hold (CUDA: more than 16 rows, K and N multiples of 8), W8A16 through
 `torch._weight_int8pack_mm` on the CPU (bf16 activations, int8 weights), and dequantize-then-
-matmul anywhere else.
+matmul anywhere else (also on the CPU when in_features is not a multiple of 16, where torch's
+packed kernel crashes).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, group_
     out_features, in_features = q.shape
     if rows.is_cuda and rows.shape[0] > 16 and in_features % 8 == 0 and out_features % 8 == 0:
         out = _w8a8(rows, q, scale)
-    elif rows.device.type == "cpu":
+    elif rows.device.type == "cpu" and in_features % 16 == 0:  # the packed kernel crashes on other K
         compute = rows.dtype if rows.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         out = torch._weight_int8pack_mm(rows.to(compute), q, scale.to(compute))
     else:

@@ -28,6 +28,8 @@ def resident_class(cls: type[nn.Module], fmt: str) -> type[nn.Module]:
             "_sw_original_class": original,
             "_sw_kind": "linear",
             "_sw_format": fmt,
+            "_sw_handler": FORMATS[fmt],
+            "_sw_fetched": (*FORMATS[fmt].stored, "bias"),
             "compile_safe": FORMATS[fmt].compile_safe,
         })
     return _CLASSES[key]
@@ -45,19 +47,18 @@ def make_resident(module: nn.Module, fmt: str, stored: dict[str, Tensor], attrib
 
 
 def _stored(module: nn.Module, x: Tensor) -> tuple[dict[str, Tensor], Tensor | None]:
-    fmt = FORMATS[module._sw_format]
-    names = (*fmt.stored, "bias")
+    names = module._sw_fetched
     if module.comfy_cast_weights or module.weight_function or module.bias_function:
         tree = module._sw_tree
         tree.compute_device = x.device
         tensors = tree.fetcher.fetch_raw(module, names, x.device)
     else:
         tensors = [getattr(module, name) for name in names]
-    return dict(zip(fmt.stored, tensors)), tensors[-1]
+    return dict(zip(names[:-1], tensors)), tensors[-1]
 
 
 def _forward(self, x: Tensor) -> Tensor:
-    fmt = FORMATS[self._sw_format]
+    fmt = self._sw_handler
     stored, bias = _stored(self, x)
     if not (self.weight_function or self.bias_function):
         return fmt.linear(self, x, stored, bias)
