@@ -108,6 +108,21 @@ def main() -> None:
         "gpu_tree_inv_freq": small_gpu.model.rotary_emb.inv_freq.device.type,
         "cpu_tree_inv_freq": small_cpu.model.rotary_emb.inv_freq.device.type,
     }
+    tied = decoder(2, 256, torch.float32)
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    tied_reference = copy.deepcopy(tied)
+    streamwise.offload(tied, "decoder-llm", device=device, budget=0)
+    with torch.inference_mode():
+        results["tied_weights_streamed"] = bool(torch.allclose(
+            tied(tokens.to(device)).logits.cpu(), tied_reference(tokens).logits, atol=1e-4))
+        tied(tokens.to(device))  # a second pass: prefetched copies are waiting for the next forward
+        tied.model.norm.weight.zero_()  # an in-place update between forwards
+        tied.model.layers[0].mlp.down_proj.weight.zero_()
+        tied_reference.model.norm.weight.zero_()
+        tied_reference.model.layers[0].mlp.down_proj.weight.zero_()
+        results["in_place_update_seen_after_prefetch"] = bool(torch.allclose(
+            tied(tokens.to(device)).logits.cpu(), tied_reference(tokens).logits, atol=1e-4))
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:
