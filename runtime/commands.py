@@ -1,4 +1,4 @@
-"""The `streamwise` command: `streamwise quantize SRC DST --policy NAME` (more subcommands to come)."""
+"""The `streamwise` command: `streamwise demo`, and `streamwise quantize SRC DST --policy NAME`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantize.add_argument("--policy", required=True, help="a policy name or file whose `gguf` quant rules pick the types")
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
+    commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        results = run_demo()
+        return 0 if all(r["identical"] or r["relative_error"] < 0.05 for k, r in results.items() if k != "peak_rss_mib") else 1
     return _quantize(parser, args)
 
 

@@ -57,7 +57,7 @@ class CompileStats:
 
 def compile_stats(model: Any) -> CompileStats:
     """What lazy compilation did to `model` (a module or a ComfyUI MODEL) so far."""
-    module = getattr(model, "model", model)
+    module = model.model if _is_patcher(model) else model
     state = module.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
         raise ValueError("this model was not armed with streamwise.lazy_compile")
@@ -102,7 +102,7 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
 
 def disarm(model: Any) -> None:
     """Undo `lazy_compile`: every unit runs its own forward again."""
-    module = getattr(model, "model", model) if _is_patcher(model) else model
+    module = model.model if _is_patcher(model) else model
     armed = module.__dict__.pop(STATE_ATTRIBUTE, None)
     for unit in armed.units if armed else ():
         unit.__dict__.pop("forward", None)

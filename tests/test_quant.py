@@ -188,3 +188,18 @@ def test_comfy_quant_cannot_describe_int4_residents():
 
     with pytest.raises(ValueError, match="convrot_int4"):
         comfy_quant.state_dict(quantized(two_layers(), "convrot_int4", 16))
+
+
+def test_residents_never_keep_misaligned_storage():
+    """torch's packed INT8 CPU kernel crashes on storage that is not 16-byte aligned (file-map views)."""
+    from streamwise.runtime.quant.residents import make_resident
+
+    q, scale = quantize_int8(torch.randn(16, 64))
+    buffer = torch.zeros(q.numel() + 8, dtype=torch.int8)
+    misaligned = buffer[8:].view(16, 64)
+    misaligned.copy_(q)
+    layer = nn.Linear(64, 16)
+    make_resident(layer, "int8", {"weight": misaligned, "weight_scale": scale}, {"_sw_group_size": None})
+    assert layer.weight.data_ptr() % 64 == 0
+    assert torch.equal(layer.weight, q)
+    layer(torch.randn(2, 64))

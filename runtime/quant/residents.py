@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .formats import FORMATS
 
 _CLASSES: dict[tuple[type, str], type] = {}
+_ALIGNMENT = 64
 
 
 def resident_class(cls: type[nn.Module], fmt: str) -> type[nn.Module]:
@@ -38,6 +39,8 @@ def resident_class(cls: type[nn.Module], fmt: str) -> type[nn.Module]:
 def make_resident(module: nn.Module, fmt: str, stored: dict[str, Tensor], attributes: dict[str, object]) -> None:
     """Turn a Linear (plain or streamed) into a resident holding `stored` as parameters."""
     for name, tensor in stored.items():
+        if tensor.data_ptr() % _ALIGNMENT:  # a view into a file map: packed kernels need aligned storage
+            tensor = tensor.clone()
         module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
         module.__dict__[f"{name}_comfy_model_dtype"] = tensor.dtype
     module.__class__ = resident_class(type(module), fmt)

@@ -1,0 +1,64 @@
+"""Quantize a checkpoint to ConvRot INT8 on load, save it in ComfyUI's `.comfy_quant` convention,
+and load that file back.
+
+    python examples/quantize_convrot.py [--group-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import transformers
+
+import streamwise
+from streamwise.runtime import comfy_quant
+from streamwise.schemas import Policy
+
+CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=512)
+
+
+def convrot_policy(group_size: int) -> Policy:
+    """The shipped decoder policy plus ConvRot INT8 for every Linear but the output head."""
+    base = streamwise.load_policy("decoder-llm")
+    quant = Policy.model_validate({
+        "schema_version": 1, "policy": {"name": "convrot"},
+        "quant": {"exclude": {"path": "lm_head"},
+                  "rule": [{"id": "linears", "select": {"class": "Linear"}, "format": "convrot_int8", "group_size": group_size}]},
+    }).quant
+    return base.model_copy(update={"quant": quant})
+
+
+def skeleton() -> torch.nn.Module:
+    with streamwise.skeleton():
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CONFIG)).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--group-size", type=int, default=16)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    original = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CONFIG)).eval()
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        original.save_pretrained(folder)
+        quantized = skeleton()
+        report = streamwise.load(quantized, folder, convrot_policy(args.group_size))
+        print("quantized on load:", report.residents)
+        target = Path(folder) / "model-convrot-int8.safetensors"
+        safetensors.torch.save_file(comfy_quant.state_dict(quantized), target)
+        reloaded = skeleton()
+        print("reloaded from .comfy_quant:", streamwise.load(reloaded, target, "decoder-llm").residents)
+        expected, first, second = original(tokens).logits, quantized(tokens).logits, reloaded(tokens).logits
+        print(f"relative error vs float: {float((first - expected).norm() / expected.norm()):.4f}; "
+              f"reloaded identical: {torch.equal(first, second)}; "
+              f"file {target.stat().st_size} B vs float {(Path(folder) / 'model.safetensors').stat().st_size} B")
+
+
+if __name__ == "__main__":
+    main()
