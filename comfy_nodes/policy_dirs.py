@@ -1,12 +1,15 @@
-"""The policy folders inside ComfyUI: the user's own, then the shipped ones."""
+"""The folders the nodes read inside ComfyUI: user policies before shipped ones, and model folders."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import folder_paths
 
 from ..runtime.catalog import list_policies, policy_dirs
+
+MODEL_FOLDERS = ("streamwise", "text_encoders", "LLM")
 
 
 def comfy_policy_dirs() -> list[Path]:
@@ -16,6 +19,17 @@ def comfy_policy_dirs() -> list[Path]:
     return policy_dirs([user])
 
 
-def policy_choices() -> list[str]:
+def policy_choices(auto: bool = False) -> list[str]:
     """Re-read on every call, so edited or new user policies appear without a restart."""
-    return list(list_policies(comfy_policy_dirs()))
+    return (["auto"] if auto else []) + list(list_policies(comfy_policy_dirs()))
+
+
+def model_roots() -> dict[str, list[str]]:
+    """ComfyUI's `streamwise` model folder (registered on first use) and the folders LLMs already live in."""
+    if "streamwise" not in folder_paths.folder_names_and_paths:
+        folder_paths.add_model_folder_path("streamwise", os.path.join(folder_paths.models_dir, "streamwise"))
+    roots = {}
+    for key in MODEL_FOLDERS:
+        if key in folder_paths.folder_names_and_paths:
+            roots[key] = folder_paths.get_folder_paths(key)
+    return roots

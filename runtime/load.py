@@ -15,6 +15,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -67,11 +68,12 @@ def load(
     policy: Policy | str | Path,
     *,
     dtype: torch.dtype | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadReport:
     """Load `path` into `model` as `policy` says, then convert the tree (see `apply`).
 
     `dtype` converts floating-point tensors; without it a file dtype that differs from the
-    model's is an error.
+    model's is an error. `progress(done, total)` is called as tensors are placed.
     """
     policy = policy if isinstance(policy, Policy) else load_policy(policy)
     plan = resolve(policy, model)
@@ -83,7 +85,7 @@ def load(
     if filling.problems:
         raise CheckpointError(filling.problems)
     check(plan, model)  # a plan that cannot be applied fails before the first assignment
-    filling.assign()
+    filling.assign(progress)
     apply(plan, model)
     residents: dict[str, int] = {}
     for module in model.modules():
@@ -198,9 +200,12 @@ class _Filling:
             consumed += [f"{prefix}.weight", f"{prefix}.weight_scale"]
         return consumed
 
-    def assign(self) -> None:
+    def assign(self, progress: Callable[[int, int], None] | None) -> None:
         expected = self.model.state_dict(keep_vars=True)
-        for name, tensor in self.tensors.items():
+        total = len(self.tensors) + len(self.residents)
+        for done, (name, tensor) in enumerate(self.tensors.items(), 1):
+            if progress is not None:
+                progress(done, total)
             current = expected[name]
             value = nn.Parameter(tensor, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else tensor
             for alias in self.aliases[name]:
@@ -208,5 +213,7 @@ class _Filling:
                 module = self.model.get_submodule(module_path)
                 slot = module._parameters if attribute in module._parameters else module._buffers
                 slot[attribute] = value
-        for module_path, (fmt, stored, attributes) in self.residents.items():
+        for done, (module_path, (fmt, stored, attributes)) in enumerate(self.residents.items(), len(self.tensors) + 1):
             make_resident(self.model.get_submodule(module_path), fmt, stored, attributes)
+            if progress is not None:
+                progress(done, total)

@@ -1,0 +1,32 @@
+"""Apply Streamwise Policy: convert the tree inside a MODEL that another node pack loaded."""
+
+from __future__ import annotations
+
+from ..runtime.auto_policy import select_policy
+from ..runtime.hosts.comfyui import model_patcher
+from ..runtime.loading import load_policy
+from .policy_dirs import comfy_policy_dirs, policy_choices
+
+
+class ApplyStreamwisePolicy:
+    CATEGORY = "streamwise"
+    DESCRIPTION = "Make a foreign model tree stream under ComfyUI's low-VRAM loading, by a Streamwise policy."
+    FUNCTION = "apply"
+    RETURN_TYPES = ("MODEL",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "policy": (policy_choices(auto=True),)}}
+
+    def apply(self, model, policy):
+        dirs = comfy_policy_dirs()
+        if policy == "auto":
+            policy, _ = select_policy(model.model, dirs=dirs)
+        converted = model_patcher(model.model, load_device=model.load_device, offload_device=model.offload_device,
+                                  policy=load_policy(policy, dirs=dirs))
+        converted.patches = {key: list(patches) for key, patches in model.patches.items()}  # keep LoRAs already added
+        converted.patches_uuid = model.patches_uuid
+        converted.object_patches = dict(model.object_patches)
+        converted.model_options = model.model_options
+        converted.streamwise_source = getattr(model, "streamwise_source", None)
+        return (converted,)

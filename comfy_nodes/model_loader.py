@@ -1,0 +1,56 @@
+"""Streamwise Model Loader: a checkpoint and a policy in, a MODEL that partial-loads correctly out."""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.auto_policy import select_policy
+from ..runtime.builders import build_skeleton, model_type
+from ..runtime.checkpoint import open_checkpoint
+from ..runtime.hosts.comfyui import model_patcher
+from ..runtime.load import load
+from ..runtime.loading import load_policy
+from ..runtime.model_files import config_folder, list_models, resolve_model
+from .policy_dirs import comfy_policy_dirs, model_roots, policy_choices
+
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class StreamwiseModelLoader:
+    CATEGORY = "streamwise"
+    DESCRIPTION = "Load a transformers-style model (HF folder, .safetensors or .gguf) and convert it with a Streamwise policy."
+    FUNCTION = "load"
+    RETURN_TYPES = ("MODEL", "STRING")
+    RETURN_NAMES = ("model", "report")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": (list(list_models(model_roots())) or ["(no models found)"], {"tooltip": "From models/streamwise, text_encoders or LLM."}),
+            "policy": (policy_choices(auto=True), {"tooltip": "`auto` picks by the policies' [match] tables."}),
+            "dtype": (list(DTYPES), {"default": "auto"}),
+        }}
+
+    def load(self, model, policy, dtype):
+        import comfy.model_management
+        import comfy.utils
+
+        path = resolve_model(model, model_roots())
+        folder = config_folder(path)
+        checkpoint = open_checkpoint(path)
+        target = DTYPES[dtype] or next((t.dtype for t in checkpoint.tensors.values() if t.dtype.is_floating_point), None)
+        tree = build_skeleton(folder, target)
+        dirs = comfy_policy_dirs()
+        if policy == "auto":
+            policy, chosen = select_policy(tree, model_type=model_type(folder), keys=checkpoint.tensors, dirs=dirs)
+        else:
+            chosen = f"policy `{policy}`"
+        progress = comfy.utils.ProgressBar(100)
+        report = load(tree, path, load_policy(policy, dirs=dirs), dtype=target,
+                      progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100))
+        patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
+                                offload_device=comfy.model_management.unet_offload_device())
+        patcher.streamwise_source = str(folder)
+        text = (f"{chosen}; {report.tensors} tensors from {path.name}"
+                + (f"; residents {report.residents}" if report.residents else ""))
+        return (patcher, text)

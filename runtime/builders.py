@@ -1,0 +1,65 @@
+"""Building a model tree to load weights into, from what sits next to the weights.
+
+A builder turns a model folder into a skeleton (parameters on meta). The default one reads a
+Hugging Face `config.json` and uses transformers' auto classes; other node packs register
+builders for their own architectures with `@register_builder`. Builders are tried newest first;
+the first that recognizes the folder wins.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .load import skeleton
+from .model_spec import ModelSpecError
+
+Builder = Callable[[Path, torch.dtype | None], "nn.Module | None"]
+BUILDERS: list[Builder] = []
+
+
+def register_builder(builder: Builder) -> Builder:
+    """Add a builder: `(folder, dtype) -> skeleton`, or None when the folder is not its kind."""
+    BUILDERS.insert(0, builder)
+    return builder
+
+
+def build_skeleton(folder: Path, dtype: torch.dtype | None = None) -> nn.Module:
+    for builder in BUILDERS:
+        model = builder(folder, dtype)
+        if model is not None:
+            return model.eval()
+    raise ModelSpecError(f"no builder recognizes {folder}: expected a Hugging Face config.json beside the weights")
+
+
+def model_type(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@register_builder
+def _transformers(folder: Path, dtype: torch.dtype | None) -> nn.Module | None:
+    if not (folder / "config.json").is_file():
+        return None
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelSpecError(f"cannot read {folder / 'config.json'}: {exc}") from None
+    with skeleton():
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+            try:
+                model = auto.from_config(config)
+                break
+            except ValueError:
+                continue
+        else:
+            raise ModelSpecError(f"transformers has no model class for `{config.model_type}` ({folder / 'config.json'})")
+    return model.to(dtype) if dtype is not None else model
