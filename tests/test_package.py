@@ -67,10 +67,10 @@ def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
         assert ok["result"] == ("policy `vibevoice` is valid",), ok
         bad = node().check("my-llm")["result"][0]
         assert "error[invalid-value]" in bad and "my-llm.toml:8:8" in bad, bad
-        assert set(pack.NODE_CLASS_MAPPINGS) == {
-            "StreamwiseModelLoader", "ApplyStreamwisePolicy", "INT8LazyTorchCompile", "StreamwiseGenerateText",
+        assert sorted(pack.NODE_CLASS_MAPPINGS) == [
+            "ApplyStreamwisePolicy", "INT8LazyTorchCompile", "StreamwiseGenerateText", "StreamwiseModelLoader",
             "StreamwisePolicyCheck",
-        }
+        ]
     """, fake)
     assert result.returncode == 0, result.stderr
 
