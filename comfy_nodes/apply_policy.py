@@ -28,5 +28,4 @@ class ApplyStreamwisePolicy:
         converted.patches_uuid = model.patches_uuid
         converted.object_patches = dict(model.object_patches)
         converted.model_options = model.model_options
-        converted.streamwise_source = getattr(model, "streamwise_source", None)
         return (converted,)

@@ -29,7 +29,7 @@ class StreamwiseGenerateText:
         import comfy.model_management
         import transformers
 
-        source = getattr(model, "streamwise_source", None)
+        source = getattr(model.model, "streamwise_source", None)
         if source is None:
             raise ValueError("this MODEL has no tokenizer folder: load it with the Streamwise Model Loader")
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..runtime.auto_policy import select_policy
@@ -50,7 +52,7 @@ class StreamwiseModelLoader:
                       progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100))
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device())
-        patcher.streamwise_source = str(folder)
-        text = (f"{chosen}; {report.tensors} tensors from {path.name}"
+        tree.streamwise_source = str(folder)  # on the tree: patcher clones share it
+        text = (f"{chosen}; {report.tensors} tensors from {Path(report.file).name}"
                 + (f"; residents {report.residents}" if report.residents else ""))
         return (patcher, text)

@@ -63,9 +63,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         index = path / SHARD_INDEX
         if index.is_file():
             return _sharded(index)
-        singles = sorted(path.glob("*.safetensors"))
+        singles = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))
         if len(singles) != 1:
-            raise CheckpointError([f"{path}: expected `{SHARD_INDEX}` or a single .safetensors file in the folder"])
+            raise CheckpointError([f"{path}: expected `{SHARD_INDEX}`, or one .safetensors or .gguf file, in the folder"])
         path = singles[0]
     if path.name.endswith(".index.json"):
         return _sharded(path)

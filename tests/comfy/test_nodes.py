@@ -1,0 +1,160 @@
+"""Every node headless on CPU, through ComfyUI's own loader, and the example workflows in graph order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import streamwise
+
+from comfy_harness import load_custom_node
+from helpers import REPO, tiny_qwen2
+
+
+def tiny_tokenizer():
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(vocab_size=100, special_tokens=["[UNK]", "[PAD]", "[EOS]"])
+    tokenizer.train_from_iterator(["a cat sat on the mat", "the quick brown fox jumps over the lazy dog"], trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
+@pytest.fixture(scope="module")
+def nodes(comfy_nodes, tmp_path_factory):
+    """The pack loaded by ComfyUI, with a tiny Qwen2 (+ tokenizer) in a registered `streamwise` model folder."""
+    import folder_paths
+
+    assert load_custom_node(comfy_nodes, REPO)
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    model.save_pretrained(root / "tiny-qwen2")
+    tiny_tokenizer().save_pretrained(root / "tiny-qwen2")
+    folder_paths.add_model_folder_path("streamwise", str(root), is_default=True)
+    return comfy_nodes.NODE_CLASS_MAPPINGS, root
+
+
+def reference_text(folder: Path, prompt: str, tokens: int) -> str:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_loader_lists_models_and_policies_and_picks_a_policy(nodes):
+    mappings, _ = nodes
+    inputs = mappings["StreamwiseModelLoader"].INPUT_TYPES()["required"]
+    assert "streamwise/tiny-qwen2" in inputs["model"][0]
+    assert inputs["policy"][0][:2] == ["auto", "decoder-llm"]
+    patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    assert "`auto` picked `decoder-llm` by root class `Qwen2ForCausalLM`" in report
+    assert type(patcher).__name__.startswith("Streamwise")
+    patcher.load(torch.device("cpu"), lowvram_model_memory=30_000)  # partial load: streamed leaves flagged
+    assert patcher.model.model_lowvram
+    assert any(getattr(m, "comfy_cast_weights", False) for m in patcher.model.modules())
+
+
+def run_workflow(mappings, workflow: dict) -> dict:
+    """Execute an API-format workflow by calling its nodes in graph order."""
+    outputs: dict[str, tuple] = {}
+
+    def run(node_id: str) -> tuple:
+        if node_id not in outputs:
+            node = workflow[node_id]
+            cls = mappings[node["class_type"]]
+            inputs = {k: run(v[0])[v[1]] if isinstance(v, list) else v for k, v in node["inputs"].items()}
+            outputs[node_id] = getattr(cls(), cls.FUNCTION)(**inputs)
+        return outputs[node_id]
+
+    for node_id in workflow:
+        run(node_id)
+    return outputs
+
+
+def test_the_generate_text_workflow(nodes):
+    mappings, root = nodes
+    workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_generate_text.json").read_text())
+    outputs = run_workflow(mappings, workflow)
+    (text,) = outputs["2"]
+    assert text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
+
+
+def test_the_compile_workflow(nodes):
+    mappings, root = nodes
+    workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_compile.json").read_text())
+    workflow["2"]["inputs"]["backend"] = "aot_eager"  # inductor is covered in tests/test_compile.py; keep this quick
+    outputs = run_workflow(mappings, workflow)
+    compiled = outputs["2"][0]
+    ids = torch.tensor([[3, 4, 5, 6]])
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(root / "tiny-qwen2", local_files_only=True).eval()
+    with torch.no_grad():
+        expected = reference(ids, use_cache=False).logits
+        assert streamwise.compile_stats(compiled).graphs == 0  # lazy: nothing until the first forward
+        result = compiled.model(ids, use_cache=False).logits
+    stats = streamwise.compile_stats(compiled)
+    assert stats.applied and stats.units == 2 and stats.graphs == 1 and stats.fallbacks == []
+    assert torch.allclose(result, expected, atol=1e-5)
+
+
+def test_gguf_files_load_through_the_loader(nodes, tmp_path):
+    import shutil
+
+    mappings, root = nodes
+    folder = root / "tiny-qwen2-gguf"
+    folder.mkdir(exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (root / "tiny-qwen2" / name).exists():
+            shutil.copy(root / "tiny-qwen2" / name, folder / name)
+    from streamwise.runtime.commands import main
+
+    assert main(["quantize", str(root / "tiny-qwen2"), str(folder / "model.gguf"), "--policy", "decoder-llm"]) == 0
+    patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2-gguf", "decoder-llm", "auto")
+    assert "model.gguf" in report
+    (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
+    assert isinstance(text, str)
+
+
+def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
+    import comfy.model_patcher
+
+    mappings, _ = nodes
+    tree = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    plain = comfy.model_patcher.ModelPatcher(tree, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    plain.add_patches({"0.weight": ("diff", (torch.ones(8, 8),))}, 1.0)
+    user = Path(__import__("folder_paths").get_user_directory()) / "streamwise" / "policies"
+    user.mkdir(parents=True, exist_ok=True)
+    (user / "tiny-mlp.toml").write_text(
+        'schema_version = 1\n[policy]\nname = "tiny-mlp"\n'
+        '[[stream.rule]]\nid = "l"\nkind = "linear"\nselect = { class = "Linear" }\n'
+        '[[stream.rule]]\nid = "n"\nkind = "layer_norm"\nselect = { class = "LayerNorm" }\n'
+    )
+    try:
+        assert "tiny-mlp" in mappings["ApplyStreamwisePolicy"].INPUT_TYPES()["required"]["policy"][0]
+        (converted,) = mappings["ApplyStreamwisePolicy"]().apply(plain, "tiny-mlp")
+    finally:
+        (user / "tiny-mlp.toml").unlink()
+    assert type(tree[0]).__name__ == "StreamedLinear" and list(converted.patches) == ["0.weight"]
+    converted.load(torch.device("cpu"), lowvram_model_memory=1)
+    x = torch.randn(2, 8)
+    expected = torch.nn.functional.layer_norm(x @ (tree[0].weight + 1).T + tree[0].bias, (8,), tree[1].weight, tree[1].bias)
+    assert torch.allclose(tree(x), expected, atol=1e-5)
+
+
+def test_errors_reach_the_ui_as_rendered_diagnostics(nodes):
+    mappings, _ = nodes
+    with pytest.raises(Exception) as raised:  # the pack's own PolicyError class (ComfyUI imports the pack anew)
+        mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "vibevoice", "auto")
+    assert type(raised.value).__name__ == "PolicyError"
+    assert str(raised.value).startswith("error[unmatched-rule]") and "vibevoice.toml:46:1" in str(raised.value)
