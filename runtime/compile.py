@@ -122,7 +122,7 @@ class _Region:
         self.backend = self._counting(backend)
         self.compiled = None
         self.failed = False
-        self.recompiles = 0
+        self.has_graph = False
 
     def _counting(self, backend):
         def count(graph, example_inputs):
@@ -145,7 +145,7 @@ class _Region:
                 self.function, backend=self.backend, mode=None if self.settings.mode == "default" else self.settings.mode,
                 fullgraph=self.settings.fullgraph, dynamic=self.settings.dynamic, options=options,
             )
-        graphs, breaks, start = self.stats.graphs, _graph_breaks(), time.perf_counter()
+        graphs, breaks, start, failures = self.stats.graphs, _graph_breaks(), time.perf_counter(), len(self._failures())
         try:
             result = self.compiled(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as exc:  # a compiler failure: fall back to eager, once
@@ -157,21 +157,25 @@ class _Region:
             return self.function(module, *args, **kwargs)
         if self.stats.graphs != graphs:
             self.stats.graph_breaks += _graph_breaks() - breaks
-            self._note_recompiles()
+            if self.has_graph:
+                self._note_recompile(self._failures()[failures:])
+            self.has_graph = True
             if self.settings.verbose:
                 log.info("%s: %d new graph(s) in %.2f s (%d in total)", type(module).__name__,
                          self.stats.graphs - graphs, time.perf_counter() - start, self.stats.graphs)
         return result
 
-    def _note_recompiles(self) -> None:
+    def _failures(self) -> list:
         from torch._dynamo.utils import guard_failures
 
-        reasons = [str(reason) for reason in guard_failures.get(self.function.__code__, [])]
-        for reason in reasons[self.recompiles:]:
-            self.recompiles += 1
-            self.stats.recompiles.append(reason)
-            if self.settings.verbose:
-                log.info("recompiled %s: %s", self.function.__qualname__, reason)
+        return guard_failures.get(self.function.__code__, [])
+
+    def _note_recompile(self, new_failures: list) -> None:
+        """Keep the guard failure behind a recompile: the newest cache entry's, first line."""
+        reason = str(new_failures[0]).splitlines()[0] if new_failures else "unknown reason"
+        self.stats.recompiles.append(reason)
+        if self.settings.verbose:
+            log.info("recompiled %s: %s", self.function.__qualname__, reason)
 
 
 def _settings(policy: Policy | str | None, overrides: dict[str, Any]) -> CompileSettings:
