@@ -93,6 +93,24 @@ def apply(plan: Plan, model: nn.Module) -> Census:
     return state.census()
 
 
+def apply_policy(model: nn.Module, policy) -> tuple["Policy", Plan]:
+    """Resolve `policy` (a Policy, or a name or file to load) against `model` and convert it.
+
+    Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit.
+    """
+    from ..schemas import Policy
+    from .diagnostics import PolicyError
+    from .loading import load_policy
+    from .resolve import resolve
+
+    policy = policy if isinstance(policy, Policy) else load_policy(policy)
+    plan = resolve(policy, model)
+    if not plan.ok:
+        raise PolicyError(plan.diagnostics)
+    apply(plan, model)
+    return policy, plan
+
+
 def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, tuple[nn.Module, type]]]:
     """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
     if not plan.ok:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .load import skeleton
-from .model_spec import ModelSpecError
+from .model_spec import ModelSpecError, auto_model, read_config
 
 Builder = Callable[[Path, torch.dtype | None], "nn.Module | None"]
 BUILDERS: list[Builder] = []
@@ -47,19 +47,7 @@ def model_type(folder: Path) -> str | None:
 def _transformers(folder: Path, dtype: torch.dtype | None) -> nn.Module | None:
     if not (folder / "config.json").is_file():
         return None
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelSpecError(f"cannot read {folder / 'config.json'}: {exc}") from None
+    config = read_config(folder)
     with skeleton():
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-            try:
-                model = auto.from_config(config)
-                break
-            except ValueError:
-                continue
-        else:
-            raise ModelSpecError(f"transformers has no model class for `{config.model_type}` ({folder / 'config.json'})")
+        model = auto_model(config)
     return model.to(dtype) if dtype is not None else model

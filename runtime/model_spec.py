@@ -12,6 +12,7 @@ Config overrides (a small JSON object) apply to the transformers forms.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import torch
@@ -24,21 +25,32 @@ class ModelSpecError(ValueError):
     pass
 
 
-def build_from_config(folder: str) -> nn.Module:
-    """The causal-LM (or base) transformers model a Hugging Face folder's config.json describes, on meta."""
+def read_config(folder: str | os.PathLike):
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
+
+
+def auto_model(config) -> nn.Module:
+    """The causal-LM model for a transformers config where one exists, else the base model."""
+    import transformers
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto.from_config(config)
+        except ValueError:
+            continue
+    raise ModelSpecError(f"no transformers auto class builds model_type `{config.model_type}`")
+
+
+def build_from_config(folder: str | os.PathLike) -> nn.Module:
+    """The model a Hugging Face folder's config.json describes, on the meta device."""
+    config = read_config(folder)
     with torch.device("meta"):
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-            try:
-                return auto.from_config(config)
-            except ValueError:
-                continue
-    raise ModelSpecError(f"no transformers auto class builds the model in {folder}/config.json")
+        return auto_model(config)
 
 
 def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
@@ -67,12 +79,7 @@ def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
         config = transformers.AutoConfig.for_model(name, **overrides)
     except (ValueError, TypeError) as exc:
         raise ModelSpecError(f"transformers cannot build `{name}` with this config: {exc}") from None
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-        try:
-            return auto.from_config(config)
-        except ValueError:
-            continue
-    raise ModelSpecError(f"no transformers auto class builds model_type `{name}`")
+    return auto_model(config)
 
 
 def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None) -> nn.Module:

@@ -15,10 +15,7 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
-from ..apply import ConversionError, applied_state, apply, swap_class
-from ..diagnostics import PolicyError
-from ..loading import load_policy
-from ..resolve import resolve
+from ..apply import ConversionError, applied_state, apply_policy, swap_class
 
 
 class ComfyFetcher:
@@ -74,11 +71,7 @@ def model_patcher(
     import comfy.model_patcher
 
     if policy is not None:
-        policy = policy if isinstance(policy, Policy) else load_policy(policy)
-        plan = resolve(policy, model)
-        if not plan.ok:
-            raise PolicyError(plan.diagnostics)
-        apply(plan, model)
+        policy, _ = apply_policy(model, policy)
     state = applied_state(model)
     if state is None:
         raise ConversionError("convert the model first (streamwise.apply) or pass policy=")

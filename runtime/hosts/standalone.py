@@ -18,10 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
-from ..apply import apply, applied_state
-from ..diagnostics import PolicyError
-from ..loading import load_policy
-from ..resolve import resolve
+from ..apply import applied_state, apply_policy
 from ..tree import cast_for_compute
 
 
@@ -51,11 +48,7 @@ def offload(
     next leaf's copy with the current leaf's compute.
     """
     device, offload_device = torch.device(device), torch.device(offload_device)
-    policy = policy if isinstance(policy, Policy) else load_policy(policy)
-    plan = resolve(policy, model)
-    if not plan.ok:
-        raise PolicyError(plan.diagnostics)
-    apply(plan, model)
+    policy, plan = apply_policy(model, policy)
     state = applied_state(model)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # compared with tensors' indexed devices
