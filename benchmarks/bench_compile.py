@@ -16,28 +16,11 @@ import sys
 
 CHILD = r"""
 import json, statistics, sys, time, torch, warnings
-from torch import nn
 import streamwise
 from streamwise.schemas import Policy
 
-class Block(nn.Module):
-    def __init__(self, width=256):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(12))
-        self.head = nn.Linear(256, 256)
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+sys.path.insert(0, sys.argv[4])
+from toy_blocks import Net
 
 mode, backend, iters = sys.argv[1], sys.argv[2], int(sys.argv[3])
 policy = Policy.model_validate({"schema_version": 1, "policy": {"name": "bench"}, "compile": {"blocks": {"class": "Block"}}})
@@ -79,7 +62,7 @@ def main() -> None:
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     results = {}
     for mode in ("eager", "blocks", "whole"):
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, args.backend, str(args.iters)],
+        out = subprocess.run([sys.executable, "-c", CHILD, mode, args.backend, str(args.iters), os.path.dirname(os.path.abspath(__file__))],
                              check=True, capture_output=True, text=True, env=env).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
     eager = results["eager"]["forward_ms"]

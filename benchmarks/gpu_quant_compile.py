@@ -20,12 +20,12 @@ import warnings
 import gguf
 import numpy as np
 import torch
-from torch import nn
 
 import streamwise
 from streamwise.runtime.quant import int8 as int8_math
 from streamwise.runtime.quant.gguf_dequant import dequantize
 from streamwise.schemas import Policy
+from toy_blocks import Net
 
 
 def cuda_ms(fn, repeats: int = 50) -> float:
@@ -59,28 +59,6 @@ def quant_checks() -> dict:
     return results
 
 
-class Block(nn.Module):
-    def __init__(self, width: int = 1024) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(12))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 POLICY = Policy.model_validate({
     "schema_version": 1, "policy": {"name": "gpu"},
     "stream": {"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}},
@@ -91,7 +69,7 @@ POLICY = Policy.model_validate({
 
 def compile_checks() -> dict:
     torch.manual_seed(0)
-    base = Net().eval()
+    base = Net(width=1024, blocks=12).eval()
     x = torch.randn(16, 256, 1024, device="cuda")
     results = {}
     for name, streamed in (("resident", False), ("streamed_half", True)):
