@@ -73,7 +73,8 @@ def load(
     """Load `path` into `model` as `policy` says, then convert the tree (see `apply`).
 
     `dtype` converts floating-point tensors; without it a file dtype that differs from the
-    model's is an error. `progress(done, total)` is called as tensors are placed.
+    model's is an error. `progress(done, total)` is called as tensors are placed; without one, a
+    tqdm bar shows on a terminal.
     """
     policy = policy if isinstance(policy, Policy) else load_policy(policy)
     plan = resolve(policy, model)
@@ -85,7 +86,14 @@ def load(
     if filling.problems:
         raise CheckpointError(filling.problems)
     check(plan, model)  # a plan that cannot be applied fails before the first assignment
-    filling.assign(progress)
+    if progress is None:
+        from tqdm import tqdm
+
+        with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
+                  disable=None, leave=False) as bar:
+            filling.assign(lambda done, total: bar.update(done - bar.n))
+    else:
+        filling.assign(progress)
     apply(plan, model)
     residents: dict[str, int] = {}
     for module in model.modules():

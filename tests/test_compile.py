@@ -228,3 +228,22 @@ def test_a_policy_with_compile_enabled_arms_the_standalone_host():
     streamwise.offload(model, policy, device="cpu", budget=0)
     run(model, torch.randn(2, 32))
     assert compile_stats(model).graphs == 1
+
+
+def test_gguf_residents_compile():
+    import gguf
+
+    from streamwise.runtime.quant.residents import make_resident
+
+    model = Net(blocks=2)
+    streamwise.apply(streamwise.resolve(POLICY, model), model)
+    for block in model.blocks:
+        blocks = gguf.quants.quantize(block.up.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        make_resident(block.up, "gguf", {"weight": torch.from_numpy(blocks).reshape(-1)},
+                      {"gguf_qtype": gguf.GGMLQuantizationType.Q8_0, "gguf_shape": tuple(block.up.weight.shape)})
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    assert torch.allclose(run(model, x), expected, atol=1e-5)
+    stats = compile_stats(model)
+    assert stats.graphs == 1 and stats.graph_breaks == 0 and stats.fallbacks == []
