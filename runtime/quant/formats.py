@@ -8,6 +8,7 @@ ComfyUI's patcher), and computes a linear layer straight from them (`linear`).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import gguf
@@ -30,7 +31,7 @@ def quant_format(name: str):
     return register
 
 
-class QuantFormat:
+class QuantFormat(ABC):
     stored: ClassVar[tuple[str, ...]] = ("weight",)
     compile_safe: ClassVar[bool] = True
     quantizes_on_load: ClassVar[bool] = True
@@ -39,10 +40,11 @@ class QuantFormat:
         self.name = name
 
     def quantize(self, weight: Tensor, group_size: int | None) -> dict[str, Tensor]:
-        raise NotImplementedError(f"`{self.name}` residents come from the file, not from a float weight")
+        raise TypeError(f"`{self.name}` residents come from a file, not from a float weight")
 
+    @abstractmethod
     def dequantize(self, module: nn.Module, stored: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
-        raise NotImplementedError
+        """The float weight, in the original basis."""
 
     def linear(self, module: nn.Module, x: Tensor, stored: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         return F.linear(x, self.dequantize(module, stored, x.dtype), None if bias is None else bias.to(x.dtype))
