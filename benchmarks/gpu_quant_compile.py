@@ -18,7 +18,6 @@ import time
 import warnings
 
 import gguf
-import numpy as np
 import torch
 
 import streamwise

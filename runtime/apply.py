@@ -9,6 +9,7 @@ plan again changes nothing and reports the same census) and reversible.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -18,6 +19,9 @@ from .relocation import relocating_class
 from .selectors import ModuleRef
 from .streaming import streaming_class
 from .tree import StreamTree
+
+if TYPE_CHECKING:
+    from ..schemas import Policy
 
 STATE_ATTRIBUTE = "_streamwise"
 
@@ -93,7 +97,7 @@ def apply(plan: Plan, model: nn.Module) -> Census:
     return state.census()
 
 
-def apply_policy(model: nn.Module, policy) -> tuple["Policy", Plan]:
+def apply_policy(model: nn.Module, policy: "Policy | str") -> tuple["Policy", Plan]:
     """Resolve `policy` (a Policy, or a name or file to load) against `model` and convert it.
 
     Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit.

@@ -75,8 +75,8 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
         patcher = _handle_dynamic_vram(patcher, settings)
         module = patcher.model
     disarm(module)
-    stats = CompileStats()
-    module.__dict__[STATE_ATTRIBUTE] = _Armed(stats, [])
+    armed = module.__dict__[STATE_ATTRIBUTE] = _Armed(CompileStats(), [])
+    stats = armed.stats
     if any(getattr(m, "compile_safe", True) is False for m in module.modules()):
         warnings.warn(INT4_MESSAGE, stacklevel=2)
         stats.reason = INT4_MESSAGE
@@ -86,7 +86,6 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
     _set_cache_limits(settings.dynamo_cache_size_limit)
     units = _units(module, settings if compile_transformer_blocks_only else settings.model_copy(update={"blocks": None}))
     regions: dict[Any, _Region] = {}
-    armed = module.__dict__[STATE_ATTRIBUTE]
     for unit in units:
         function = type(unit).forward
         region = regions.setdefault(function, _Region(function, settings, backend, stats))

@@ -7,7 +7,7 @@ in bytes, and the diagnostics found while resolving.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .diagnostics import Diagnostic
 
@@ -69,11 +69,6 @@ class Plan:
 
     def module(self, path: str) -> ModulePlan | None:
         return next((m for m in self.modules if m.path == path), None)
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["diagnostics"] = [d.to_dict() for d in self.diagnostics]
-        return data
 
     def summary(self) -> dict:
         """A compact census: modules per role and class, bytes per role, rule match counts."""

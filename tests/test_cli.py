@@ -18,7 +18,7 @@ def test_no_arguments_checks_the_shipped_policies(capsys):
     assert main([]) == EXIT_OK
     out = capsys.readouterr().out
     for name in ("_template", "decoder-llm", "vibevoice"):
-        assert f"ok: " in out and f"{name}.toml" in out
+        assert "ok: " in out and f"{name}.toml" in out
     assert out.strip().endswith("3 policies valid")
 
 

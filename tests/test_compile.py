@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 import pytest
@@ -212,7 +213,7 @@ class FakePatcher:
 
 def test_dynamic_vram_is_warned_about_or_demoted():
     patcher = FakePatcher(dynamic=True)
-    with pytest.warns(UserWarning, match="Dynamic VRAM remains enabled"):
+    with pytest.warns(UserWarning, match=re.escape(DYNAMIC_VRAM_MESSAGE)):
         assert streamwise.lazy_compile(patcher, POLICY, backend="aot_eager") is patcher
     demoted = streamwise.lazy_compile(patcher, POLICY, backend="aot_eager", disable_dynamic_vram=True)
     assert patcher.clones == [True] and demoted is not patcher and not demoted.is_dynamic()

@@ -110,11 +110,10 @@ class _Streamer:
     def __init__(self, device: torch.device, *, pin: bool, prefetch: bool) -> None:
         self.device = device
         self.pin = pin
-        self.cuda = device.type == "cuda"
-        self.side = torch.cuda.Stream(device) if self.cuda and prefetch else None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         self.order: list[nn.Module] = []
         self.position: dict[int, int] = {}
-        self.ready: dict[int, tuple[Tensor | None, Tensor | None, object]] = {}
+        self.ready: dict[int, tuple[Tensor | None, Tensor | None, object, tuple[int, ...]]] = {}  # weight, bias, event, versions
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
         if self.side is not None:  # prefetching: learn the forward order, take what was copied ahead
