@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, UnsupportedQuantType, dequantize
+from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, UnsupportedQuantType, dequantize
 
 Q = gguf.GGMLQuantizationType
 FLOATS = (Q.F32, Q.F16, Q.BF16)
@@ -51,7 +51,8 @@ def reference(raw: np.ndarray, qtype: Q) -> torch.Tensor:
 
 
 def test_registry_covers_exactly_the_supported_types():
-    assert set(DEQUANTIZERS) == set(SUPPORTED)
+    assert set(STORED_FLOATS) == set(FLOATS)
+    assert set(DEQUANTIZERS) == set(SCALE_OFFSETS)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

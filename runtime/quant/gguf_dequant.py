@@ -5,6 +5,11 @@ smallest thing to move) and expanded there, right before use. Every kernel is ve
 blocks, so it runs on CPU and CUDA alike, and is bit-exact with `gguf.quants.dequantize` for
 float32 output: products are formed in float32 in the same order as the reference, with the
 float16 scales widened to float32 first.
+
+The expansion is memory-bound, so kernels write the integer quants once into the float32 output
+and scale it in place, and do their per-block scale arithmetic with the blocks on the inner,
+contiguous axis (a handful of bytes per block, vectorized over blocks). The output is a fresh
+buffer on huge pages where the platform has them (see `huge_pages`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ import gguf
 import torch
 from torch import Tensor
 
+from . import huge_pages
+
 QType = gguf.GGMLQuantizationType
 
-Kernel = Callable[[Tensor], Tensor]
+Kernel = Callable[[Tensor, Tensor], None]
 DEQUANTIZERS: dict[QType, Kernel] = {}
+# Types stored as plain floats: their bytes are reinterpreted, not dequantized.
+STORED_FLOATS: dict[QType, torch.dtype] = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 
 
 class UnsupportedQuantType(ValueError):
@@ -27,7 +36,7 @@ class UnsupportedQuantType(ValueError):
 
 
 def dequantizer(qtype: QType) -> Callable[[Kernel], Kernel]:
-    """Register a kernel: (n_blocks, type_size) uint8 -> float32 with n_blocks * block_size elements."""
+    """Register a kernel: (n_blocks, type_size) uint8 blocks -> fills a (n_blocks, block_size) float32 output."""
 
     def register(kernel: Kernel) -> Kernel:
         DEQUANTIZERS[qtype] = kernel
@@ -44,8 +53,8 @@ def dequantize(
     Values are computed in float32 and then cast; F32 bytes read as float32 come back as a view of `blocks`.
     """
     kernel = DEQUANTIZERS.get(qtype)
-    if kernel is None:
-        supported = ", ".join(t.name for t in DEQUANTIZERS)
+    if kernel is None and qtype not in STORED_FLOATS:
+        supported = ", ".join(t.name for t in [*STORED_FLOATS, *DEQUANTIZERS])
         raise UnsupportedQuantType(f"no dequantizer for GGML type {qtype.name}; supported: {supported}")
     if blocks.dtype != torch.uint8:
         raise TypeError(f"GGML blocks must be a uint8 tensor of raw bytes, got {blocks.dtype}")
@@ -61,156 +70,164 @@ def dequantize(
         raise ValueError(
             f"{qtype.name} tensor of shape {shape} needs {n_blocks * type_size} bytes, got {blocks.numel()}"
         )
-    values = kernel(blocks.reshape(n_blocks, type_size))
-    return values.reshape(shape).to(dtype)
+    blocks = blocks.reshape(n_blocks, type_size)
+    if kernel is None:
+        return blocks.view(STORED_FLOATS[qtype]).reshape(shape).to(dtype)
+    values = huge_pages.empty((n_blocks, block_size), torch.float32, blocks.device)
+    kernel(blocks, values)
+    if dtype == torch.float32:
+        return values.view(shape)
+    return huge_pages.empty(shape, dtype, blocks.device).copy_(values.view(shape))
 
 
-def _half(raw: Tensor) -> Tensor:
-    """Two bytes per block, a little-endian float16, widened to float32 of shape (n_blocks, 1)."""
-    return raw.contiguous().view(torch.float16).float()
+def _half(blocks: Tensor, offset: int) -> Tensor:
+    """The little-endian float16 at byte `offset` of every block, widened to float32 of shape (n_blocks, 1)."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
 
 
 def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
-    """Split each byte into its 8 // width fields of `width` bits, lowest first, along a new axis `dim`."""
+    """Split each byte into its 8 // width fields of `width` bits, lowest first, along a new axis `dim`.
+
+    Each field is computed whole and contiguous and the new axis is moved into place as a view, so
+    the interleaving happens once, in the copy into the float output.
+    """
+    packed = packed.contiguous()
     mask = (1 << width) - 1
-    return torch.stack([(packed >> shift) & mask for shift in range(0, 8, width)], dim)
+    fields = packed.new_empty((8 // width, *packed.shape))
+    for index, field in enumerate(fields):
+        shift = index * width
+        if shift + width == 8:
+            torch.bitwise_right_shift(packed, shift, out=field)
+        else:
+            torch.bitwise_and(packed >> shift if shift else packed, mask, out=field)
+    return fields.movedim(0, dim)
 
 
-@dequantizer(QType.F32)
-def _f32(blocks: Tensor) -> Tensor:
-    return blocks.view(torch.float32)
+def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
+    """Fill `out` with float32(q) * scale (+ offset), in q's element order, in place.
 
-
-@dequantizer(QType.F16)
-def _f16(blocks: Tensor) -> Tensor:
-    return blocks.view(torch.float16).float()
-
-
-@dequantizer(QType.BF16)
-def _bf16(blocks: Tensor) -> Tensor:
-    return blocks.view(torch.bfloat16).float()
+    `scale` and `offset` are (n_blocks, groups): one factor per group of consecutive values.
+    """
+    out.view(q.shape).copy_(q)
+    groups = out.view(*scale.shape, -1).mul_(scale.unsqueeze(-1))
+    if offset is not None:
+        groups.add_(offset.unsqueeze(-1))
 
 
 @dequantizer(QType.Q8_0)
-def _q8_0(blocks: Tensor) -> Tensor:
+def _q8_0(blocks: Tensor, out: Tensor) -> None:
     """34 bytes: d (f16), 32 int8 quants."""
-    return blocks[:, 2:].view(torch.int8).float().mul_(_half(blocks[:, :2]))
+    _affine(out, blocks[:, 2:].view(torch.int8), _half(blocks, 0))
 
 
 @dequantizer(QType.Q4_0)
-def _q4_0(blocks: Tensor) -> Tensor:
+def _q4_0(blocks: Tensor, out: Tensor) -> None:
     """18 bytes: d (f16), 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31."""
-    q = _unpack(blocks[:, 2:], 4, -2).reshape(-1, 32).view(torch.int8) - 8
-    return q.float().mul_(_half(blocks[:, :2]))
+    _affine(out, _unpack(blocks[:, 2:], 4, -2).view(torch.int8).sub_(8), _half(blocks, 0))
 
 
 @dequantizer(QType.Q4_1)
-def _q4_1(blocks: Tensor) -> Tensor:
+def _q4_1(blocks: Tensor, out: Tensor) -> None:
     """20 bytes: d (f16), m (f16), nibbles as in Q4_0; value = d * q + m."""
-    q = _unpack(blocks[:, 4:], 4, -2).reshape(-1, 32)
-    return q.float().mul_(_half(blocks[:, :2])).add_(_half(blocks[:, 2:4]))
+    _affine(out, _unpack(blocks[:, 4:], 4, -2), _half(blocks, 0), _half(blocks, 2))
 
 
 def _q5(blocks: Tensor) -> Tensor:
     """The 5-bit quants of a Q5_0/Q5_1 block: qh (little-endian u32) holds bit 4 of value i at bit i."""
     qh = _unpack(blocks[:, :4], 1, -1).reshape(-1, 32)
     ql = _unpack(blocks[:, 4:], 4, -2).reshape(-1, 32)
-    return ql | (qh << 4)
+    return ql.bitwise_or_(qh.bitwise_left_shift_(4))
 
 
 @dequantizer(QType.Q5_0)
-def _q5_0(blocks: Tensor) -> Tensor:
+def _q5_0(blocks: Tensor, out: Tensor) -> None:
     """22 bytes: d (f16), qh (4 bytes), 16 bytes of low nibbles."""
-    return (_q5(blocks[:, 2:]).view(torch.int8) - 16).float().mul_(_half(blocks[:, :2]))
+    _affine(out, _q5(blocks[:, 2:]).view(torch.int8).sub_(16), _half(blocks, 0))
 
 
 @dequantizer(QType.Q5_1)
-def _q5_1(blocks: Tensor) -> Tensor:
+def _q5_1(blocks: Tensor, out: Tensor) -> None:
     """24 bytes: d (f16), m (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * q + m."""
-    return _q5(blocks[:, 4:]).float().mul_(_half(blocks[:, :2])).add_(_half(blocks[:, 2:4]))
+    _affine(out, _q5(blocks[:, 4:]), _half(blocks, 0), _half(blocks, 2))
 
 
 @dequantizer(QType.Q2_K)
-def _q2_k(blocks: Tensor) -> Tensor:
+def _q2_k(blocks: Tensor, out: Tensor) -> None:
     """84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit quants, d, dmin.
 
     Each 32-byte half of the quants holds 128 values: 2-bit field j of byte i is value 32 * j + i.
     """
-    scales = blocks[:, :16]
-    d, dmin = _half(blocks[:, 80:82]), _half(blocks[:, 82:84])
-    dl = (d * (scales & 0xF)).unsqueeze(-1)
-    ml = (dmin * (scales >> 4)).unsqueeze(-1)
-    q = _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2).reshape(-1, 16, 16)
-    return q.float().mul_(dl).sub_(ml)
+    scales = blocks[:, :16].contiguous()
+    dl = _half(blocks, 80) * (scales & 0xF)
+    ml = _half(blocks, 82) * (scales >> 4)
+    _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, ml.neg_())
 
 
 @dequantizer(QType.Q3_K)
-def _q3_k(blocks: Tensor) -> Tensor:
+def _q3_k(blocks: Tensor, out: Tensor) -> None:
     """110 bytes: hmask (32), 2-bit quants (64, laid out as in Q2_K), 12 scale bytes, d (f16).
 
     Bit j of hmask byte i belongs to value 32 * j + i; a clear bit subtracts 4. The sixteen 6-bit
     scales keep their low 4 bits in the nibbles of bytes 0-7 (low nibbles first) and their top
     2 bits in the 2-bit fields of bytes 8-11 (field j of byte i is scale 4 * j + i).
     """
-    hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-    low = _unpack(scales[:, :8], 4, -2).reshape(-1, 16)
-    high = _unpack(scales[:, 8:], 2, -2).reshape(-1, 16)
-    dl = (_half(blocks[:, 108:110]) * ((low | (high << 4)).view(torch.int8) - 32)).unsqueeze(-1)
-    ql = _unpack(qs.reshape(-1, 2, 32), 2, -2).reshape(-1, 16, 16).view(torch.int8)
-    qh = _unpack(hmask, 1, -2).reshape(-1, 16, 16).view(torch.int8)
-    return (ql - ((qh ^ 1) << 2)).float().mul_(dl)
+    low = _unpack(blocks[:, 96:104], 4, -2).reshape(-1, 16)
+    high = _unpack(blocks[:, 104:108], 2, -2).reshape(-1, 16)
+    scale = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+    ql = _unpack(blocks[:, 32:96].reshape(-1, 2, 32), 2, -2).view(torch.int8)
+    qh = _unpack(blocks[:, :32], 1, -2).bitwise_xor_(1).bitwise_left_shift_(2).view(torch.int8)
+    _affine(out, ql.sub_(qh.view(ql.shape)), _half(blocks, 108) * scale)
 
 
-def _scale_min_k4(scales: Tensor) -> tuple[Tensor, Tensor]:
-    """Eight 6-bit scales and eight 6-bit mins from the 12 scale bytes of Q4_K/Q5_K.
+def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Eight 6-bit scales and eight 6-bit mins of each Q4_K/Q5_K block, as (n_blocks, 8) uint8 each.
 
-    Bytes 0-3 / 4-7 hold scales / mins 0-3 in their low 6 bits and the top 2 bits of scales / mins
-    4-7 in their high 2 bits; bytes 8-11 hold the low 4 bits of scales 4-7 (low nibble) and of
-    mins 4-7 (high nibble).
+    Of the 12 scale bytes, bytes 0-3 / 4-7 hold scales / mins 0-3 in their low 6 bits and the top
+    2 bits of scales / mins 4-7 in their high 2 bits; bytes 8-11 hold the low 4 bits of scales 4-7
+    (low nibble) and of mins 4-7 (high nibble). Each group of four bytes is handled as one
+    little-endian 32-bit word, four fields at a time, so the work runs along blocks.
     """
-    sc, mn, mixed = scales[:, :4], scales[:, 4:8], scales[:, 8:]
-    scale = torch.cat([sc & 0x3F, (mixed & 0xF) | ((sc >> 2) & 0x30)], dim=-1)
-    minimum = torch.cat([mn & 0x3F, (mixed >> 4) | ((mn >> 2) & 0x30)], dim=-1)
-    return scale, minimum
+    sc, mn, mixed = blocks[:, 4:16].contiguous().view(torch.int32).unbind(-1)
+    scale = torch.stack([sc & 0x3F3F3F3F, (mixed & 0x0F0F0F0F) | ((sc >> 2) & 0x30303030)], -1)
+    minimum = torch.stack([mn & 0x3F3F3F3F, ((mixed >> 4) & 0x0F0F0F0F) | ((mn >> 2) & 0x30303030)], -1)
+    return scale.view(torch.uint8), minimum.view(torch.uint8)
 
 
-def _k4_affine(blocks: Tensor, q: Tensor) -> Tensor:
+def _k4_affine(blocks: Tensor, q: Tensor, out: Tensor) -> None:
     """d * scale * q - dmin * min over the eight 32-value sub-blocks of a Q4_K/Q5_K block."""
-    scale, minimum = _scale_min_k4(blocks[:, 4:16])
-    d = (_half(blocks[:, :2]) * scale).unsqueeze(-1)
-    dm = (_half(blocks[:, 2:4]) * minimum).unsqueeze(-1)
-    return q.float().mul_(d).sub_(dm)
+    scale, minimum = _scale_min_k4(blocks)
+    _affine(out, q, _half(blocks, 0) * scale, (_half(blocks, 2) * minimum).neg_())
 
 
 @dequantizer(QType.Q4_K)
-def _q4_k(blocks: Tensor) -> Tensor:
+def _q4_k(blocks: Tensor, out: Tensor) -> None:
     """144 bytes: d, dmin (f16), 12 scale bytes, 128 bytes of nibbles.
 
     Each 32-byte chunk holds 64 values: low nibbles first, then high nibbles.
     """
-    return _k4_affine(blocks, _unpack(blocks[:, 16:].reshape(-1, 4, 32), 4, -2).reshape(-1, 8, 32))
+    _k4_affine(blocks, _unpack(blocks[:, 16:].reshape(-1, 4, 32), 4, -2), out)
 
 
 @dequantizer(QType.Q5_K)
-def _q5_k(blocks: Tensor) -> Tensor:
+def _q5_k(blocks: Tensor, out: Tensor) -> None:
     """176 bytes: d, dmin (f16), 12 scale bytes, qh (32), 128 bytes of nibbles laid out as in Q4_K.
 
     Bit j of qh byte i is bit 4 of value 32 * j + i.
     """
-    ql = _unpack(blocks[:, 48:].reshape(-1, 4, 32), 4, -2).reshape(-1, 8, 32)
-    qh = _unpack(blocks[:, 16:48], 1, -2)
-    return _k4_affine(blocks, ql | (qh << 4))
+    ql = _unpack(blocks[:, 48:].reshape(-1, 4, 32), 4, -2)
+    qh = _unpack(blocks[:, 16:48], 1, -2).view(ql.shape)
+    _k4_affine(blocks, ql.bitwise_or_(qh.bitwise_left_shift_(4)), out)
 
 
 @dequantizer(QType.Q6_K)
-def _q6_k(blocks: Tensor) -> Tensor:
+def _q6_k(blocks: Tensor, out: Tensor) -> None:
     """210 bytes: ql (128), qh (64), 16 int8 scales, d (f16).
 
     Per 128-value half: nibble j of ql byte i (64 bytes) is value 64 * j + i, and 2-bit field j of
-    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i.
+    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i. Both are viewed as (half, 64-value
+    run, 32-value run, i) to be combined.
     """
-    ql = _unpack(blocks[:, :128].reshape(-1, 2, 64), 4, -2).reshape(-1, 8, 32)
-    qh = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), 2, -2).reshape(-1, 8, 32)
-    q = ((ql | (qh << 4)).view(torch.int8) - 32).reshape(-1, 16, 16)
-    d = (_half(blocks[:, 208:210]) * blocks[:, 192:208].view(torch.int8)).unsqueeze(-1)
-    return q.float().mul_(d)
+    ql = _unpack(blocks[:, :128].reshape(-1, 2, 64), 4, -2).unflatten(-1, (2, 32))
+    qh = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), 2, -2).unflatten(-2, (2, 2))
+    q = ql.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+    _affine(out, q, _half(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8))
