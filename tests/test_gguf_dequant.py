@@ -94,6 +94,13 @@ def test_unsupported_type_is_named(qtype):
     assert "Q4_K" in str(error.value) and "BF16" in str(error.value)
 
 
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+def test_empty_tensor_gives_an_empty_result(qtype):
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    result = dequantize(torch.zeros(0, dtype=torch.uint8), qtype, (0, block_size), dtype=torch.bfloat16)
+    assert result.shape == (0, block_size) and result.dtype == torch.bfloat16
+
+
 def test_wrong_byte_count_is_rejected():
     raw = torch.from_numpy(random_bytes(Q.Q8_0, (4, 256)))
     with pytest.raises(ValueError, match="needs 1088 bytes, got 1054"):

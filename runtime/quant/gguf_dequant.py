@@ -7,9 +7,9 @@ float32 output: products are formed in float32 in the same order as the referenc
 float16 scales widened to float32 first.
 
 The expansion is memory-bound, so kernels write the integer quants once into the float32 output
-and scale it in place, and do their per-block scale arithmetic with the blocks on the inner,
-contiguous axis (a handful of bytes per block, vectorized over blocks). The output is a fresh
-buffer on huge pages where the platform has them (see `huge_pages`).
+and scale it in place, and decode the few scale bytes of each block without narrow strided
+slices, which torch runs slowly. The output is a fresh buffer on huge pages where the platform
+has them (see `huge_pages`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ QType = gguf.GGMLQuantizationType
 Kernel = Callable[[Tensor, Tensor], None]
 DEQUANTIZERS: dict[QType, Kernel] = {}
 # Types stored as plain floats: their bytes are reinterpreted, not dequantized.
-STORED_FLOATS: dict[QType, torch.dtype] = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+STORED_FLOATS: dict[QType, torch.dtype] = {
+    QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16,
+}
 
 
 class UnsupportedQuantType(ValueError):
@@ -70,6 +72,8 @@ def dequantize(
         raise ValueError(
             f"{qtype.name} tensor of shape {shape} needs {n_blocks * type_size} bytes, got {blocks.numel()}"
         )
+    if n_blocks == 0:
+        return torch.empty(shape, dtype=dtype, device=blocks.device)
     blocks = blocks.reshape(n_blocks, type_size)
     if kernel is None:
         return blocks.view(STORED_FLOATS[qtype]).reshape(shape).to(dtype)
@@ -106,7 +110,8 @@ def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
 def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
     """Fill `out` with float32(q) * scale (+ offset), in q's element order, in place.
 
-    `scale` and `offset` are (n_blocks, groups): one factor per group of consecutive values.
+    `scale` and `offset` are (n_blocks, groups): one term per group of consecutive values. The
+    reference's `scale * q - m` is the same float as `scale * q + (-m)`, so callers negate m.
     """
     out.view(q.shape).copy_(q)
     groups = out.view(*scale.shape, -1).mul_(scale.unsqueeze(-1))
