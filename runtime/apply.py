@@ -72,7 +72,7 @@ def applied_state(model: nn.Module) -> AppliedState | None:
 def apply(plan: Plan, model: nn.Module) -> Census:
     """Convert `model` as `plan` says, in place, and return the census of the converted tree."""
     targets = check(plan, model)
-    state = applied_state(model) or AppliedState(plan=plan)
+    state = applied_state(model) or AppliedState()
     changes = [(entry, module, cls) for entry, (module, cls) in targets if type(module) is not cls]
     done: list[_Record] = []
     path = ""
@@ -84,8 +84,10 @@ def apply(plan: Plan, model: nn.Module) -> Census:
     except BaseException as exc:
         for record in reversed(done):
             _restore(record)
-        raise ConversionError(f"converting `{path}` failed ({exc!r}); the tree was restored unchanged") from exc
+        step = f"converting `{path}`" if path else "quantizing"
+        raise ConversionError(f"{step} failed ({exc!r}); the tree was restored unchanged") from exc
     state.records += done
+    state.plan = plan
     model.__dict__[STATE_ATTRIBUTE] = state
     from .quant.residents import make_resident
 
@@ -187,8 +189,10 @@ def _convert(module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) 
             attributes["bias"] = None  # ComfyUI's cast_bias_weight reads `bias` on every op
     else:
         attributes["_sw_relocated"] = entry.relocate
+    record = swap_class(module, cls, attributes, "stream" if entry.stream else "relocate")
+    if not entry.stream:
         tree.relocating.append(module)
-    return swap_class(module, cls, attributes, "stream" if entry.stream else "relocate")
+    return record
 
 
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:

@@ -42,6 +42,14 @@ def test_apply_is_idempotent():
     assert first.streamed == {"embedding": 1, "linear": 15, "llama_rms_norm": 5} and first.relocating == 1
 
 
+def test_the_state_keeps_the_plan_applied_last():
+    model = tiny_qwen2()
+    first, second = streamwise.resolve(DECODER, model), streamwise.resolve(DECODER, model)
+    streamwise.apply(first, model)
+    streamwise.apply(second, model)
+    assert applied_state(model).plan is second
+
+
 def test_revert_restores_classes_and_attributes_exactly():
     model = tiny_qwen2()
     ids = torch.randint(0, 128, (1, 6))
