@@ -8,6 +8,8 @@ the weights to the activation's device and the compute kind computes with them.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import Tensor, nn
 
 from .kinds import COMPUTE_KINDS, ComputeKind
@@ -25,10 +27,11 @@ def streaming_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
 
 def _derive(cls: type[nn.Module], kind: ComputeKind) -> type[nn.Module]:
     original_forward = cls.forward
+    input_name = _input_name(original_forward)
 
     def forward(self, *args, **kwargs):
         if self.comfy_cast_weights or self.weight_function or self.bias_function:
-            return _streamed_forward(self, kind, args, kwargs)
+            return _streamed_forward(self, kind, input_name, args, kwargs)
         return original_forward(self, *args, **kwargs)
 
     return type(
@@ -44,12 +47,18 @@ def _derive(cls: type[nn.Module], kind: ComputeKind) -> type[nn.Module]:
     )
 
 
-def _streamed_forward(module: nn.Module, kind: ComputeKind, args: tuple, kwargs: dict) -> Tensor:
+def _input_name(forward) -> str | None:
+    """The name of the input parameter of `forward` (its first after self), for calls by keyword."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    first = parameters[0] if parameters else None
+    return first.name if first is not None and first.kind is not first.VAR_POSITIONAL else None
+
+
+def _streamed_forward(module: nn.Module, kind: ComputeKind, input_name: str | None, args: tuple, kwargs: dict) -> Tensor:
     if args:
         x, args = args[0], args[1:]
     else:  # called with the input by keyword (`layer(input=x)`)
-        name = next(iter(kwargs))
-        x = kwargs.pop(name)
+        x = kwargs.pop(input_name if input_name in kwargs else next(iter(kwargs)))
     tree = module._sw_tree
     tree.compute_device = x.device
     dtype = x.dtype if kind.dtype == "input" else None

@@ -108,3 +108,12 @@ def test_streamed_leaves_accept_their_input_by_keyword():
     assert torch.equal(converted[0](input=x), original(input=x))
     force_streaming(converted)
     assert torch.equal(converted[0](input=x), original(input=x))
+
+
+def test_the_input_keyword_is_found_among_other_keywords():
+    original = with_random_weights(nn.ConvTranspose1d(2, 3, 3, stride=2))
+    x = torch.randn(1, 2, 5)
+    converted = convert(copy.deepcopy(original), "conv_transpose1d")
+    force_streaming(converted)
+    expected = original(x, output_size=[12])
+    assert torch.equal(converted[0](output_size=[12], input=x), expected)
