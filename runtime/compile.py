@@ -70,6 +70,7 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
     Keyword overrides take the policy's `[compile]` keys (`dynamic_shape_tracing` is `dynamic`).
     """
     settings = _settings(policy, overrides)
+    backend = _backend(settings.backend)  # before anything changes: a bad name leaves the model as it was
     patcher, module = (model, model.model) if _is_patcher(model) else (None, model)
     if patcher is not None:
         patcher = _handle_dynamic_vram(patcher, settings)
@@ -81,7 +82,6 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
         warnings.warn(INT4_MESSAGE, stacklevel=2)
         stats.reason = INT4_MESSAGE
         return patcher or model
-    backend = _backend(settings.backend)
     _quiet_fetchers(module, settings)
     _set_cache_limits(settings.dynamo_cache_size_limit)
     units = _units(module, settings if compile_transformer_blocks_only else settings.model_copy(update={"blocks": None}))

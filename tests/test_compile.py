@@ -162,6 +162,12 @@ def test_without_blocks_the_whole_model_compiles_with_a_warning():
 def test_settings_are_validated_and_cache_limits_set():
     with pytest.raises(ValueError, match="not a torch.compile backend"):
         streamwise.lazy_compile(Net(blocks=1), POLICY, backend="inducter")
+    armed = streamwise.lazy_compile(Net(blocks=2), POLICY, backend="aot_eager")
+    with pytest.raises(ValueError, match="not a torch.compile backend"):
+        streamwise.lazy_compile(armed, POLICY, backend="inducter")
+    stats = compile_stats(armed)
+    assert (stats.applied, stats.units) == (True, 2)
+    assert all("forward" in block.__dict__ for block in armed.blocks)
     with pytest.raises(ValueError, match="compile mode `turbo`"):
         streamwise.lazy_compile(Net(blocks=1), POLICY, mode="turbo")
     with pytest.raises(TypeError, match="unknown compile setting"):
