@@ -123,6 +123,19 @@ def test_weight_functions_apply_to_the_dequantized_weight(fmt, group_size):
     assert torch.allclose(layer(x), nn.functional.linear(x, dequantized + delta, layer.bias), atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt, group_size", [("int8", None), ("convrot_int4", 16)])
+def test_in_place_bias_functions_never_touch_the_stored_bias(fmt, group_size):
+    model = quantized(two_layers(), fmt, group_size)
+    layer = model[0]
+    stored = layer.bias.detach().clone()
+    layer.bias_function = [lambda b: b.add_(1)]  # ComfyUI's LoRA math may add in place
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        first, second = layer(x), layer(x)
+    assert torch.equal(first, second)
+    assert torch.equal(layer.bias, stored)
+
+
 def test_int4_residents_say_they_are_not_compile_safe():
     assert quantized(two_layers(), "convrot_int4", 16)[0].compile_safe is False
     assert quantized(two_layers(), "convrot_int8", 16)[0].compile_safe is True

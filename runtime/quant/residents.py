@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..tree import cast_for_compute
 from .formats import FORMATS
 
 _CLASSES: dict[tuple[type, str], type] = {}
@@ -68,8 +69,4 @@ def _forward(self, x: Tensor) -> Tensor:
     weight = fmt.dequantize(self, stored, x.dtype)
     for function in self.weight_function:
         weight = function(weight)
-    if bias is not None:
-        bias = bias.to(x.dtype)
-        for function in self.bias_function:
-            bias = function(bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight, cast_for_compute(bias, x.device, x.dtype, self.bias_function))
