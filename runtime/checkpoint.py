@@ -148,14 +148,16 @@ def _view(mapped, dtype: torch.dtype, count: int, offset: int, shape: tuple[int,
 def _gguf(path: Path) -> dict[str, StoredTensor]:
     import gguf
 
+    from .quant.gguf_dequant import STORED_FLOATS
+
     try:
         reader = gguf.GGUFReader(path, "c")
         entries = list(reader.tensors)
     except Exception as exc:  # the gguf reader signals corruption with many exception types
         raise CheckpointError([f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"]) from None
     tensors = {}
-    plain = {
-        gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
+    plain = {  # stored as they compute: never residents, read as views of the file
+        **STORED_FLOATS,
         gguf.GGMLQuantizationType.F64: torch.float64, gguf.GGMLQuantizationType.I8: torch.int8,
         gguf.GGMLQuantizationType.I16: torch.int16, gguf.GGMLQuantizationType.I32: torch.int32,
         gguf.GGMLQuantizationType.I64: torch.int64,

@@ -27,7 +27,7 @@ from .checkpoint import Checkpoint, CheckpointError, StoredTensor, open_checkpoi
 from .diagnostics import PolicyError
 from .loading import load_policy
 from .quant.convrot import check_group_size
-from .quant.gguf_dequant import UnsupportedQuantType, dequantize
+from .quant.gguf_dequant import check_blocks, dequantize
 from .quant.residents import make_resident
 from .resolve import resolve
 
@@ -154,14 +154,16 @@ class _Filling:
         if stored.qtype is not None:
             entry = self.plans.get(module_path)
             module = self.model.get_submodule(module_path)
-            if attribute == "weight" and entry is not None and entry.quant == "gguf" and isinstance(module, nn.Linear):
-                self.residents[module_path] = ("gguf", {"weight": stored.read()}, {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape})
-                return
+            blocks = stored.read()
             try:
-                tensor = dequantize(stored.read(), stored.qtype, stored.shape, target)
-            except (UnsupportedQuantType, ValueError) as exc:
+                check_blocks(stored.qtype, stored.shape, blocks.numel())
+            except ValueError as exc:  # UnsupportedQuantType too
                 self.problem(name, str(exc))
                 return
+            if attribute == "weight" and entry is not None and entry.quant == "gguf" and isinstance(module, nn.Linear):
+                self.residents[module_path] = ("gguf", {"weight": blocks}, {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape})
+                return
+            tensor = dequantize(blocks, stored.qtype, stored.shape, target)
             self.dequantized += 1
         else:
             tensor = stored.read()

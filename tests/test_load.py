@@ -187,6 +187,23 @@ def test_unsupported_gguf_type_names_the_tensor(saved, tmp_path):
     assert "tensor `lm_head.weight`" in message and "IQ4_NL" in message
 
 
+def test_gguf_residents_of_an_unsupported_type_are_refused_before_anything_changes(tmp_path):
+    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    path = tmp_path / "resident.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="test")
+    writer.add_tensor("proj.weight", np.zeros((16, 32 // block * size), dtype=np.uint8), raw_dtype=qtype)
+    writer.add_tensor("proj.bias", np.zeros(16, dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    policy = make_policy(stream={"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
+                         quant={"rule": [{"id": "q", "select": {"class": "Linear"}, "format": "gguf"}]})
+    with streamwise.skeleton():
+        model = torch.nn.Sequential()
+        model.add_module("proj", torch.nn.Linear(32, 16))
+    message = failing_load(model, path, policy)
+    assert "tensor `proj.weight`" in message and qtype.name in message
+
+
 @pytest.mark.parametrize("damage", ["truncate", "header", "empty", "junk"])
 def test_corrupt_safetensors_files(saved, tmp_path, damage):
     folder, _, _ = saved

@@ -47,6 +47,23 @@ def dequantizer(qtype: QType) -> Callable[[Kernel], Kernel]:
     return register
 
 
+def check_blocks(qtype: QType, shape: tuple[int, ...], nbytes: int) -> int:
+    """The number of blocks `nbytes` of `qtype` hold for `shape`; raises if this module cannot expand them."""
+    if qtype not in DEQUANTIZERS and qtype not in STORED_FLOATS:
+        supported = ", ".join(t.name for t in [*STORED_FLOATS, *DEQUANTIZERS])
+        raise UnsupportedQuantType(f"no dequantizer for GGML type {qtype.name}; supported: {supported}")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    row = shape[-1] if shape else 1
+    if row % block_size:
+        raise ValueError(
+            f"{qtype.name} rows hold whole blocks of {block_size} values, but shape {shape} has rows of {row}"
+        )
+    n_blocks = math.prod(shape) // block_size
+    if nbytes != n_blocks * type_size:
+        raise ValueError(f"{qtype.name} tensor of shape {shape} needs {n_blocks * type_size} bytes, got {nbytes}")
+    return n_blocks
+
+
 def dequantize(
     blocks: Tensor, qtype: QType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> Tensor:
@@ -54,24 +71,12 @@ def dequantize(
 
     Values are computed in float32 and then cast; F32 bytes read as float32 come back as a view of `blocks`.
     """
-    kernel = DEQUANTIZERS.get(qtype)
-    if kernel is None and qtype not in STORED_FLOATS:
-        supported = ", ".join(t.name for t in [*STORED_FLOATS, *DEQUANTIZERS])
-        raise UnsupportedQuantType(f"no dequantizer for GGML type {qtype.name}; supported: {supported}")
+    shape = tuple(shape)
     if blocks.dtype != torch.uint8:
         raise TypeError(f"GGML blocks must be a uint8 tensor of raw bytes, got {blocks.dtype}")
+    n_blocks = check_blocks(qtype, shape, blocks.numel())
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    shape = tuple(shape)
-    row = shape[-1] if shape else 1
-    if row % block_size:
-        raise ValueError(
-            f"{qtype.name} rows hold whole blocks of {block_size} values, but shape {shape} has rows of {row}"
-        )
-    n_blocks = math.prod(shape) // block_size
-    if blocks.numel() != n_blocks * type_size:
-        raise ValueError(
-            f"{qtype.name} tensor of shape {shape} needs {n_blocks * type_size} bytes, got {blocks.numel()}"
-        )
+    kernel = DEQUANTIZERS.get(qtype)
     if n_blocks == 0:
         return torch.empty(shape, dtype=dtype, device=blocks.device)
     blocks = blocks.reshape(n_blocks, type_size)
