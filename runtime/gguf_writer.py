@@ -38,7 +38,8 @@ def quantize_to_gguf(source: str | os.PathLike, destination: str | os.PathLike, 
         raise PolicyError(plan.diagnostics)
     chosen = {entry.path: entry.gguf_type for entry in plan.modules if entry.gguf_type}
     checkpoint = open_checkpoint(source)
-    writer = gguf.GGUFWriter(os.fspath(destination), arch="streamwise")
+    partial = Path(destination).with_name(Path(destination).name + ".partial")
+    writer = gguf.GGUFWriter(os.fspath(partial), arch="streamwise")
     writer.add_string("streamwise.policy", policy.name)
     types: dict[str, int] = {}
     bytes_in = 0
@@ -55,9 +56,10 @@ def quantize_to_gguf(source: str | os.PathLike, destination: str | os.PathLike, 
         writer.write_tensors_to_file()
     except BaseException:
         writer.close()
-        Path(destination).unlink(missing_ok=True)  # never leave half a file behind
+        partial.unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
         raise
     writer.close()
+    os.replace(partial, destination)
     return QuantizeReport(os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in, os.path.getsize(destination))
 
 

@@ -253,6 +253,20 @@ def test_mutated_files_give_clean_errors(small_files, tmp_path, kind, cuts):
         assert fingerprint(model) == before
 
 
+def test_a_failed_quantize_leaves_an_existing_destination_alone(tmp_path):
+    from streamwise.runtime.gguf_writer import quantize_to_gguf
+
+    model = torch.nn.Linear(32, 16)
+    tensors = {"weight": model.weight.detach().to(torch.float8_e4m3fn), "bias": model.bias.detach()}
+    safetensors.torch.save_file(tensors, tmp_path / "fp8.safetensors")
+    destination = tmp_path / "out.gguf"
+    destination.write_bytes(b"an earlier result")
+    with pytest.raises(CheckpointError, match="GGUF cannot store torch.float8_e4m3fn"):
+        quantize_to_gguf(tmp_path / "fp8.safetensors", destination, make_policy(), model)
+    assert destination.read_bytes() == b"an earlier result"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8.safetensors", "out.gguf"]
+
+
 def test_quantize_keeps_bf16_and_integer_tensors_loadable(tmp_path):
     class Tiny(torch.nn.Module):
         def __init__(self):
