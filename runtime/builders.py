@@ -9,6 +9,7 @@ the first that recognizes the folder wins.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +49,17 @@ def _transformers(folder: Path, dtype: torch.dtype | None) -> nn.Module | None:
     if not (folder / "config.json").is_file():
         return None
     config = read_config(folder)
-    with skeleton():
-        model = auto_model(config)
-    return model.to(dtype) if dtype is not None else model
+    with skeleton(), _default_dtype(dtype):
+        return auto_model(config)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """Build in `dtype` as transformers' `from_pretrained` does: tensors made in float32 on purpose
+    (rotary `inv_freq`) stay float32, where casting the built model would round them."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or previous)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
