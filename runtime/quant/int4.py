@@ -1,7 +1,7 @@
 """ConvRot INT4 weights: rotated like ConvRot INT8, symmetric 4-bit values packed two per byte,
 one fp32 scale per row and group of `scale_group` input channels.
 
-Compute is W4A16 (unpack, dequantize, matmul), enough on the CPU. These residents are not
+Compute is W4A16 (unpack, dequantize, matmul on rotated activations), enough on the CPU. These residents are not
 compile-safe: torch has no fake kernels for their packing, so the compile engine refuses them.
 """
 
@@ -35,12 +35,18 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_int4(packed: Tensor, scale: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
-    out_features = packed.shape[0]
-    low, high = (packed & 0x0F).to(torch.int16), (packed >> 4).to(torch.int16)
-    q = torch.stack((low, high), dim=-1).reshape(out_features, -1, scale_group_for(group_size)) - 8
-    w = (q.float() * scale.float()[..., None]).reshape(out_features, -1)
-    return unrotate(w, group_size).to(dtype)
+    return unrotate(_rotated_weight(packed, scale, group_size), group_size).to(dtype)
 
 
 def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
-    return F.linear(x, dequantize_int4(packed, scale, group_size, x.dtype), None if bias is None else bias.to(x.dtype))
+    """x·Wᵀ as rotate(x)·W_rotᵀ: rotating the activations costs rows·in·group, unrotating the weight out·in·group."""
+    weight = _rotated_weight(packed, scale, group_size).to(x.dtype)
+    return F.linear(rotate(x, group_size), weight, None if bias is None else bias.to(x.dtype))
+
+
+def _rotated_weight(packed: Tensor, scale: Tensor, group_size: int) -> Tensor:
+    """The float32 weight in the rotated basis it was quantized in."""
+    out_features = packed.shape[0]
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(torch.int8) - 8  # 1..15 as stored
+    grouped = q.reshape(out_features, -1, scale_group_for(group_size)).float() * scale.float()[..., None]
+    return grouped.reshape(out_features, -1)
