@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from ..runtime.apply import applied_state
 from ..runtime.compile import lazy_compile
-from ..runtime.loading import load_policy
 from ..schemas.vocabulary import COMPILE_MODES
-from .policy_dirs import comfy_policy_dirs
 
 
 class INT8LazyTorchCompile:
@@ -35,6 +32,4 @@ class INT8LazyTorchCompile:
         }}
 
     def compile(self, model, compile_transformer_blocks_only, **settings):
-        state = applied_state(model.model)
-        policy = load_policy(state.plan.policy, dirs=comfy_policy_dirs()) if state is not None and state.plan else None
-        return (lazy_compile(model.clone(), policy, compile_transformer_blocks_only=compile_transformer_blocks_only, **settings),)
+        return (lazy_compile(model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only, **settings),)

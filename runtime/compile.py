@@ -25,6 +25,7 @@ import torch._dynamo
 from torch import nn
 
 from ..schemas import CompileSettings, Policy
+from .apply import applied_state
 from .loading import load_policy
 from .selectors import CompiledSelector, ModuleRef
 
@@ -67,11 +68,12 @@ def compile_stats(model: Any) -> CompileStats:
 def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_transformer_blocks_only: bool = True, **overrides) -> Any:
     """Arm `model` (a module, or a ComfyUI MODEL) for compilation on its first forward; returns it.
 
-    Keyword overrides take the policy's `[compile]` keys (`dynamic_shape_tracing` is `dynamic`).
+    Without a policy, the `[compile]` settings of the plan the tree was converted by apply (else the
+    defaults). Keyword overrides take the `[compile]` keys (`dynamic_shape_tracing` is `dynamic`).
     """
-    settings = _settings(policy, overrides)
-    backend = _backend(settings.backend)  # before anything changes: a bad name leaves the model as it was
     patcher, module = (model, model.model) if _is_patcher(model) else (None, model)
+    settings = _settings(policy, module, overrides)
+    backend = _backend(settings.backend)  # before anything changes: a bad name leaves the model as it was
     if patcher is not None:
         patcher = _handle_dynamic_vram(patcher, settings)
         module = patcher.model
@@ -177,8 +179,12 @@ class _Region:
             log.info("recompiled %s: %s", self.function.__qualname__, reason)
 
 
-def _settings(policy: Policy | str | None, overrides: dict[str, Any]) -> CompileSettings:
-    base = (policy if isinstance(policy, Policy) else load_policy(policy)).compile if policy is not None else CompileSettings()
+def _settings(policy: Policy | str | None, module: nn.Module, overrides: dict[str, Any]) -> CompileSettings:
+    if policy is not None:
+        base = (policy if isinstance(policy, Policy) else load_policy(policy)).compile
+    else:  # the settings of the plan the tree was converted by, if any
+        state = applied_state(module)
+        base = state.plan.compile if state is not None and state.plan is not None else CompileSettings()
     updates = {_NODE_NAMES.get(key, key): value for key, value in overrides.items()}
     unknown = sorted(set(updates) - set(CompileSettings.model_fields))
     if unknown:
@@ -232,8 +238,8 @@ def _units(module: nn.Module, settings: CompileSettings) -> list[nn.Module]:
 
 def _quiet_fetchers(module: nn.Module, settings: CompileSettings) -> None:
     """A fetcher that prefetches on a side stream keeps Python bookkeeping a graph cannot hold."""
-    state = module.__dict__.get("_streamwise")
-    stop = getattr(getattr(state, "tree", None) and state.tree.fetcher, "stop_prefetching", None)
+    state = applied_state(module)
+    stop = getattr(state.tree.fetcher, "stop_prefetching", None) if state is not None else None
     if stop is not None:
         stop()
         if settings.verbose:

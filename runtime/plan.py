@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..schemas import CompileSettings
 from .diagnostics import Diagnostic
 
 
@@ -58,6 +59,7 @@ class Coverage:
 class Plan:
     policy: str
     root_class: str
+    compile: CompileSettings
     modules: tuple[ModulePlan, ...]
     coverage: Coverage
     rule_matches: dict[str, int] = field(default_factory=dict)

@@ -115,6 +115,7 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
     return Plan(
         policy=policy.name,
         root_class=ModuleRef.of("", model).classes[0][1],
+        compile=policy.compile,
         modules=tuple(plans),
         coverage=coverage,
         rule_matches=matches,

@@ -159,6 +159,16 @@ def test_without_blocks_the_whole_model_compiles_with_a_warning():
         streamwise.lazy_compile(model2, POLICY, backend="aot_eager", compile_transformer_blocks_only=False)
 
 
+def test_without_a_policy_the_converting_plans_blocks_compile():
+    model = Net(blocks=3)
+    streamwise.apply(streamwise.resolve(POLICY, model), model)  # POLICY (`test`) is on no policy path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compiling the whole model" fallback
+        streamwise.lazy_compile(model, backend="aot_eager")
+    stats = compile_stats(model)
+    assert (stats.applied, stats.units, stats.regions) == (True, 3, 1)
+
+
 def test_settings_are_validated_and_cache_limits_set():
     with pytest.raises(ValueError, match="not a torch.compile backend"):
         streamwise.lazy_compile(Net(blocks=1), POLICY, backend="inducter")
