@@ -58,8 +58,12 @@ class CompileStats:
 
 def compile_stats(model: Any) -> CompileStats:
     """What lazy compilation did to `model` (a module or a ComfyUI MODEL) so far."""
-    module = model.model if _is_patcher(model) else model
-    state = module.__dict__.get(STATE_ATTRIBUTE)
+    if _is_patcher(model):
+        regions = _patched_regions(model)
+        if not regions:
+            raise ValueError("this MODEL was not armed with streamwise.lazy_compile")
+        return regions[0].stats
+    state = model.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
         raise ValueError("this model was not armed with streamwise.lazy_compile")
     return state.stats
@@ -70,6 +74,8 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
 
     Without a policy, the `[compile]` settings of the plan the tree was converted by apply (else the
     defaults). Keyword overrides take the `[compile]` keys (`dynamic_shape_tracing` is `dynamic`).
+    A MODEL is armed through object patches, which ComfyUI sets while it is loaded and undoes on
+    unload, so the tree it shares with other MODELs (the one it was cloned from) is left alone.
     """
     patcher, module = (model, model.model) if _is_patcher(model) else (None, model)
     settings = _settings(policy, module, overrides)
@@ -77,23 +83,28 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
     if patcher is not None:
         patcher = _handle_dynamic_vram(patcher, settings)
         module = patcher.model
-    disarm(module)
-    armed = module.__dict__[STATE_ATTRIBUTE] = _Armed(CompileStats(), [])
-    stats = armed.stats
+    disarm(patcher or module)
+    armed = _Armed(CompileStats(), [])
+    if patcher is None:
+        module.__dict__[STATE_ATTRIBUTE] = armed
     if any(getattr(m, "compile_safe", True) is False for m in module.modules()):
         warnings.warn(INT4_MESSAGE, stacklevel=2)
-        stats.reason = INT4_MESSAGE
+        armed.stats.reason = INT4_MESSAGE
         return patcher or model
     _quiet_fetchers(module, settings)
     _set_cache_limits(settings.dynamo_cache_size_limit)
     units = _units(module, settings if compile_transformer_blocks_only else settings.model_copy(update={"blocks": None}))
     regions: dict[Any, _Region] = {}
-    for unit in units:
+    for path, unit in units:
         function = type(unit).forward
-        region = regions.setdefault(function, _Region(function, settings, backend, stats))
-        unit.__dict__["forward"] = functools.partial(region, unit)
-        armed.units.append(unit)
-    stats.applied, stats.units, stats.regions = True, len(units), len(regions)
+        region = regions.setdefault(function, _Region(function, settings, backend, armed.stats))
+        forward = functools.partial(region, unit)
+        if patcher is not None:
+            patcher.add_object_patch(f"{path}.forward" if path else "forward", forward)
+        else:
+            unit.__dict__["forward"] = forward
+            armed.units.append(unit)
+    armed.stats.applied, armed.stats.units, armed.stats.regions = True, len(units), len(regions)
     if settings.verbose:
         log.info("armed %d unit(s) in %d region(s): backend=%s mode=%s fullgraph=%s dynamic=%s guard_filter=%s",
                  len(units), len(regions), settings.backend, settings.mode, settings.fullgraph, settings.dynamic,
@@ -102,11 +113,23 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
 
 
 def disarm(model: Any) -> None:
-    """Undo `lazy_compile`: every unit runs its own forward again."""
-    module = model.model if _is_patcher(model) else model
-    armed = module.__dict__.pop(STATE_ATTRIBUTE, None)
+    """Undo `lazy_compile`: every unit runs its own forward again (a MODEL: from its next load)."""
+    if _is_patcher(model):
+        for key in [k for k, v in model.object_patches.items() if _is_armed_forward(v)]:
+            del model.object_patches[key]
+        return
+    armed = model.__dict__.pop(STATE_ATTRIBUTE, None)
     for unit in armed.units if armed else ():
         unit.__dict__.pop("forward", None)
+
+
+def _is_armed_forward(value: Any) -> bool:
+    # By marker, not class: ComfyUI may import this pack a second time under another module name.
+    return isinstance(value, functools.partial) and getattr(value.func, "_sw_region", False)
+
+
+def _patched_regions(patcher: Any) -> list["_Region"]:
+    return [value.func for value in patcher.object_patches.values() if _is_armed_forward(value)]
 
 
 @dataclass
@@ -117,6 +140,8 @@ class _Armed:
 
 class _Region:
     """One compiled callable shared by every block of one class; compiled on its first call."""
+
+    _sw_region = True
 
     def __init__(self, function, settings: CompileSettings, backend, stats: CompileStats) -> None:
         self.function, self.settings, self.stats = function, settings, stats
@@ -221,10 +246,11 @@ def _set_cache_limits(limit: int) -> None:
             setattr(config, name, max(getattr(config, name), limit))
 
 
-def _units(module: nn.Module, settings: CompileSettings) -> list[nn.Module]:
+def _units(module: nn.Module, settings: CompileSettings) -> list[tuple[str, nn.Module]]:
+    """The outermost modules of the block classes, with their paths (or the whole model)."""
     if settings.blocks is None:
         warnings.warn("no block classes to compile regionally; compiling the whole model", stacklevel=3)
-        return [module]
+        return [("", module)]
     selector = CompiledSelector(settings.blocks)
     units: list[tuple[str, nn.Module]] = []
     for path, child in module.named_modules():
@@ -232,8 +258,8 @@ def _units(module: nn.Module, settings: CompileSettings) -> list[nn.Module]:
             units.append((path, child))
     if not units:
         warnings.warn("the policy's compile blocks match nothing in this model; compiling the whole model", stacklevel=3)
-        return [module]
-    return [child for _, child in units]
+        return [("", module)]
+    return units
 
 
 def _quiet_fetchers(module: nn.Module, settings: CompileSettings) -> None:

@@ -214,10 +214,14 @@ def test_guard_filter_drops_guards_on_per_call_dicts():
 
 
 class FakePatcher:
-    """Just what lazy_compile reads of a ComfyUI MODEL: dynamic VRAM cannot run on a CPU core."""
+    """Just what lazy_compile uses of a ComfyUI MODEL: dynamic VRAM cannot run on a CPU core."""
 
     def __init__(self, dynamic: bool) -> None:
         self.model, self.load_device, self.dynamic, self.clones = Net(blocks=2), torch.device("cpu"), dynamic, []
+        self.object_patches = {}
+
+    def add_object_patch(self, name, obj):
+        self.object_patches[name] = obj
 
     def is_dynamic(self):
         return self.dynamic

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -20,8 +21,11 @@ def tiny_tokenizer():
 
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=100, special_tokens=["[UNK]", "[PAD]", "[EOS]"])
-    tokenizer.train_from_iterator(["a cat sat on the mat", "the quick brown fox jumps over the lazy dog"], trainer)
+    # One word for every id of tiny_qwen2's 128-token vocabulary, so that any generated id decodes to text.
+    trainer = trainers.WordLevelTrainer(vocab_size=128, special_tokens=["[UNK]", "[PAD]", "[EOS]"])
+    words = "a cat sat on the mat the quick brown fox jumps over lazy dog".split()
+    filler = [f"w{i}" for i in range(125 - len(set(words)))]
+    tokenizer.train_from_iterator([" ".join(words), " ".join(filler)], trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
 
 
@@ -86,7 +90,7 @@ def test_the_generate_text_workflow(nodes):
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_generate_text.json").read_text())
     outputs = run_workflow(mappings, workflow)
     (text,) = outputs["2"]
-    assert text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
+    assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
 
 
 def test_the_compile_workflow(nodes):
@@ -94,11 +98,17 @@ def test_the_compile_workflow(nodes):
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_compile.json").read_text())
     workflow["2"]["inputs"]["backend"] = "aot_eager"  # inductor is covered in tests/test_compile.py; keep this quick
     outputs = run_workflow(mappings, workflow)
-    compiled = outputs["2"][0]
+    loaded, compiled = outputs["1"][0], outputs["2"][0]
+    blocks = compiled.model.model.layers
     ids = torch.tensor([[3, 4, 5, 6]])
+    import comfy.model_management
     import transformers
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(root / "tiny-qwen2", local_files_only=True).eval()
+    assert not any(isinstance(block.forward, functools.partial) for block in blocks)  # armed only while loaded
+    with pytest.raises(ValueError, match="not armed"):
+        streamwise.compile_stats(loaded)  # the input MODEL stays as it was
+    comfy.model_management.load_models_gpu([compiled])
     with torch.no_grad():
         expected = reference(ids, use_cache=False).logits
         assert streamwise.compile_stats(compiled).graphs == 0  # lazy: nothing until the first forward
@@ -106,6 +116,18 @@ def test_the_compile_workflow(nodes):
     stats = streamwise.compile_stats(compiled)
     assert stats.applied and stats.units == 2 and stats.graphs == 1 and stats.fallbacks == []
     assert torch.allclose(result, expected, atol=1e-5)
+    compiled.unpatch_model()
+    assert not any(isinstance(block.forward, functools.partial) for block in blocks)
+
+
+def test_a_compiled_model_generates_text(nodes):
+    mappings, root = nodes
+    workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_compile.json").read_text())
+    workflow["2"]["inputs"]["backend"] = "aot_eager"
+    compiled = run_workflow(mappings, workflow)["2"][0]
+    (text,) = mappings["StreamwiseGenerateText"]().generate(compiled, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)
+    assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
+    assert streamwise.compile_stats(compiled).graphs >= 1 and streamwise.compile_stats(compiled).fallbacks == []
 
 
 def test_gguf_files_load_through_the_loader(nodes, tmp_path):
@@ -123,7 +145,7 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
     patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2-gguf", "decoder-llm", "auto")
     assert "model.gguf" in report
     (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
-    assert isinstance(text, str)
+    assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)  # Q8_0 keeps greedy decoding here
 
 
 def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
