@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..runtime.auto_policy import select_policy
-from ..runtime.hosts.comfyui import model_patcher
+from ..runtime.hosts.comfyui import adopt
 from ..runtime.loading import load_policy
 from .policy_dirs import comfy_policy_dirs, policy_choices
 
@@ -22,10 +22,4 @@ class ApplyStreamwisePolicy:
         dirs = comfy_policy_dirs()
         if policy == "auto":
             policy, _ = select_policy(model.model, dirs=dirs)
-        converted = model_patcher(model.model, load_device=model.load_device, offload_device=model.offload_device,
-                                  policy=load_policy(policy, dirs=dirs))
-        converted.patches = {key: list(patches) for key, patches in model.patches.items()}  # keep LoRAs already added
-        converted.patches_uuid = model.patches_uuid
-        converted.object_patches = dict(model.object_patches)
-        converted.model_options = model.model_options
-        return (converted,)
+        return (adopt(model, load_policy(policy, dirs=dirs)),)

@@ -67,8 +67,28 @@ def model_patcher(
     The patcher sees the model's own state-dict keys, so `add_patches` (LoRA) addresses them;
     loads tell the tree its compute device, and unloads send relocated tensors back.
     """
-    import comfy.model_management
     import comfy.model_patcher
+
+    policy = _host(model, policy)
+    base = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)
+    return _armed(_patcher_class(base)(model, load_device=load_device, offload_device=offload_device), policy)
+
+
+def adopt(patcher: Any, policy: Policy | str) -> Any:
+    """A clone of a MODEL another pack loaded, its tree converted by `policy` and hosted here.
+
+    The clone keeps everything ComfyUI's `clone` carries (LoRA patches, object patches, wrappers,
+    callbacks, options); only its class gains this host's load and unload steps.
+    """
+    policy = _host(patcher.model, policy)
+    adopted = patcher.clone()
+    adopted.__class__ = _patcher_class(type(patcher))
+    return _armed(adopted, policy)
+
+
+def _host(model: nn.Module, policy: Policy | str | None) -> Policy | None:
+    """Convert `model` (when given a policy) and make its tree fetch through ComfyUI."""
+    import comfy.model_management
 
     if policy is not None:
         policy, _ = apply_policy(model, policy)
@@ -81,12 +101,14 @@ def model_patcher(
     archive = getattr(comfy.model_management, "archive_model_dtypes", None)
     if archive is not None:
         archive(model)  # pins each tensor's storage dtype where newer cores read it
-    base = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)
-    patcher = _patcher_class(base)(model, load_device=load_device, offload_device=offload_device)
+    return policy
+
+
+def _armed(patcher: Any, policy: Policy | None) -> Any:
     if policy is not None and policy.compile.enabled:
         from ..compile import lazy_compile
 
-        patcher = lazy_compile(patcher, policy)
+        return lazy_compile(patcher, policy)
     return patcher
 
 

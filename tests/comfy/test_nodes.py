@@ -155,6 +155,9 @@ def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
     tree = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     plain = comfy.model_patcher.ModelPatcher(tree, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
     plain.add_patches({"0.weight": ("diff", (torch.ones(8, 8),))}, 1.0)
+    plain.model_options.setdefault("transformer_options", {})["probe"] = 1
+    on_load = []
+    plain.add_callback("on_load", lambda *args: on_load.append(1))  # another pack's hook
     user = Path(__import__("folder_paths").get_user_directory()) / "streamwise" / "policies"
     user.mkdir(parents=True, exist_ok=True)
     (user / "tiny-mlp.toml").write_text(
@@ -168,6 +171,9 @@ def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
     finally:
         (user / "tiny-mlp.toml").unlink()
     assert type(tree[0]).__name__ == "StreamedLinear" and list(converted.patches) == ["0.weight"]
+    assert type(plain) is comfy.model_patcher.ModelPatcher and isinstance(converted, type(plain))
+    assert converted.model_options["transformer_options"]["probe"] == 1  # all a clone carries is kept
+    assert len(converted.get_all_callbacks("on_load")) == 1
     converted.load(torch.device("cpu"), lowvram_model_memory=1)
     x = torch.randn(2, 8)
     expected = torch.nn.functional.layer_norm(x @ (tree[0].weight + 1).T + tree[0].bias, (8,), tree[1].weight, tree[1].bias)
