@@ -42,6 +42,7 @@ class StreamwiseGenerateText:
         with torch.no_grad():
             tokens = model.model.generate(
                 ids, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
-                top_k=top_k, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                top_k=top_k,
+                pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
             )
         return (tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True),)
