@@ -55,8 +55,10 @@ def build_from_config(folder: str | os.PathLike) -> nn.Module:
 
 def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
     source, _, name = spec.partition(":")
-    if not name:
+    if not source or not name:
         raise ModelSpecError(f"`{spec}` is not a model spec: use `transformers:<Class or model_type>` or `module:factory`")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ModelSpecError(f"the config overrides must be a JSON object, not {type(overrides).__name__}")
     with torch.device("meta"):
         model = _transformers(name, overrides or {}) if source == "transformers" else _factory(source, name, overrides)
     if not isinstance(model, nn.Module):
@@ -73,6 +75,8 @@ def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
         raise ModelSpecError(
             f"transformers has no model class or model_type `{name}`" + (f"; did you mean `{guess}`?" if guess else "")
         )
+    if cls is not None and getattr(cls, "config_class", None) is None:
+        raise ModelSpecError(f"`{name}` is not a transformers model class (it has no config class)")
     try:
         if cls is not None:
             return cls(cls.config_class(**overrides))
@@ -87,4 +91,7 @@ def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None)
         factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise ModelSpecError(f"cannot find `{module_name}:{attribute}`: {exc}") from None
-    return factory(**overrides) if overrides else factory()
+    try:
+        return factory(**overrides) if overrides else factory()
+    except TypeError as exc:  # the overrides do not fit the factory's parameters
+        raise ModelSpecError(f"cannot call `{module_name}:{attribute}` with this config: {exc}") from None

@@ -108,6 +108,10 @@ def test_model_mode_with_a_python_factory(tmp_path, monkeypatch, capsys):
     (["--model", "no_such_module:build", "decoder-llm"], "cannot find `no_such_module:build`"),
     (["--model", "transformers", "decoder-llm"], "is not a model spec"),
     (["--model", "transformers:qwen2", "--model-config", "{oops", "decoder-llm"], "Expecting property name"),
+    (["--model", ":build", "decoder-llm"], "is not a model spec"),
+    (["--model", "transformers:Conv1D", "decoder-llm"], "`Conv1D` is not a transformers model class"),
+    (["--model", "transformers:qwen2", "--model-config", "[2]", "decoder-llm"], "must be a JSON object"),
+    (["--model", "torch.nn:Linear", "--model-config", '{"widht": 2}', "decoder-llm"], "cannot call `torch.nn:Linear`"),
 ])
 def test_model_mode_usage_errors(argv, message, capsys):
     assert main(argv) == EXIT_USAGE
