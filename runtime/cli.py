@@ -110,7 +110,6 @@ def _bytes(size: int) -> str:
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    return f"{size} B"
 
 
 def _collect(paths: Sequence[str]) -> list[Path]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from ..schemas import SCHEMA_VERSION, Policy
 from .catalog import find_policy, list_policies, policy_dirs
@@ -40,7 +40,6 @@ def check_policy(
     if isinstance(path, Diagnostic):
         return None, [path]
     policy, diagnostics = _load_chain(path, search, chain=())
-    diagnostics = _unique(diagnostics)
     if policy is not None and not errors_in(diagnostics):
         diagnostics += check_rule_conflicts(policy)
     return (None if errors_in(diagnostics) else policy), diagnostics
@@ -83,7 +82,7 @@ def _load_chain(path: Path, search: list[Path], chain: tuple[tuple[Path, Locatio
             "unknown-extends", f"`extends` names `{parent_name}`, which is not a policy in the policy folders",
             where, key_path="policy.extends", suggestion=did_you_mean(parent_name, names),
         )]
-    visited = [(path.resolve(), where), *((p, w) for p, w in chain)]
+    visited = [(path.resolve(), where), *chain]
     if any(parent_path.resolve() == seen for seen, _ in visited):
         cycle = " -> ".join([*(p.stem for p, _ in reversed(visited)), parent_path.stem])
         notes = tuple(Note("extended from here", w) for _, w in chain if w is not None)
@@ -136,8 +135,3 @@ def _upgrade(source: PolicySource) -> tuple[dict | None, list[Diagnostic]]:
         )
         for m in moves
     ]
-
-
-def _unique(diagnostics: Sequence[Diagnostic]) -> list[Diagnostic]:
-    """A parent policy reached twice reports its problems once."""
-    return list(dict.fromkeys(diagnostics))
