@@ -34,16 +34,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .gguf_writer import quantize_to_gguf
-    from .model_spec import ModelSpecError, build_from_config, build_model
+    from .builders import build_skeleton
+    from .model_spec import ModelSpecError, build_model
 
     try:
         policy = load_policy(args.policy)
         if args.model:
             model = build_model(args.model, json.loads(args.model_config) if args.model_config else None)
-        elif Path(args.source, "config.json").is_file():
-            model = build_from_config(args.source)
+        elif Path(args.source).is_dir():
+            model = build_skeleton(Path(args.source))  # config.json, or a builder another pack registered
         else:
-            parser.error("--model is needed when the source is not a folder with config.json")
+            parser.error("--model is needed when the source is a file rather than a model folder")
         report = quantize_to_gguf(args.source, args.destination, policy, model)
     except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError) as exc:
         print(f"streamwise quantize: {exc}", file=sys.stderr)

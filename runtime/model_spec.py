@@ -46,13 +46,6 @@ def auto_model(config) -> nn.Module:
     raise ModelSpecError(f"no transformers auto class builds model_type `{config.model_type}`")
 
 
-def build_from_config(folder: str | os.PathLike) -> nn.Module:
-    """The model a Hugging Face folder's config.json describes, on the meta device."""
-    config = read_config(folder)
-    with torch.device("meta"):
-        return auto_model(config)
-
-
 def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
     source, _, name = spec.partition(":")
     if not source or not name:
