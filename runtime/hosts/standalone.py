@@ -95,7 +95,7 @@ def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
 
 def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
     """Move a module's direct parameters and buffers, keeping every Parameter object."""
-    for name, parameter in module.named_parameters(recurse=False):
+    for parameter in module.parameters(recurse=False):
         if parameter.device != device or (pin and not parameter.is_pinned()):
             data = parameter.data.to(device)
             parameter.data = data.pin_memory() if pin else data
@@ -143,10 +143,11 @@ class _Streamer:
         if ready is None or ready[3] != _versions(module):  # changed in place since the copy: copy again
             return _copy(module, self.device)
         weight, bias, event, _ = ready
-        torch.cuda.current_stream(self.device).wait_event(event)
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)
         for tensor in (weight, bias):
             if tensor is not None:
-                tensor.record_stream(torch.cuda.current_stream(self.device))
+                tensor.record_stream(stream)
         return weight, bias
 
     def _prefetch_after(self, key: int) -> None:
