@@ -27,7 +27,7 @@ from torch import nn
 from ..schemas import CompileSettings, Policy
 from .apply import applied_state
 from .loading import load_policy
-from .selectors import CompiledSelector, ModuleRef
+from .selectors import CompiledSelector, ModuleRef, within
 
 log = logging.getLogger("streamwise.compile")
 
@@ -254,7 +254,7 @@ def _units(module: nn.Module, settings: CompileSettings) -> list[tuple[str, nn.M
     selector = CompiledSelector(settings.blocks)
     units: list[tuple[str, nn.Module]] = []
     for path, child in module.named_modules():
-        if selector.matches(ModuleRef.of(path, child)) and not any(path.startswith(p + ".") or p == "" for p, _ in units):
+        if selector.matches(ModuleRef.of(path, child)) and not any(within(path, p) for p, _ in units):
             units.append((path, child))
     if not units:
         warnings.warn("the policy's compile blocks match nothing in this model; compiling the whole model", stacklevel=3)

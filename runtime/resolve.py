@@ -17,7 +17,7 @@ from ..schemas import Policy
 from .diagnostics import Diagnostic, Note, did_you_mean
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, decide
-from .selectors import CompiledSelector, ModuleRef
+from .selectors import CompiledSelector, ModuleRef, within
 
 _SECTIONS = ("stream", "relocate", "quant")
 _LINEAR_ONLY = ("int8", "convrot_int8", "convrot_int4")
@@ -88,7 +88,7 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
                     help="pick a power of 4 that divides every selected layer's in_features, or exclude the layer",
                 ))
                 quant = None
-        unit = blocks is not None and blocks.matches(ref) and not any(_inside(path, u) for u in units)
+        unit = blocks is not None and blocks.matches(ref) and not any(within(path, u) for u in units)
         if unit:
             units.append(path)
             matches["compile.blocks"] += 1
@@ -156,10 +156,6 @@ class _Census:
 
 def _holds_parameters_below(module: nn.Module) -> bool:
     return any(True for child in module.children() for _ in child.parameters())
-
-
-def _inside(path: str, unit: str) -> bool:
-    return unit == "" or path.startswith(unit + ".")
 
 
 def _rule_location(rule: Any):

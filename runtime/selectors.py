@@ -34,6 +34,11 @@ class ModuleRef:
         return cls(path, tuple((c.__name__, f"{c.__module__}.{c.__qualname__}") for c in mro))
 
 
+def within(path: str, outer: str) -> bool:
+    """Whether the module at `path` lies inside the module at `outer` ("" is the root)."""
+    return outer == "" or path.startswith(outer + ".")
+
+
 class CompiledSelector:
     """A selector with its globs and regexes compiled once, ready to test many modules."""
 
