@@ -119,7 +119,8 @@ class _Filling:
         self.aliases: dict[str, list[str]] = {}
 
     def problem(self, name: str, message: str) -> None:
-        self.problems.append(f"{self.checkpoint.path}: tensor `{name}`: {message}")
+        stored = self.checkpoint.tensors.get(name)  # in a sharded folder: the shard that holds it
+        self.problems.append(f"{stored.file if stored else self.checkpoint.path}: tensor `{name}`: {message}")
 
     def collect(self) -> None:
         expected = self.model.state_dict(keep_vars=True)

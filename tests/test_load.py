@@ -71,6 +71,11 @@ def test_sharded_folder_with_an_index(saved, tmp_path):
     model = skeleton_model()
     streamwise.load(model, tmp_path, "decoder-llm")
     assert torch.equal(logits(model), expected)
+    with streamwise.skeleton():
+        narrower = tiny_qwen2(intermediate_size=96)
+    message = failing_load(narrower, tmp_path)
+    shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]["model.layers.0.mlp.up_proj.weight"]
+    assert f"{tmp_path / shard}: tensor `model.layers.0.mlp.up_proj.weight`: shape [128, 64]" in message
 
 
 def test_quantize_on_load_from_a_float_checkpoint(saved, tmp_path):
