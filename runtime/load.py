@@ -100,10 +100,10 @@ def load(
         fmt = getattr(type(module), "_sw_format", None)
         if fmt is not None:
             residents[fmt] = residents.get(fmt, 0) + 1
+    read = [*filling.tensors.values(), *(t for _, stored, _ in filling.residents.values() for t in stored.values())]
     return LoadReport(
         checkpoint.path, len(filling.tensors) + len(filling.residents),
-        sum(t.numel() * t.element_size() for t in filling.tensors.values()), dict(sorted(residents.items())),
-        filling.dequantized,
+        sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())), filling.dequantized,
     )
 
 

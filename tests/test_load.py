@@ -112,7 +112,9 @@ gguf_type = "Q8_0"
     assert streamwise_main(["quantize", str(folder), str(target), "--policy", str(policy)]) == 0
     assert "Q8_0 x15" in capsys.readouterr().out
     resident = skeleton_model()
-    assert streamwise.load(resident, target, policy).residents == {"gguf": 15}
+    report = streamwise.load(resident, target, policy)
+    assert report.residents == {"gguf": 15}
+    assert report.bytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(target).tensors)  # raw blocks counted too
     assert resident.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
     dequantized_once = skeleton_model()  # without a gguf rule, quantized tensors dequantize at load
     assert streamwise.load(dequantized_once, target, "decoder-llm").dequantized == 15
