@@ -37,7 +37,7 @@ def select_policy(
         elif model_type is not None and model_type in match.model_types:
             scored.setdefault(2, []).append((name, f"model_type `{model_type}`"))
         elif match.state_dict_keys and keys and all(
-            any(glob_matches(compile_glob(g), k) for k in keys) for g in match.state_dict_keys
+            any(glob_matches(pattern, k) for k in keys) for pattern in map(compile_glob, match.state_dict_keys)
         ):
             scored.setdefault(1, []).append((name, "its state-dict key patterns"))
     if not scored:
