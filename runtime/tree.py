@@ -31,24 +31,35 @@ class Fetcher(Protocol):
 class TorchFetcher:
     """Plain torch: copy to the device (and dtype), then apply the module's weight functions."""
 
+    non_blocking = False
+    """Let host-to-device copies return early: only for a host that pins the offloaded weights."""
+
     def fetch_raw(self, module, names, device):
-        return [None if (t := getattr(module, name)) is None else t.to(device) for name in names]
+        return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=self.non_blocking) for name in names]
 
     def fetch(self, module, device, dtype):
-        weight = cast_for_compute(module.weight, device, dtype, module.weight_function)
-        bias = cast_for_compute(getattr(module, "bias", None), device, dtype, module.bias_function)
-        return weight, bias, None
+        return self.for_compute(module, module.weight, getattr(module, "bias", None), device, dtype)
+
+    def for_compute(self, module: nn.Module, weight: Tensor | None, bias: Tensor | None, device: torch.device, dtype: torch.dtype | None):
+        """`fetch`'s result from the leaf's weight and bias, wherever they were copied to so far."""
+        return (
+            cast_for_compute(weight, device, dtype, module.weight_function, self.non_blocking),
+            cast_for_compute(bias, device, dtype, module.bias_function, self.non_blocking),
+            None,
+        )
 
     def release(self, module, weight, bias, handle) -> None:
         pass
 
 
-def cast_for_compute(tensor: Tensor | None, device: torch.device, dtype: torch.dtype | None, functions) -> Tensor | None:
+def cast_for_compute(
+    tensor: Tensor | None, device: torch.device, dtype: torch.dtype | None, functions, non_blocking: bool = False
+) -> Tensor | None:
     """`tensor` on `device` in `dtype` with the weight functions applied, never mutating the stored one."""
     if tensor is None:
         return None
     # A weight function (a LoRA patch) may write into its input: never hand it the stored tensor.
-    tensor = tensor.to(device=device, dtype=dtype, copy=bool(functions))
+    tensor = tensor.to(device=device, dtype=dtype, copy=bool(functions), non_blocking=non_blocking)
     for function in functions:
         tensor = function(tensor)
     return tensor

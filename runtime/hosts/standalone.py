@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ..apply import applied_state, apply_policy
-from ..tree import cast_for_compute
+from ..tree import TorchFetcher
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,10 @@ def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
             module._buffers[name] = buffer.to(device)
 
 
-class _Streamer:
+class _Streamer(TorchFetcher):
     """Fetches streamed weights; on CUDA, prefetches the next leaf's weights on a side stream."""
+
+    non_blocking = True  # the offloaded weights are pinned
 
     def __init__(self, device: torch.device, *, pin: bool, prefetch: bool) -> None:
         self.device = device
@@ -116,22 +118,15 @@ class _Streamer:
         self.ready: dict[int, tuple[Tensor | None, Tensor | None, object, tuple[int, ...]]] = {}  # weight, bias, event, versions
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
-        if self.side is not None:  # prefetching: learn the forward order, take what was copied ahead
-            key = id(module)
-            if key not in self.position:
-                self.position[key] = len(self.order)
-                self.order.append(module)
-            weight, bias = self._take(module)
-            self._prefetch_after(key)
-        else:  # plain tensor ops: also what torch.compile traces cleanly inside a block
-            weight, bias = _copy(module, device)
-        return cast_for_compute(weight, device, dtype, module.weight_function), cast_for_compute(bias, device, dtype, module.bias_function), None
-
-    def release(self, module, weight, bias, handle) -> None:
-        pass
-
-    def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
-        return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=True) for name in names]
+        if self.side is None:  # plain tensor ops: also what torch.compile traces cleanly inside a block
+            return super().fetch(module, device, dtype)
+        key = id(module)  # prefetching: learn the forward order, take what was copied ahead
+        if key not in self.position:
+            self.position[key] = len(self.order)
+            self.order.append(module)
+        weight, bias = self._take(module)
+        self._prefetch_after(key)
+        return self.for_compute(module, weight, bias, device, dtype)
 
     def stop_prefetching(self) -> None:
         """Copy on demand from now on (compiled blocks cannot trace the side-stream bookkeeping)."""
@@ -141,7 +136,7 @@ class _Streamer:
     def _take(self, module: nn.Module) -> tuple[Tensor | None, Tensor | None]:
         ready = self.ready.pop(id(module), None)
         if ready is None or ready[3] != _versions(module):  # changed in place since the copy: copy again
-            return _copy(module, self.device)
+            return module.weight, getattr(module, "bias", None)
         weight, bias, event, _ = ready
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)
