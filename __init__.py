@@ -25,6 +25,7 @@ _ENGINE = {
     "model_patcher": ".runtime.hosts.comfyui",
     "load": ".runtime.load",
     "skeleton": ".runtime.load",
+    "load_pretrained": ".runtime.pretrained",
     "lazy_compile": ".runtime.compile",
     "compile_stats": ".runtime.compile",
 }

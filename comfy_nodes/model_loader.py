@@ -6,13 +6,9 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.auto_policy import select_policy
-from ..runtime.builders import build_skeleton, model_type
-from ..runtime.checkpoint import open_checkpoint
 from ..runtime.hosts.comfyui import model_patcher
-from ..runtime.load import load
-from ..runtime.loading import load_policy
 from ..runtime.model_files import config_folder, list_models, resolve_model
+from ..runtime.pretrained import load_pretrained
 from .policy_dirs import comfy_policy_dirs, model_roots, policy_choices
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -38,21 +34,14 @@ class StreamwiseModelLoader:
         import comfy.utils
 
         path = resolve_model(model, model_roots())
-        folder = config_folder(path)
-        checkpoint = open_checkpoint(path)
-        target = DTYPES[dtype] or next((t.dtype for t in checkpoint.tensors.values() if t.dtype.is_floating_point), None)
-        tree = build_skeleton(folder, target)
-        dirs = comfy_policy_dirs()
-        if policy == "auto":
-            policy, chosen = select_policy(tree, model_type=model_type(folder), keys=checkpoint.tensors, dirs=dirs)
-        else:
-            chosen = f"policy `{policy}`"
         progress = comfy.utils.ProgressBar(100)
-        report = load(tree, path, load_policy(policy, dirs=dirs), dtype=target,
-                      progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100))
+        tree, report, chosen = load_pretrained(
+            path, policy, dtype=DTYPES[dtype], policy_dirs=comfy_policy_dirs(),
+            progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
+        )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device())
-        tree.streamwise_source = str(folder)  # on the tree: patcher clones share it
+        tree.streamwise_source = str(config_folder(path))  # on the tree: patcher clones share it
         text = (f"{chosen}; {report.tensors} tensors from {Path(report.file).name}"
                 + (f"; residents {report.residents}" if report.residents else ""))
         return (patcher, text)

@@ -138,6 +138,27 @@ def test_comfy_quant_round_trip(saved, tmp_path):
     assert torch.equal(logits(reloaded), logits(quantized))
 
 
+def test_load_pretrained_builds_picks_the_policy_and_loads(saved):
+    folder, _, expected = saved
+    model, report, chosen = streamwise.load_pretrained(folder)
+    assert chosen == "`auto` picked `decoder-llm` by root class `Qwen2ForCausalLM`"
+    assert report.tensors == 27 and report.file == str(folder / "model.safetensors")
+    assert torch.equal(logits(model), expected)
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "StreamedLinear"
+
+
+def test_load_pretrained_takes_the_file_dtype_unless_told(saved, tmp_path):
+    folder, original, _ = saved
+    original.to(torch.bfloat16).save_pretrained(tmp_path)
+    original.float()
+    model, _, chosen = streamwise.load_pretrained(tmp_path / "model.safetensors", "decoder-llm")
+    assert chosen == "policy `decoder-llm`"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # built in bf16, not cast to it
+    model, _, _ = streamwise.load_pretrained(folder, "decoder-llm", dtype=torch.float16)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
 def test_dtype_conversion_is_explicit(saved):
     folder, _, expected = saved
     model = skeleton_model().to(torch.bfloat16)

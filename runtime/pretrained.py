@@ -1,0 +1,58 @@
+"""`load_pretrained(path, policy)`: a model folder or weight file in, a loaded, converted tree out.
+
+The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the
+skeleton from the config beside the weights (`builders`), pick the policy by name or by its
+`[match]` table (`auto_policy`), and fill the skeleton from the file (`load`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+from torch import nn
+
+from ..schemas import Policy
+from .auto_policy import select_policy
+from .builders import build_skeleton, model_type
+from .checkpoint import open_checkpoint
+from .load import LoadReport, load
+from .loading import load_policy
+from .model_files import config_folder
+
+
+class Pretrained(NamedTuple):
+    model: nn.Module
+    report: LoadReport
+    policy: str
+    """Which policy converted the tree and how it was chosen, in words."""
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    policy: Policy | str | os.PathLike = "auto",
+    *,
+    dtype: torch.dtype | None = None,
+    policy_dirs: Iterable[str | os.PathLike] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> Pretrained:
+    """Build, convert and load the model at `path` (a Hugging Face folder, or a weight file beside its config.json).
+
+    `policy="auto"` picks the policy whose `[match]` recognizes the model, and refuses to guess
+    between equal matches. Without `dtype` the model takes the file's first floating dtype.
+    """
+    path = Path(path)
+    folder = config_folder(path)
+    checkpoint = open_checkpoint(path)
+    if dtype is None:
+        dtype = next((t.dtype for t in checkpoint.tensors.values() if t.dtype.is_floating_point), None)
+    model = build_skeleton(folder, dtype)
+    chosen = None
+    if isinstance(policy, str) and policy == "auto":
+        policy, chosen = select_policy(model, model_type=model_type(folder), keys=checkpoint.tensors, dirs=policy_dirs)
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy, dirs=policy_dirs)
+    report = load(model, path, policy, dtype=dtype, progress=progress)
+    return Pretrained(model, report, chosen or f"policy `{policy.name}`")
