@@ -77,6 +77,22 @@ def test_flat_blocks_give_the_same_values():
     assert torch.equal(dequantize(flat, Q.Q4_K, (3, 512)), dequantize(torch.from_numpy(raw), Q.Q4_K, (3, 512)))
 
 
+@pytest.mark.parametrize("n_blocks", [1, 3], ids=lambda n: f"{n}-blocks")
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+def test_blocks_at_an_odd_offset_or_stride_give_the_same_values(qtype, n_blocks):
+    """Bytes sliced out of a larger buffer (a file map, a packed record): no alignment is promised."""
+    block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
+    shape = (n_blocks, block_size)
+    raw = random_bytes(qtype, shape)
+    expected = reference(raw, qtype)
+    flat = torch.from_numpy(raw.copy()).reshape(-1)
+    shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), flat])[1:]
+    strided = torch.stack([flat, torch.zeros_like(flat)], dim=1).reshape(-1)[::2]
+    assert shifted.storage_offset() == 1 and strided.stride() == (2,)
+    assert torch.equal(dequantize(shifted, qtype, shape), expected)
+    assert torch.equal(dequantize(strided, qtype, shape), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda t: t.name)
 def test_output_dtype_is_the_float32_result_cast(qtype, dtype):

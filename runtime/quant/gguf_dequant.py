@@ -81,7 +81,7 @@ def dequantize(
         return torch.empty(shape, dtype=dtype, device=blocks.device)
     blocks = blocks.reshape(n_blocks, type_size)
     if kernel is None:
-        return blocks.view(STORED_FLOATS[qtype]).reshape(shape).to(dtype)
+        return _reinterpret(blocks, STORED_FLOATS[qtype]).reshape(shape).to(dtype)
     values = huge_pages.empty((n_blocks, block_size), torch.float32, blocks.device)
     kernel(blocks, values)
     if dtype == torch.float32:
@@ -89,9 +89,16 @@ def dequantize(
     return huge_pages.empty(shape, dtype, blocks.device).copy_(values.view(shape))
 
 
+def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bytes read as `dtype` along the last axis: a view where their layout and offset allow one, else a copy's."""
+    if not raw.is_contiguous() or raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone(memory_format=torch.contiguous_format)
+    return raw.view(dtype)
+
+
 def _half(blocks: Tensor, offset: int) -> Tensor:
     """The little-endian float16 at byte `offset` of every block, widened to float32 of shape (n_blocks, 1)."""
-    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+    return _reinterpret(blocks[:, offset : offset + 2], torch.float16).float()
 
 
 def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
@@ -197,7 +204,7 @@ def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
     (low nibble) and of mins 4-7 (high nibble). Each group of four bytes is handled as one
     little-endian 32-bit word, four fields at a time, so the work runs along blocks.
     """
-    sc, mn, mixed = blocks[:, 4:16].contiguous().view(torch.int32).unbind(-1)
+    sc, mn, mixed = _reinterpret(blocks[:, 4:16], torch.int32).unbind(-1)
     scale = torch.stack([sc & 0x3F3F3F3F, (mixed & 0x0F0F0F0F) | ((sc >> 2) & 0x30303030)], -1)
     minimum = torch.stack([mn & 0x3F3F3F3F, ((mixed >> 4) & 0x0F0F0F0F) | ((mn >> 2) & 0x30303030)], -1)
     return scale.view(torch.uint8), minimum.view(torch.uint8)
@@ -240,4 +247,4 @@ def _q6_k(blocks: Tensor, out: Tensor) -> None:
     ql = _unpack(blocks[:, :128].reshape(-1, 2, 64), 4, -2).unflatten(-1, (2, 32))
     qh = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), 2, -2).unflatten(-2, (2, 2))
     q = ql.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    _affine(out, q, _half(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8))
+    _affine(out, q, _half(blocks, 208) * _reinterpret(blocks[:, 192:208], torch.int8))
