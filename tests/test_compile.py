@@ -100,7 +100,7 @@ def test_int8_residents_compile(fmt):
     streamwise.apply(streamwise.resolve(policy, model), model)
     x = torch.randn(2, 32)
     expected = run(model, x)
-    streamwise.lazy_compile(model, policy, backend="aot_eager")
+    streamwise.lazy_compile(model, policy)  # inductor, the default: it calls the CPU kernel as an opaque op
     assert torch.allclose(run(model, x), expected, atol=1e-4)
     assert compile_stats(model).fallbacks == [] and compile_stats(model).graphs >= 1
 

@@ -4,7 +4,7 @@ The matmul takes the fastest exact-enough path the device offers: W8A8 through `
 where its shape rules hold (CUDA: more than 16 rows, K and N multiples of 8), W8A16 through
 `torch._weight_int8pack_mm` on the CPU (bf16 activations, int8 weights), and dequantize-then-
 matmul anywhere else (also on the CPU when in_features is not a multiple of 16, where torch's
-packed kernel crashes).
+packed kernel crashes), the weight dequantized in float32 before it takes the activations' dtype.
 """
 
 from __future__ import annotations
@@ -44,12 +44,40 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, group_
     if rows.is_cuda and rows.shape[0] > 16 and in_features % 8 == 0 and out_features % 8 == 0:
         out = _w8a8(rows, q, scale)
     elif rows.device.type == "cpu" and in_features % 16 == 0:  # the packed kernel crashes on other K
-        compute = rows.dtype if rows.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        out = torch._weight_int8pack_mm(rows.to(compute), q, scale.to(compute))
+        out = _w8a16(rows, q, scale)
     else:
-        out = F.linear(rows, q.to(rows.dtype) * scale.to(rows.dtype)[:, None])
+        out = F.linear(rows, dequantize_int8(q, scale, None, rows.dtype))
     out = out.to(x.dtype).reshape(*x.shape[:-1], out_features)
     return out if bias is None else out + bias.to(x.dtype)
+
+
+@torch.library.custom_op("streamwise::int8_w8a16", mutates_args=())
+def _w8a16(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """`torch._weight_int8pack_mm` in bf16 (float16 would flush small row scales to subnormals).
+
+    A custom op so that inductor calls it opaquely (it cannot lower the kernel after a scale
+    cast) and so that gradients reach the activations, which the bare kernel does not allow.
+    """
+    return torch._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), q, scale.to(torch.bfloat16))
+
+
+@_w8a16.register_fake
+def _(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    return rows.new_empty((rows.shape[0], q.shape[0]), dtype=torch.bfloat16)
+
+
+def _w8a16_context(ctx, inputs, output) -> None:
+    rows, q, scale = inputs
+    ctx.rows_dtype = rows.dtype
+    ctx.save_for_backward(q, scale)
+
+
+def _w8a16_backward(ctx, grad: Tensor):
+    q, scale = ctx.saved_tensors
+    return grad.to(ctx.rows_dtype) @ dequantize_int8(q, scale, None, ctx.rows_dtype), None, None
+
+
+_w8a16.register_autograd(_w8a16_backward, setup_context=_w8a16_context)
 
 
 def _w8a8(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
