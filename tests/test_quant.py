@@ -214,3 +214,61 @@ def test_residents_never_keep_misaligned_storage():
     assert layer.weight.data_ptr() % 64 == 0
     assert torch.equal(layer.weight, q)
     layer(torch.randn(2, 64))
+
+
+def dequantized_weight(layer: nn.Module) -> torch.Tensor:
+    from streamwise.runtime.quant.formats import FORMATS
+
+    fmt = type(layer)._sw_format
+    return FORMATS[fmt].dequantize(layer, {name: getattr(layer, name) for name in FORMATS[fmt].stored}, torch.float32)
+
+
+@pytest.mark.parametrize("fmt, group_size", [("int8", None), ("convrot_int8", 16), ("convrot_int4", 16)])
+def test_residents_take_strided_inputs_and_the_keyword_input(fmt, group_size):
+    layer = quantized(two_layers(), fmt, group_size)[0]
+    x = torch.randn(1, 64, 7).transpose(1, 2)  # a channels-first model's features: rows not contiguous
+    assert not x.reshape(-1, 64).is_contiguous()
+    expected = nn.functional.linear(x, dequantized_weight(layer), layer.bias)
+    with torch.no_grad():
+        assert per_row_error(layer(input=x).reshape(7, -1), expected.reshape(7, -1)) < 0.01
+
+
+def test_int8_row_scales_survive_float16_activations():
+    """A row whose largest weight is below 7.8e-3 has a scale that float16 holds only as a subnormal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-4)
+    layer = quantized(model, "int8")[0]
+    x = torch.randn(8, 64)
+    expected = x @ dequantized_weight(layer).T
+    with torch.no_grad():
+        assert per_row_error(layer(x.half()).float(), expected) < 0.01  # 23% when the scale was cast to float16
+
+
+def test_int8_gradients_reach_the_activations():
+    layer = quantized(two_layers(), "int8")[0]
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).square().sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    nn.functional.linear(reference, dequantized_weight(layer), layer.bias).square().sum().backward()
+    assert per_row_error(x.grad, reference.grad) < 0.01
+
+
+def test_a_float_gguf_resident_gives_in_place_weight_functions_a_copy():
+    """F32 bytes read as float32 are a view of the stored blocks: a LoRA patch may write into what it gets."""
+    import gguf
+
+    from streamwise.runtime.quant.residents import make_resident
+
+    model = nn.Sequential(nn.Linear(8, 4, bias=False))
+    streamwise.apply(streamwise.resolve(make_policy(**POLICY), model), model)
+    layer = model[0]
+    stored = layer.weight.detach().clone().view(torch.uint8).reshape(-1)
+    make_resident(layer, "gguf", {"weight": stored}, {"gguf_qtype": gguf.GGMLQuantizationType.F32, "gguf_shape": (4, 8)})
+    before = layer.weight.detach().clone()
+    layer.weight_function = [lambda w: w.add_(1)]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer(x))
+    assert torch.equal(layer.weight, before)

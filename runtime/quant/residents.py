@@ -61,12 +61,14 @@ def _stored(module: nn.Module, x: Tensor) -> tuple[dict[str, Tensor], Tensor | N
     return dict(zip(names[:-1], tensors)), tensors[-1]
 
 
-def _forward(self, x: Tensor) -> Tensor:
+def _forward(self, input: Tensor) -> Tensor:  # named as nn.Linear's, for callers that pass it by keyword
     fmt = self._sw_handler
-    stored, bias = _stored(self, x)
+    stored, bias = _stored(self, input)
     if not (self.weight_function or self.bias_function):
-        return fmt.linear(self, x, stored, bias)
-    weight = fmt.dequantize(self, stored, x.dtype)
+        return fmt.linear(self, input, stored, bias)
+    weight = fmt.dequantize(self, stored, input.dtype)
+    if any(weight.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in stored.values()):
+        weight = weight.clone()  # a stored float read as it is: a weight function may write into it
     for function in self.weight_function:
         weight = function(weight)
-    return F.linear(x, weight, cast_for_compute(bias, x.device, x.dtype, self.bias_function))
+    return F.linear(input, weight, cast_for_compute(bias, input.device, input.dtype, self.bias_function))
