@@ -77,20 +77,29 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def _sharded(index: Path) -> Checkpoint:
+    """Each tensor from the shard the index names for it; a shard's tensor the index does not list is an error."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError([f"{index}: not a shard index ({exc})"]) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError("`weight_map` must map tensor names to shard file names")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CheckpointError([f"{index}: not a shard index ({type(exc).__name__}: {exc})"]) from None
     tensors: dict[str, StoredTensor] = {}
-    problems = []
-    for name in files:
+    problems, missing = [], set()
+    for name in sorted(set(weight_map.values())):
         shard = index.parent / name
         if Path(name).name != name or not shard.is_file():
             problems.append(f"{index}: shard `{name}` is missing")
+            missing.add(name)
             continue
-        tensors.update(_safetensors(shard))
-    problems += [f"{index}: tensor `{n}` is listed but its shard `{f}` lacks it" for n, f in weight_map.items() if n not in tensors]
+        for tensor_name, stored in _safetensors(shard).items():
+            listed = weight_map.get(tensor_name)
+            if listed == name:
+                tensors[tensor_name] = stored
+            elif listed is None:
+                problems.append(f"{shard}: tensor `{tensor_name}` is not listed in the index")
+    problems += [f"{index}: tensor `{n}` is listed but its shard `{f}` lacks it"
+                 for n, f in weight_map.items() if n not in tensors and f not in missing]
     if problems:
         raise CheckpointError(problems)
     return Checkpoint(str(index), tensors, "safetensors")
@@ -112,7 +121,7 @@ def _safetensors(path: Path) -> dict[str, StoredTensor]:
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     except CheckpointError:
         raise
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: absurdly nested header JSON
         raise CheckpointError([f"{path}: not a readable safetensors file ({exc})"]) from None
     data_start, tensors, problems = 8 + header_size, {}, []
     for name, info in header.items():
@@ -155,6 +164,8 @@ def _gguf(path: Path) -> dict[str, StoredTensor]:
         entries = list(reader.tensors)
     except Exception as exc:  # the gguf reader signals corruption with many exception types
         raise CheckpointError([f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"]) from None
+    if reader.endianess != gguf.GGUFEndian.LITTLE:
+        raise CheckpointError([f"{path}: a big-endian GGUF file; Streamwise reads little-endian GGUF only"])
     tensors = {}
     plain = {  # stored as they compute: never residents, read as views of the file
         **STORED_FLOATS,

@@ -27,9 +27,12 @@ from .checkpoint import Checkpoint, CheckpointError, StoredTensor, open_checkpoi
 from .diagnostics import PolicyError
 from .loading import load_policy
 from .quant.convrot import check_group_size
-from .quant.gguf_dequant import check_blocks, dequantize
+from .quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from .quant.residents import make_resident
 from .resolve import resolve
+
+
+_GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
 
 
 @dataclass(frozen=True)
@@ -86,15 +89,16 @@ def load(
     if filling.problems:
         raise CheckpointError(filling.problems)
     check(plan, model)  # a plan that cannot be applied fails before the first assignment
-    if progress is None:
-        from tqdm import tqdm
+    with _undone_on_failure(model):  # what can still fail (quantizing on load: memory) undoes the assignments
+        if progress is None:
+            from tqdm import tqdm
 
-        with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
-                  disable=None, leave=False) as bar:
-            filling.assign(lambda done, total: bar.update(done - bar.n))
-    else:
-        filling.assign(progress)
-    apply(plan, model)
+            with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
+                      disable=None, leave=False) as bar:
+                filling.assign(lambda done, total: bar.update(done - bar.n))
+        else:
+            filling.assign(progress)
+        apply(plan, model)
     residents: dict[str, int] = {}
     for module in model.modules():
         fmt = getattr(type(module), "_sw_format", None)
@@ -105,6 +109,24 @@ def load(
         checkpoint.path, len(filling.tensors) + len(filling.residents),
         sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())), filling.dequantized,
     )
+
+
+@contextmanager
+def _undone_on_failure(model: nn.Module):
+    """Put every module's class, attributes, parameters and buffers back if the block raises."""
+    saved = [(m, m.__class__, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    try:
+        yield
+    except BaseException:
+        for module, cls, attributes, parameters, buffers in saved:
+            module.__class__ = cls
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+        raise
 
 
 class _Filling:
@@ -129,7 +151,8 @@ class _Filling:
             groups.setdefault(id(tensor), []).append(name)
         consumed = set(self._comfy_quant(expected))
         for names in groups.values():
-            if any(n in self.tensors or n in consumed for n in names):
+            names = [n for n in names if n not in consumed]  # a tied partner stored as a .comfy_quant layer unties
+            if not names or any(n in self.tensors for n in names):
                 continue
             present = [n for n in names if n in self.checkpoint.tensors]
             if not present:
@@ -153,21 +176,27 @@ class _Filling:
         target = self.dtype if (self.dtype is not None and current.is_floating_point()) else current.dtype
         module_path, _, attribute = name.rpartition(".")
         if stored.qtype is not None:
-            entry = self.plans.get(module_path)
-            module = self.model.get_submodule(module_path)
+            if not current.is_floating_point():
+                self.problem(name, f"a quantized {stored.qtype.name} tensor in the file, {current.dtype} in the model")
+                return
             blocks = stored.read()
             try:
                 check_blocks(stored.qtype, stored.shape, blocks.numel())
             except ValueError as exc:  # UnsupportedQuantType too
                 self.problem(name, str(exc))
                 return
-            if attribute == "weight" and entry is not None and entry.quant == "gguf" and isinstance(module, nn.Linear):
+            if self._keeps_gguf_storage(module_path, attribute):
                 self.residents[module_path] = ("gguf", {"weight": blocks}, {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape})
                 return
             tensor = dequantize(blocks, stored.qtype, stored.shape, target)
             self.dequantized += 1
         else:
             tensor = stored.read()
+            if tensor.dtype != target and tensor.dtype in _GGUF_HALVES and self._keeps_gguf_storage(module_path, attribute):
+                # a GGUF F16/BF16 weight under a `gguf` rule stays in the file's storage, like a quantized one
+                attributes = {"gguf_qtype": _GGUF_HALVES[tensor.dtype], "gguf_shape": stored.shape}
+                self.residents[module_path] = ("gguf", {"weight": tensor.view(torch.uint8).reshape(-1)}, attributes)
+                return
             if tensor.dtype != target:
                 if not (self.dtype is not None and tensor.is_floating_point() and current.is_floating_point()):
                     self.problem(name, f"dtype {tensor.dtype} in the file, {current.dtype} in the model (pass dtype= to convert)")
@@ -175,6 +204,12 @@ class _Filling:
                 tensor = tensor.to(target)
         self.tensors[name] = tensor
         self.aliases[name] = names
+
+    def _keeps_gguf_storage(self, module_path: str, attribute: str) -> bool:
+        """A Linear weight in a GGUF file that a `gguf` quant rule selects: it becomes a resident."""
+        entry = self.plans.get(module_path)
+        return (self.checkpoint.kind == "gguf" and attribute == "weight" and entry is not None and entry.quant == "gguf"
+                and isinstance(self.model.get_submodule(module_path), nn.Linear))
 
     def _comfy_quant(self, expected: dict[str, Tensor]) -> list[str]:
         """Layers stored pre-quantized under ComfyUI's `<layer>.comfy_quant` convention."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 
@@ -149,8 +150,7 @@ def test_load_pretrained_builds_picks_the_policy_and_loads(saved):
 
 def test_load_pretrained_takes_the_file_dtype_unless_told(saved, tmp_path):
     folder, original, _ = saved
-    original.to(torch.bfloat16).save_pretrained(tmp_path)
-    original.float()
+    copy.deepcopy(original).to(torch.bfloat16).save_pretrained(tmp_path)
     model, _, chosen = streamwise.load_pretrained(tmp_path / "model.safetensors", "decoder-llm")
     assert chosen == "policy `decoder-llm`"
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -230,6 +230,131 @@ def test_gguf_residents_of_an_unsupported_type_are_refused_before_anything_chang
         model.add_module("proj", torch.nn.Linear(32, 16))
     message = failing_load(model, path, policy)
     assert "tensor `proj.weight`" in message and qtype.name in message
+
+
+def test_a_failure_after_the_assignments_puts_everything_back(saved, tmp_path, monkeypatch):
+    """Quantizing on load runs after the tensors are placed; running out of memory there undoes them."""
+    from streamwise.runtime.apply import ConversionError
+    from streamwise.runtime.quant.formats import FORMATS
+
+    folder, _, _ = saved
+    policy = streamwise.load_policy("decoder-llm").model_copy(update={"quant": make_policy(
+        quant={"rule": [{"id": "q", "select": {"path": "model.layers.1.mlp.*"}, "format": "int8"}]}).quant})
+    calls = []
+
+    def out_of_memory(weight, group_size):
+        calls.append(1)
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(FORMATS["int8"], "quantize", out_of_memory)
+    model = skeleton_model()
+    before = fingerprint(model)
+    with pytest.raises(ConversionError, match="out of memory"):
+        streamwise.load(model, folder, policy)
+    assert calls and fingerprint(model) == before
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_tied_partner_stored_as_a_comfy_quant_layer_unties(saved, tmp_path):
+    torch.manual_seed(0)
+    tied = tiny_qwen2(tie_word_embeddings=True)
+    policy = streamwise.load_policy("decoder-llm").model_copy(update={"quant": make_policy(
+        quant={"rule": [{"id": "q", "select": {"path": "lm_head"}, "format": "int8"}]}).quant})
+    tied_folder = tmp_path / "tied"
+    tied.save_pretrained(tied_folder)
+    quantized = skeleton_model(tie_word_embeddings=True)
+    streamwise.load(quantized, tied_folder, policy)
+    path = tmp_path / "tied-int8.safetensors"
+    tensors = comfy_quant.state_dict(quantized)
+    safetensors.torch.save_file(tensors, path)
+    reloaded = skeleton_model(tie_word_embeddings=True)
+    assert streamwise.load(reloaded, path, "decoder-llm").residents == {"int8": 1}
+    assert torch.equal(logits(reloaded), logits(quantized))
+    del tensors["model.embed_tokens.weight"]
+    safetensors.torch.save_file(tensors, path)
+    assert "tensor `model.embed_tokens.weight`: missing from the file" in failing_load(skeleton_model(tie_word_embeddings=True), path)
+
+
+def test_each_tensor_comes_from_the_shard_the_index_names(saved, tmp_path):
+    _, original, _ = saved
+    tensors = {k: v.contiguous() for k, v in original.state_dict().items()}
+    safetensors.torch.save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, tmp_path / "a.safetensors")
+    safetensors.torch.save_file({"lm_head.weight": tensors["lm_head.weight"], "model.norm.weight": torch.full((64,), 42.0),
+                                 "stray": torch.zeros(1)}, tmp_path / "b.safetensors")
+    weight_map = {k: "a.safetensors" for k in tensors} | {"lm_head.weight": "b.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    message = failing_load(skeleton_model(), tmp_path)
+    assert message == f"{tmp_path / 'b.safetensors'}: tensor `stray` is not listed in the index"
+    safetensors.torch.save_file({"lm_head.weight": tensors["lm_head.weight"], "model.norm.weight": torch.full((64,), 42.0)},
+                                tmp_path / "b.safetensors")
+    model = skeleton_model()
+    streamwise.load(model, tmp_path, "decoder-llm")
+    assert torch.equal(model.model.norm.weight, tensors["model.norm.weight"])  # a.safetensors's, as the index says
+
+
+@pytest.mark.parametrize("weight_map, reason", [
+    ({"lm_head.weight": 1}, "must map tensor names to shard file names"),
+    ([], "must map tensor names to shard file names"),
+    ("[" * 100_000 + "]" * 100_000, "RecursionError"),
+], ids=["number-shard", "list", "deeply-nested"])
+def test_malformed_shard_indexes_are_named(tmp_path, weight_map, reason):
+    text = weight_map if isinstance(weight_map, str) else json.dumps({"weight_map": weight_map})
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    message = failing_load(skeleton_model(), tmp_path)
+    assert message.startswith(f"{tmp_path / 'model.safetensors.index.json'}: not a shard index") and reason in message
+
+
+def test_a_deeply_nested_safetensors_header_is_named(tmp_path):
+    header = b"[" * 200_000 + b"]" * 200_000
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert f"{path}: not a readable safetensors file" in failing_load(skeleton_model(), path)
+
+
+def write_gguf(path, tensors: dict, quantized: dict = {}):
+    writer = gguf.GGUFWriter(str(path), arch="test")
+    for name, tensor in tensors.items():
+        if name in quantized:
+            writer.add_tensor(name, gguf.quants.quantize(tensor.float().numpy(), quantized[name]), raw_dtype=quantized[name])
+        else:
+            writer.add_tensor(name, tensor.numpy())
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+
+def test_a_quantized_tensor_for_an_integer_buffer_is_refused(tmp_path):
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("steps", torch.zeros(32, dtype=torch.int64))
+
+    path = tmp_path / "steps.gguf"
+    write_gguf(path, {"steps": torch.linspace(0, 100.7, 32)}, {"steps": gguf.GGMLQuantizationType.Q8_0})
+    with streamwise.skeleton():
+        model = Counter()
+    assert "tensor `steps`: a quantized Q8_0 tensor in the file, torch.int64 in the model" in failing_load(model, path, make_policy())
+
+
+@pytest.mark.parametrize("gguf_type", ["F16", "BF16"])
+def test_half_precision_gguf_weights_load_back_as_residents(saved, tmp_path, gguf_type):
+    folder, original, expected = saved
+    policy = write_policy(tmp_path, "half", f"""extends = "decoder-llm"
+
+[[quant.rule]]
+id = "linears"
+select = {{ class = "Linear" }}
+format = "gguf"
+gguf_type = "{gguf_type}"
+""")
+    target = tmp_path / "half.gguf"
+    assert streamwise_main(["quantize", str(folder), str(target), "--policy", str(policy)]) == 0
+    model = skeleton_model()
+    assert streamwise.load(model, target, policy).residents == {"gguf": 15}
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == 2 * 64 * 64  # the file's 16-bit storage
+    half = getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[gguf_type])
+    assert torch.equal(layer(torch.ones(1, 64)), torch.nn.functional.linear(
+        torch.ones(1, 64), original.model.layers[0].self_attn.q_proj.weight.to(half).float(), layer.bias))
+    assert (logits(model) - expected).norm() / expected.norm() < 0.02
 
 
 @pytest.mark.parametrize("damage", ["truncate", "header", "empty", "junk"])
