@@ -29,7 +29,13 @@ def register_builder(builder: Builder) -> Builder:
     return builder
 
 
+# The dtypes torch can build a model in (its default dtype), so the only ones a skeleton can have.
+BUILD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def build_skeleton(folder: Path, dtype: torch.dtype | None = None) -> nn.Module:
+    if dtype is not None and dtype not in BUILD_DTYPES:
+        raise ModelSpecError(f"cannot build a model in {dtype}; choose one of {', '.join(map(str, BUILD_DTYPES))}")
     for builder in BUILDERS:
         model = builder(folder, dtype)
         if model is not None:

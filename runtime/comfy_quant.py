@@ -33,7 +33,10 @@ def decode(tensor: Tensor) -> tuple[str, int | None]:
     if fmt != INT8_TENSORWISE:
         raise ValueError(f"comfy_quant format `{fmt}` is not one Streamwise reads ({INT8_TENSORWISE})")
     if meta.get("convrot"):
-        return "convrot_int8", int(meta.get("convrot_groupsize", 256))
+        group = meta.get("convrot_groupsize", 256)
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+            raise ValueError(f"comfy_quant `convrot_groupsize` must be a positive integer, got {group!r}")
+        return "convrot_int8", group
     return "int8", None
 
 

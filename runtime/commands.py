@@ -46,7 +46,7 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         else:
             parser.error("--model is needed when the source is a file rather than a model folder")
         report = quantize_to_gguf(args.source, args.destination, policy, model)
-    except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError) as exc:
+    except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError, OSError) as exc:
         print(f"streamwise quantize: {exc}", file=sys.stderr)
         return 1
     types = ", ".join(f"{name} x{count}" for name, count in report.types.items())

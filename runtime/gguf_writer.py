@@ -2,13 +2,14 @@
 
 Each weight of a layer that a `gguf` quant rule selects is quantized to the rule's `gguf_type`
 with the gguf package's own quantizers (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, or F16/BF16/F32); every
-other tensor keeps its float type. Tensor names stay the model's state-dict keys, so
-`streamwise.load` reads the file back into the same tree.
+other tensor keeps its type (the quantized blocks of a GGUF source too). Tensor names stay the
+model's state-dict keys, so `streamwise.load` reads the file back into the same tree.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,9 @@ import torch
 from torch import nn
 
 from ..schemas import Policy
-from .checkpoint import CheckpointError, open_checkpoint
+from .checkpoint import CheckpointError, StoredTensor, open_checkpoint
 from .diagnostics import PolicyError
+from .quant.gguf_dequant import dequantize
 from .resolve import resolve
 
 
@@ -33,34 +35,68 @@ class QuantizeReport:
 
 
 def quantize_to_gguf(source: str | os.PathLike, destination: str | os.PathLike, policy: Policy, model: nn.Module) -> QuantizeReport:
+    """Write `source` to `destination` (a new `.gguf`) as `policy` says; an existing destination is replaced
+    only once the whole file is written, and the source is never the destination."""
     plan = resolve(policy, model)
     if not plan.ok:
         raise PolicyError(plan.diagnostics)
     chosen = {entry.path: entry.gguf_type for entry in plan.modules if entry.gguf_type}
+    destination = Path(destination)
     checkpoint = open_checkpoint(source)
-    partial = Path(destination).with_name(Path(destination).name + ".partial")
-    writer = gguf.GGUFWriter(os.fspath(partial), arch="streamwise")
-    writer.add_string("streamwise.policy", policy.name)
+    _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
+    handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
+    os.close(handle)
     types: dict[str, int] = {}
     bytes_in = 0
     try:
-        for name, stored in sorted(checkpoint.tensors.items()):
-            tensor = stored.read()
-            bytes_in += tensor.numel() * tensor.element_size()
-            data, qtype = _encode(name, tensor, chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None)
-            writer.add_tensor(name, data, raw_dtype=qtype)
-            label = (qtype.name if qtype is not None else str(data.dtype))
-            types[label] = types.get(label, 0) + 1
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer = gguf.GGUFWriter(partial, arch="streamwise")
+        writer.add_string("streamwise.policy", policy.name)
+        try:
+            for name, stored in sorted(checkpoint.tensors.items()):
+                gguf_type = chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None
+                data, qtype, size = _convert(name, stored, gguf_type)
+                bytes_in += size
+                writer.add_tensor(name, data, raw_dtype=qtype)
+                label = (qtype.name if qtype is not None else str(data.dtype))
+                types[label] = types.get(label, 0) + 1
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+        os.replace(partial, destination)
     except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
+        Path(partial).unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
         raise
-    writer.close()
-    os.replace(partial, destination)
     return QuantizeReport(os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in, os.path.getsize(destination))
+
+
+def _check_destination(destination: Path, sources: set[Path]) -> None:
+    if destination.suffix != ".gguf":
+        raise CheckpointError([f"{destination}: the destination must be a `.gguf` file"])
+    if destination.is_dir() or not destination.parent.is_dir():
+        raise CheckpointError([f"{destination}: not a file in an existing folder"])
+    if destination.exists() and any(destination.samefile(s) for s in sources if s.exists()):
+        raise CheckpointError([f"{destination}: is the source checkpoint; write the GGUF to a new file"])
+
+
+def _convert(name: str, stored: StoredTensor, gguf_type: str | None) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None, int]:
+    """The array to write, its GGML type, and the size of the source tensor it comes from.
+
+    A source that is already quantized (a GGUF) keeps its blocks unless a rule asks for another
+    type; then it is dequantized and encoded afresh.
+    """
+    raw = stored.read()
+    size = raw.numel() * raw.element_size()
+    if stored.qtype is None:
+        return (*_encode(name, raw, gguf_type), size)
+    if gguf_type is None or gguf_type == stored.qtype.name:
+        return raw.numpy().reshape(*stored.shape[:-1], -1), stored.qtype, size
+    try:
+        values = dequantize(raw, stored.qtype, stored.shape)
+    except ValueError as exc:  # a type without a dequantizer
+        raise CheckpointError([f"{stored.file}: tensor `{name}`: {exc}"]) from None
+    return (*_encode(name, values, gguf_type), size)
 
 
 def _encode(name: str, tensor: torch.Tensor, gguf_type: str | None) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:

@@ -30,7 +30,7 @@ def read_config(folder: str | os.PathLike):
 
     try:
         return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # transformers rejects bad fields with its own validation error types too
         raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
 
 

@@ -7,6 +7,7 @@ skeleton from the config beside the weights (`builders`), pick the policy by nam
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
@@ -16,8 +17,8 @@ from torch import nn
 
 from ..schemas import Policy
 from .auto_policy import select_policy
-from .builders import build_skeleton, model_type
-from .checkpoint import open_checkpoint
+from .builders import BUILD_DTYPES, build_skeleton, model_type
+from .checkpoint import Checkpoint, open_checkpoint
 from .load import LoadReport, load
 from .loading import load_policy
 from .model_files import config_folder
@@ -41,13 +42,13 @@ def load_pretrained(
     """Build, convert and load the model at `path` (a Hugging Face folder, or a weight file beside its config.json).
 
     `policy="auto"` picks the policy whose `[match]` recognizes the model, and refuses to guess
-    between equal matches. Without `dtype` the model takes the file's first floating dtype.
+    between equal matches. Without `dtype` the model takes the floating dtype most of the file's
+    values are stored in (float8 counts as bfloat16).
     """
     path = Path(path)
     folder = config_folder(path)
     checkpoint = open_checkpoint(path)
-    if dtype is None:
-        dtype = next((t.dtype for t in checkpoint.tensors.values() if t.dtype.is_floating_point), None)
+    dtype = dtype or _file_dtype(checkpoint)
     model = build_skeleton(folder, dtype)
     chosen = None
     if isinstance(policy, str) and policy == "auto":
@@ -56,3 +57,14 @@ def load_pretrained(
         policy = load_policy(policy, dirs=policy_dirs)
     report = load(model, path, policy, dtype=dtype, progress=progress)
     return Pretrained(model, report, chosen or f"policy `{policy.name}`")
+
+
+def _file_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The floating dtype most stored values have (float32 norms beside bf16 weights do not decide);
+    float8 values count as bfloat16, the dtype they compute in."""
+    counts: dict[torch.dtype, int] = {}
+    for stored in checkpoint.tensors.values():
+        if stored.dtype.is_floating_point:
+            dtype = stored.dtype if stored.dtype in BUILD_DTYPES else torch.bfloat16
+            counts[dtype] = counts.get(dtype, 0) + math.prod(stored.shape)
+    return max(counts, key=counts.get) if counts else torch.float32

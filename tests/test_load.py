@@ -18,6 +18,7 @@ import streamwise
 from streamwise.runtime import comfy_quant
 from streamwise.runtime.checkpoint import CheckpointError
 from streamwise.runtime.commands import main as streamwise_main
+from streamwise.runtime.model_spec import ModelSpecError
 
 from helpers import make_policy, tiny_qwen2, write_policy
 
@@ -442,3 +443,81 @@ def test_quantize_keeps_bf16_and_integer_tensors_loadable(tmp_path):
         target = Tiny().to(torch.bfloat16)
     streamwise.load(target, tmp_path / "tiny.gguf", policy)
     assert torch.equal(target.steps, source.steps) and torch.equal(target.proj.bias, source.proj.bias)
+
+
+def test_a_gguf_source_keeps_its_blocks_or_is_requantized(saved, tmp_path):
+    folder, _, _ = saved
+    q8 = write_policy(tmp_path, "q8", """extends = "decoder-llm"
+
+[[quant.rule]]
+id = "linears"
+select = { class = "Linear" }
+format = "gguf"
+gguf_type = "Q8_0"
+""")
+    first, second = tmp_path / "q8.gguf", tmp_path / "again.gguf"
+    assert streamwise_main(["quantize", str(folder), str(first), "--policy", str(q8)]) == 0
+    spec = ["--model", "transformers:Qwen2ForCausalLM", "--model-config", (folder / "config.json").read_text()]
+    assert streamwise_main(["quantize", str(first), str(second), "--policy", "decoder-llm", *spec]) == 0
+    blocks = lambda path: {t.name: (t.tensor_type, t.data.tobytes()) for t in gguf.GGUFReader(path).tensors}
+    assert blocks(second) == blocks(first)  # no rule asks for another type: the Q8_0 blocks are copied as they are
+    q4 = q8.read_text().replace('"Q8_0"', '"Q4_0"').replace('name = "q8"', 'name = "q4"')
+    (tmp_path / "q4.toml").write_text(q4)
+    third = tmp_path / "q4.gguf"
+    assert streamwise_main(["quantize", str(first), str(third), "--policy", str(tmp_path / "q4.toml"), *spec]) == 0
+    model = skeleton_model()
+    assert streamwise.load(model, third, tmp_path / "q4.toml").residents == {"gguf": 15}
+    assert model.model.layers[0].mlp.up_proj.gguf_qtype == gguf.GGMLQuantizationType.Q4_0
+
+
+@pytest.mark.parametrize("destination", ["model.safetensors", "folder.gguf", "missing/out.gguf", "same"])
+def test_quantize_refuses_destinations_it_would_damage(saved, tmp_path, capsys, destination):
+    folder, _, _ = saved
+    source = tmp_path / "source.gguf"
+    assert streamwise_main(["quantize", str(folder), str(source), "--policy", "decoder-llm"]) == 0
+    (tmp_path / "folder.gguf").mkdir()
+    target = source if destination == "same" else tmp_path / destination
+    spec = ["--model", "transformers:Qwen2ForCausalLM", "--model-config", (folder / "config.json").read_text()]
+    before = source.read_bytes()
+    capsys.readouterr()
+    assert streamwise_main(["quantize", str(source), str(target), "--policy", "decoder-llm", *spec]) == 1
+    assert capsys.readouterr().err.startswith(f"streamwise quantize: {target}: ")
+    assert source.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.gguf", "source.gguf"]
+
+
+@pytest.mark.parametrize("group", [None, [16], 0, True, "16"])
+def test_comfy_quant_group_sizes_must_be_positive_integers(saved, tmp_path, group):
+    folder, original, _ = saved
+    tensors = {k: v.contiguous() for k, v in original.state_dict().items()}
+    q, scale = streamwise.runtime.quant.int8.quantize_int8(tensors["lm_head.weight"], 16)
+    tensors |= {"lm_head.weight": q, "lm_head.weight_scale": scale,
+                "lm_head.comfy_quant": torch.tensor(list(json.dumps(
+                    {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}).encode()), dtype=torch.uint8)}
+    path = tmp_path / "groups.safetensors"
+    safetensors.torch.save_file(tensors, path)
+    assert f"`convrot_groupsize` must be a positive integer, got {group!r}" in failing_load(skeleton_model(), path)
+
+
+def test_load_pretrained_builds_in_the_dtype_most_values_are_stored_in(saved, tmp_path):
+    _, original, _ = saved
+    tensors = {k: v.to(torch.bfloat16 if v.ndim == 2 else torch.float32).contiguous() for k, v in original.state_dict().items()}
+    original.config.save_pretrained(tmp_path)
+    safetensors.torch.save_file(tensors, tmp_path / "model.safetensors")
+    model, _, _ = streamwise.load_pretrained(tmp_path, "decoder-llm")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # float32 norms do not decide
+    safetensors.torch.save_file({k: v.to(torch.float8_e4m3fn) if v.ndim == 2 else v for k, v in tensors.items()},
+                                tmp_path / "model.safetensors")
+    model, _, _ = streamwise.load_pretrained(tmp_path, "decoder-llm")
+    assert model.lm_head.weight.dtype == torch.bfloat16  # float8 storage computes in bf16
+    with pytest.raises(ModelSpecError, match="cannot build a model in torch.float8_e4m3fn"):
+        streamwise.load_pretrained(tmp_path, "decoder-llm", dtype=torch.float8_e4m3fn)
+
+
+def test_load_pretrained_names_a_config_transformers_rejects(saved, tmp_path):
+    folder, _, _ = saved
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"hidden_size": "64"}))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(ModelSpecError, match=f"cannot read {tmp_path}/config.json"):
+        streamwise.load_pretrained(tmp_path, "decoder-llm")
