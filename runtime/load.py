@@ -159,7 +159,12 @@ class _Filling:
                 self.problem(names[0], "missing from the file")
                 continue
             consumed.update(present)
-            self._take(names, expected[names[0]], self.checkpoint.tensors[present[0]])
+            first = self.checkpoint.tensors[present[0]]
+            for other in present[1:]:  # tied in the model, stored twice in the file: only one value can win
+                stored = self.checkpoint.tensors[other]
+                if stored.shape != first.shape or stored.dtype != first.dtype or not torch.equal(stored.read(), first.read()):
+                    self.problem(other, f"tied to `{present[0]}` in the model, but the file stores a different value for it")
+            self._take(names, expected[names[0]], first)
         for name in sorted(set(self.checkpoint.tensors) - consumed):
             self.problem(name, "not in the model (an extra tensor)")
         for module_path, module in self.model.named_modules():

@@ -276,6 +276,22 @@ def test_a_tied_partner_stored_as_a_comfy_quant_layer_unties(saved, tmp_path):
     assert "tensor `model.embed_tokens.weight`: missing from the file" in failing_load(skeleton_model(tie_word_embeddings=True), path)
 
 
+def test_a_tied_weight_stored_twice_must_agree(tmp_path):
+    torch.manual_seed(0)
+    tied = tiny_qwen2(tie_word_embeddings=True)
+    tensors = {k: v.contiguous() for k, v in tied.state_dict().items()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    path = tmp_path / "twice.safetensors"
+    safetensors.torch.save_file(tensors, path)
+    model = skeleton_model(tie_word_embeddings=True)
+    streamwise.load(model, path, "decoder-llm")  # equal copies: fine, and still tied
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
+    safetensors.torch.save_file(tensors, path)
+    message = failing_load(skeleton_model(tie_word_embeddings=True), path)
+    assert "tensor `lm_head.weight`: tied to `model.embed_tokens.weight` in the model, but the file stores a different value" in message
+
+
 def test_each_tensor_comes_from_the_shard_the_index_names(saved, tmp_path):
     _, original, _ = saved
     tensors = {k: v.contiguous() for k, v in original.state_dict().items()}
