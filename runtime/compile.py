@@ -78,8 +78,7 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
     unload, so the tree it shares with other MODELs (the one it was cloned from) is left alone.
     """
     patcher, module = (model, model.model) if _is_patcher(model) else (None, model)
-    settings = _settings(policy, module, overrides)
-    backend = _backend(settings.backend)  # before anything changes: a bad name leaves the model as it was
+    settings = _settings(policy, module, overrides)  # before anything changes: bad settings leave the model as it was
     if patcher is not None:
         patcher = _handle_dynamic_vram(patcher, settings)
         module = patcher.model
@@ -96,14 +95,15 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
     units = _units(module, settings if compile_transformer_blocks_only else settings.model_copy(update={"blocks": None}))
     regions: dict[Any, _Region] = {}
     for path, unit in units:
-        function = type(unit).forward
-        region = regions.setdefault(function, _Region(function, settings, backend, armed.stats))
+        own = unit.__dict__.get("forward")  # a per-instance forward (hooks install these) is the one that runs
+        function = _unbound_forward(unit, own)
+        region = regions.setdefault(function, _Region(function, settings, armed.stats))
         forward = functools.partial(region, unit)
         if patcher is not None:
             patcher.add_object_patch(f"{path}.forward" if path else "forward", forward)
         else:
             unit.__dict__["forward"] = forward
-            armed.units.append(unit)
+            armed.units.append((unit, own))
     armed.stats.applied, armed.stats.units, armed.stats.regions = True, len(units), len(regions)
     if settings.verbose:
         log.info("armed %d unit(s) in %d region(s): backend=%s mode=%s fullgraph=%s dynamic=%s guard_filter=%s",
@@ -119,8 +119,20 @@ def disarm(model: Any) -> None:
             del model.object_patches[key]
         return
     armed = model.__dict__.pop(STATE_ATTRIBUTE, None)
-    for unit in armed.units if armed else ():
-        unit.__dict__.pop("forward", None)
+    for unit, own in armed.units if armed else ():
+        if own is None:
+            unit.__dict__.pop("forward", None)
+        else:
+            unit.__dict__["forward"] = own
+
+
+def _unbound_forward(unit: nn.Module, own: Any):
+    """The forward to compile for `unit`, as a function of (module, *args): its class's, or its own."""
+    if own is None:
+        return type(unit).forward
+    if inspect.ismethod(own) and own.__self__ is unit:
+        return own.__func__
+    return lambda module, *args, **kwargs: own(*args, **kwargs)
 
 
 def _is_armed_forward(value: Any) -> bool:
@@ -135,7 +147,7 @@ def _patched_regions(patcher: Any) -> list["_Region"]:
 @dataclass
 class _Armed:
     stats: CompileStats
-    units: list[nn.Module]
+    units: list[tuple[nn.Module, Any]]  # each armed unit and the per-instance forward it had, if any
 
 
 class _Region:
@@ -143,52 +155,50 @@ class _Region:
 
     _sw_region = True
 
-    def __init__(self, function, settings: CompileSettings, backend, stats: CompileStats) -> None:
+    def __init__(self, function, settings: CompileSettings, stats: CompileStats) -> None:
         self.function, self.settings, self.stats = function, settings, stats
-        self.backend = self._counting(backend)
         self.compiled = None
         self.failed = False
         self.has_graph = False
 
-    def _counting(self, backend):
-        def count(graph, example_inputs):
-            start = time.perf_counter()
-            self.stats.graphs += 1
-            try:
-                return backend(graph, example_inputs)
-            finally:
-                self.stats.compile_seconds += time.perf_counter() - start
+    def _compile(self):
+        options = {"guard_filter_fn": _guard_filter} if self.settings.use_guard_filter else {}
+        if self.settings.mode != "default":  # torch takes a mode or options, not both: the mode's own options
+            from torch._inductor import list_mode_options
 
-        count.__name__ = self.settings.backend  # dynamo names the backend in its messages
-        return count
+            options = {**list_mode_options(self.settings.mode, self.settings.dynamic), **options}
+        return torch.compile(self.function, backend=self.settings.backend, fullgraph=self.settings.fullgraph,
+                             dynamic=self.settings.dynamic, options=options or None)
 
     def __call__(self, module: nn.Module, *args, **kwargs):
         if self.failed:
             return self.function(module, *args, **kwargs)
         if self.compiled is None:
-            options = {"guard_filter_fn": _guard_filter} if self.settings.use_guard_filter else None
-            self.compiled = torch.compile(
-                self.function, backend=self.backend, mode=None if self.settings.mode == "default" else self.settings.mode,
-                fullgraph=self.settings.fullgraph, dynamic=self.settings.dynamic, options=options,
-            )
-        graphs, breaks, start, failures = self.stats.graphs, _graph_breaks(), time.perf_counter(), len(self._failures())
+            self.compiled = self._compile()
+        graphs, breaks, start, failures = _graphs(), _graph_breaks(), time.perf_counter(), len(self._failures())
         try:
             result = self.compiled(module, *args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # a compiler failure: fall back to eager, once
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            # The model's own errors surface while dynamo traces it too: if the eager forward raises,
+            # that error is the caller's and compilation stays on; if it runs, the compiler failed.
+            result = self.function(module, *args, **kwargs)
             self.failed = True
             cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
             reason = f"{type(module).__name__}: {type(cause).__name__}: {cause}".splitlines()[0]
             self.stats.fallbacks.append(reason)
             warnings.warn(f"torch.compile failed, running it eagerly from now on ({reason})", stacklevel=2)
-            return self.function(module, *args, **kwargs)
-        if self.stats.graphs != graphs:
+            return result
+        new_graphs = _graphs() - graphs
+        if new_graphs:
+            self.stats.graphs += new_graphs
+            self.stats.compile_seconds += time.perf_counter() - start
             self.stats.graph_breaks += _graph_breaks() - breaks
             if self.has_graph:
                 self._note_recompile(self._failures()[failures:])
             self.has_graph = True
             if self.settings.verbose:
                 log.info("%s: %d new graph(s) in %.2f s (%d in total)", type(module).__name__,
-                         self.stats.graphs - graphs, time.perf_counter() - start, self.stats.graphs)
+                         new_graphs, time.perf_counter() - start, self.stats.graphs)
         return result
 
     def _failures(self) -> list:
@@ -216,8 +226,11 @@ def _settings(policy: Policy | str | None, module: nn.Module, overrides: dict[st
         raise TypeError(f"unknown compile setting(s): {', '.join(unknown)}")
     mode = updates.pop("mode", base.mode)
     settings = CompileSettings.model_validate({**base.model_dump(by_alias=True, exclude={"blocks"}), **updates, "blocks": base.blocks})
+    _check_backend(settings.backend)
     if mode not in _modes():
         raise ValueError(f"compile mode `{mode}` is not one this torch accepts: {', '.join(sorted(_modes()))}")
+    if mode != "default" and settings.backend != "inductor":
+        raise ValueError(f"compile mode `{mode}` is an inductor setting; backend `{settings.backend}` takes none")
     return settings.model_copy(update={"mode": mode})
 
 
@@ -227,12 +240,9 @@ def _modes() -> set[str]:
     return {"default", *list_mode_options()}
 
 
-def _backend(name: str):
-    import torch._dynamo
-
+def _check_backend(name: str) -> None:
     if name not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"`{name}` is not a torch.compile backend here; available: {', '.join(torch._dynamo.list_backends())}")
-    return torch._dynamo.lookup_backend(name)
 
 
 def _set_cache_limits(limit: int) -> None:
@@ -274,6 +284,13 @@ def _quiet_fetchers(module: nn.Module, settings: CompileSettings) -> None:
 
 def _guard_filter(entries) -> list[bool]:
     return [not any(key in entry.name for key in PER_CALL_DICTS) for entry in entries]
+
+
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process (a restarted analysis is not a second graph)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _graph_breaks() -> int:

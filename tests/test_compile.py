@@ -139,6 +139,55 @@ def test_a_compile_error_falls_back_to_eager_once():
     assert compile_stats(model).fallbacks and "backend exploded" in compile_stats(model).fallbacks[0]
 
 
+def test_a_wrong_input_is_the_callers_error_and_compilation_stays_on():
+    model = Net(blocks=2)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    with pytest.raises(RuntimeError) as raised:
+        run(model, torch.randn(2, 31))
+    assert not isinstance(raised.value, torch._dynamo.exc.TorchDynamoException)  # the eager forward's own error
+    run(model, torch.randn(2, 32))
+    stats = compile_stats(model)
+    assert stats.graphs >= 1 and stats.fallbacks == []
+
+
+def test_a_mode_reaches_inductor():
+    model = Net(blocks=2)
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    streamwise.lazy_compile(model, POLICY, mode="reduce-overhead")  # guard filter on: torch takes options, not both
+    assert torch.allclose(run(model, x), expected, atol=1e-5)
+    assert compile_stats(model).graphs >= 1 and compile_stats(model).fallbacks == []
+    with pytest.raises(ValueError, match="an inductor setting; backend `aot_eager` takes none"):
+        streamwise.lazy_compile(Net(blocks=1), POLICY, backend="aot_eager", mode="reduce-overhead")
+
+
+def test_a_per_instance_forward_is_compiled_and_restored():
+    import types
+
+    model = Net(blocks=2)
+    own = types.MethodType(lambda self, x: 2 * Block.forward(self, x), model.blocks[0])
+    model.blocks[0].forward = own  # what hooks (accelerate's, say) install
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    assert torch.allclose(run(model, x), expected, atol=1e-5)
+    lazy.disarm(model)
+    assert model.blocks[0].forward is own and "forward" not in model.blocks[1].__dict__
+
+
+def test_graphs_are_counted_once_and_on_the_copy_that_compiles():
+    import copy
+
+    model = Net(blocks=3)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager", dynamic=True)
+    run(model, torch.randn(2, 32))
+    assert compile_stats(model).graphs == 1  # dynamo restarting its analysis is not a second graph
+    twin = copy.deepcopy(model)
+    before = compile_stats(model).graphs
+    run(twin, torch.randn(2, 32))
+    assert compile_stats(model).graphs == before
+
+
 def test_recompiles_are_counted_with_their_reasons():
     model = Net(blocks=2)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager", dynamic=False)
