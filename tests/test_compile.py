@@ -105,6 +105,21 @@ def test_int8_residents_compile(fmt):
     assert compile_stats(model).fallbacks == [] and compile_stats(model).graphs >= 1
 
 
+def test_a_patched_resident_compiles_without_graph_breaks():
+    model = Net(blocks=2)
+    rule = {"id": "q", "select": {"path": "blocks.*.up"}, "format": "int8"}
+    policy = POLICY.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
+    streamwise.apply(streamwise.resolve(policy, model), model)
+    delta = torch.randn(128, 32) * 0.01
+    for block in model.blocks:
+        block.up.weight_function = [lambda w: w + delta]  # a LoRA patch, as a host attaches it
+    x = torch.randn(2, 32)
+    expected = run(model, x)
+    streamwise.lazy_compile(model, policy, backend="aot_eager")
+    assert torch.allclose(run(model, x), expected, atol=1e-5)
+    assert compile_stats(model).graph_breaks == 0
+
+
 def test_convrot_int4_residents_keep_the_model_eager():
     model = Net()
     rule = {"id": "q", "select": {"path": "blocks.*.up"}, "format": "convrot_int4", "group_size": 16}

@@ -16,6 +16,7 @@ from torch import nn
 
 from ...schemas import Policy
 from ..apply import ConversionError, applied_state, apply_policy, swap_class
+from ..quant.residents import MERGED_PATCH
 
 
 class ComfyFetcher:
@@ -153,14 +154,21 @@ def _patcher_class(base: type) -> type:
 
         def partially_unload(self, device_to, *args, **kwargs):
             freed = base.partially_unload(self, device_to, *args, **kwargs)
+            for module in self.model.modules():
+                merged = module.__dict__.get(MERGED_PATCH)
+                if merged is not None and not module.__dict__.get("comfy_patched_weights", False):
+                    del module.__dict__[MERGED_PATCH]
+                    if not any(getattr(f, "key", None) == merged.key for f in module.weight_function):
+                        module.weight_function = [*module.weight_function, merged]  # force-patched: keep it applied
             _tree(self).offload_relocated(device_to)
             return freed
 
         def unpatch_model(self, device_to=None, *args, **kwargs):
+            unpatch_weights = kwargs.get("unpatch_weights", args[0] if args else True)
             result = base.unpatch_model(self, device_to, *args, **kwargs)
-            for module in self.model.modules():
-                if module.__dict__.pop("_sw_merged_patches", False):
-                    module.weight_function = []
+            if unpatch_weights:
+                for module in self.model.modules():
+                    module.__dict__.pop(MERGED_PATCH, None)
             if device_to is not None:
                 _tree(self).offload_relocated(device_to)
             return result
@@ -170,12 +178,12 @@ def _patcher_class(base: type) -> type:
             module = self.model.get_submodule(module_path)
             if name != "weight" or not hasattr(type(module), "_sw_format"):
                 return base.patch_weight_to_device(self, key, device_to, inplace_update, *args, **kwargs)
-            if key in self.patches and not module.__dict__.get("_sw_merged_patches"):
-                # Raw quantized storage cannot take a merged patch: apply it on the fly instead.
+            if key in self.patches:
+                # Raw quantized storage cannot take a merged patch: the resident applies it on the fly
+                # for as long as core counts the weight as patched (`comfy_patched_weights`).
                 import comfy.model_patcher
 
-                module.weight_function = [*module.weight_function, comfy.model_patcher.LowVramPatch(key, self.patches)]
-                module._sw_merged_patches = True
+                module.__dict__[MERGED_PATCH] = comfy.model_patcher.LowVramPatch(key, self.patches)
 
         _PATCHERS[base] = type(f"Streamwise{base.__name__}", (base,), {
             "__module__": __name__,

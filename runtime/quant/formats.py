@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .gguf_dequant import dequantize as gguf_dequantize
+from .gguf_dequant import STORED_FLOATS, dequantize as gguf_dequantize
 from .int4 import dequantize_int4, int4_linear, quantize_int4
 from .int8 import dequantize_int8, int8_linear, quantize_int8
 
@@ -48,6 +48,10 @@ class QuantFormat(ABC):
 
     def linear(self, module: nn.Module, x: Tensor, stored: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         return F.linear(x, self.dequantize(module, stored, x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def dequantizes_to_a_view(self, module: nn.Module, dtype: torch.dtype) -> bool:
+        """Whether `dequantize` returns the stored tensor itself, reinterpreted (decided without looking at data)."""
+        return False
 
 
 @quant_format("int8")
@@ -89,3 +93,6 @@ class GGUF(QuantFormat):
     def dequantize(self, module, stored, dtype):
         qtype = gguf.GGMLQuantizationType(module.gguf_qtype)
         return gguf_dequantize(stored["weight"], qtype, tuple(module.gguf_shape), dtype)
+
+    def dequantizes_to_a_view(self, module, dtype):
+        return STORED_FLOATS.get(gguf.GGMLQuantizationType(module.gguf_qtype)) == dtype

@@ -17,6 +17,8 @@ from .formats import FORMATS
 
 _CLASSES: dict[tuple[type, str], type] = {}
 _ALIGNMENT = 64
+#: Where a host keeps a patch it would have merged into the weight, were the storage float.
+MERGED_PATCH = "_sw_merged_patch"
 
 
 def resident_class(cls: type[nn.Module], fmt: str) -> type[nn.Module]:
@@ -50,9 +52,18 @@ def make_resident(module: nn.Module, fmt: str, stored: dict[str, Tensor], attrib
         module.__dict__.setdefault(name, default)
 
 
-def _stored(module: nn.Module, x: Tensor) -> tuple[dict[str, Tensor], Tensor | None]:
+def _weight_functions(module: nn.Module) -> list:
+    """The functions to apply to the dequantized weight: a patch the host merged (raw storage cannot
+    take one) while the host counts the weight as patched, then the weight functions."""
+    merged = module.__dict__.get(MERGED_PATCH)
+    if merged is not None and module.__dict__.get("comfy_patched_weights", False):
+        return [merged, *module.weight_function]
+    return module.weight_function
+
+
+def _stored(module: nn.Module, x: Tensor, patched: bool) -> tuple[dict[str, Tensor], Tensor | None]:
     names = module._sw_fetched
-    if module.comfy_cast_weights or module.weight_function or module.bias_function:
+    if module.comfy_cast_weights or patched:
         tree = module._sw_tree
         tree.compute_device = x.device
         tensors = tree.fetcher.fetch_raw(module, names, x.device)
@@ -63,12 +74,13 @@ def _stored(module: nn.Module, x: Tensor) -> tuple[dict[str, Tensor], Tensor | N
 
 def _forward(self, input: Tensor) -> Tensor:  # named as nn.Linear's, for callers that pass it by keyword
     fmt = self._sw_handler
-    stored, bias = _stored(self, input)
-    if not (self.weight_function or self.bias_function):
+    functions = _weight_functions(self)
+    stored, bias = _stored(self, input, bool(functions or self.bias_function))
+    if not (functions or self.bias_function):
         return fmt.linear(self, input, stored, bias)
     weight = fmt.dequantize(self, stored, input.dtype)
-    if any(weight.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in stored.values()):
+    if functions and fmt.dequantizes_to_a_view(self, input.dtype):
         weight = weight.clone()  # a stored float read as it is: a weight function may write into it
-    for function in self.weight_function:
+    for function in functions:
         weight = function(weight)
     return F.linear(input, weight, cast_for_compute(bias, input.device, input.dtype, self.bias_function))

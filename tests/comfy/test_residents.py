@@ -79,3 +79,35 @@ def test_partial_load_on_meta_moves_residents_in_their_storage_dtype(comfy_nodes
     dtypes = {m.weight.dtype for m in model.modules() if hasattr(type(m), "_sw_format")}
     assert dtypes == {torch.uint8 if fmt == "gguf" else torch.int8}
     assert model(torch.randint(0, 128, (1, 6)).to(META)).logits.is_meta
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "int8"])
+def test_lora_on_residents_applies_once_through_load_and_unload_cycles(comfy_nodes, tmp_path, fmt):
+    """Core tracks merged patches by weight backups, which raw storage never gets; the count must still hold."""
+    model = quantized_qwen(fmt, tmp_path)
+    layer = model.get_submodule(KEY.rsplit(".", 1)[0])
+    weight, diff, x = dequantized(layer), torch.randn(64, 128) * 0.05, torch.randn(1, 3, 128)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU)
+    patcher.add_patches({KEY: ("diff", (diff,))}, 1.0)
+
+    def times_applied() -> int:
+        with torch.no_grad():
+            y = layer(x)
+        return min(range(3), key=lambda k: (y - torch.nn.functional.linear(x, weight + k * diff, layer.bias)).abs().max())
+
+    patcher.load(CPU, full_load=True)
+    assert times_applied() == 1
+    patcher.partially_unload(CPU, 10**9)  # was applied twice
+    assert times_applied() == 1
+    patcher.detach()
+    assert times_applied() == 0
+    patcher.load(CPU, lowvram_model_memory=10**9)
+    assert times_applied() == 1
+    patcher.partially_load(CPU, 10**9)  # was dropped
+    assert times_applied() == 1
+    patcher.detach()
+    patcher.load(CPU, lowvram_model_memory=60_000)
+    patcher.partially_load(CPU, 30_000)
+    assert times_applied() == 1
+    patcher.detach()
+    assert times_applied() == 0
