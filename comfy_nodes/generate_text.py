@@ -36,8 +36,11 @@ class StreamwiseGenerateText:
             tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"no tokenizer in {source}: {exc}") from None
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            raise ValueError("the prompt tokenizes to no tokens: write a prompt to continue")
         comfy.model_management.load_models_gpu([model])
-        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.load_device)
+        ids = ids.to(model.load_device)
         torch.manual_seed(seed)  # sampling draws from torch's global generator
         with torch.no_grad():
             tokens = model.model.generate(

@@ -146,6 +146,8 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
     assert "model.gguf" in report
     (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
     assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)  # Q8_0 keeps greedy decoding here
+    with pytest.raises(ValueError, match="the prompt tokenizes to no tokens"):
+        mappings["StreamwiseGenerateText"]().generate(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
 
 
 def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
