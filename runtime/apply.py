@@ -38,11 +38,14 @@ class Census:
     relocating: int
 
 
+_ABSENT = object()
+
+
 @dataclass
 class _Record:
     module: nn.Module
     original_class: type
-    added: tuple[str, ...]
+    replaced: dict[str, object]  # each attribute set, and what the instance held before (_ABSENT: nothing)
     role: str  # "stream", "relocate" or "host" (a host's adaptation of the root, see hosts/)
 
 
@@ -167,6 +170,9 @@ def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
     seen = ModuleRef.of(entry.path, module).classes[0][1]
     if seen != entry.class_name:
         raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
+    if entry.stream and "forward" in module.__dict__:
+        raise ConversionError(f"`{entry.path}` has a forward of its own (a hook installs these), which would bypass "
+                              "streaming; remove the hook or exclude the module from the policy")
     if entry.stream:
         missing = COMPUTE_KINDS[entry.stream].missing(module)
         if missing:
@@ -197,7 +203,7 @@ def _convert(module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) 
 
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
     """Give `module` the class `cls` and plain `attributes`, returning how to undo it."""
-    record = _Record(module, type(module), tuple(attributes), role)
+    record = _Record(module, type(module), {name: module.__dict__.get(name, _ABSENT) for name in attributes}, role)
     module.__class__ = cls
     module.__dict__.update(attributes)
     return record
@@ -209,5 +215,8 @@ def _restore(record: _Record) -> None:
     if tree is not None and any(m is module for m in tree.relocating):
         tree.relocating = [m for m in tree.relocating if m is not module]
     module.__class__ = record.original_class
-    for name in record.added:
-        module.__dict__.pop(name, None)
+    for name, previous in record.replaced.items():
+        if previous is _ABSENT:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = previous

@@ -65,6 +65,28 @@ def test_revert_restores_classes_and_attributes_exactly():
         streamwise.revert(model)
 
 
+def test_revert_gives_back_attributes_the_instance_held_before():
+    model = tiny_qwen2()
+    leaf = model.model.layers[0].mlp.up_proj
+    leaf.weight_function = ["the caller's own"]
+    convert(model)
+    assert leaf.weight_function == []
+    streamwise.revert(model)
+    assert leaf.weight_function == ["the caller's own"]
+
+
+def test_a_leaf_with_a_forward_of_its_own_is_refused():
+    import types
+
+    model = tiny_qwen2()
+    leaf = model.model.layers[0].mlp.up_proj
+    leaf.forward = types.MethodType(torch.nn.Linear.forward, leaf)  # as a hook library installs it
+    before = snapshot_tree(model)
+    with pytest.raises(ConversionError, match="`model.layers.0.mlp.up_proj` has a forward of its own"):
+        convert(model)
+    assert snapshot_tree(model) == before
+
+
 def test_a_failure_midway_restores_the_tree(monkeypatch):
     model = tiny_qwen2()
     before = snapshot_tree(model)
