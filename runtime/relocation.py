@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .derived import picklable
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -36,5 +38,6 @@ def _derive(cls: type[nn.Module]) -> type[nn.Module]:
             "__module__": __name__,
             "__doc__": f"{cls.__qualname__}, whose direct tensors follow the compute device (Streamwise).",
             "_sw_original_class": cls,
+            **picklable(relocating_class, cls),
         },
     )

@@ -12,6 +12,7 @@ import inspect
 
 from torch import Tensor, nn
 
+from .derived import picklable
 from .kinds import COMPUTE_KINDS, ComputeKind
 
 _CLASSES: dict[tuple[type, str], type] = {}
@@ -43,6 +44,7 @@ def _derive(cls: type[nn.Module], kind: ComputeKind) -> type[nn.Module]:
             "__doc__": f"{cls.__qualname__}, streamed by Streamwise (compute kind `{kind.name}`).",
             "_sw_original_class": cls,
             "_sw_kind": kind.name,
+            **picklable(streaming_class, cls, kind.name),
         },
     )
 

@@ -87,6 +87,25 @@ def test_a_leaf_with_a_forward_of_its_own_is_refused():
     assert snapshot_tree(model) == before
 
 
+def test_converted_trees_pickle_and_keep_their_classes():
+    import io
+
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    quant = make_policy(quant={"rule": [{"id": "q", "select": {"path": "model.layers.0.mlp.*"}, "format": "int8"}]}).quant
+    convert(model, DECODER.model_copy(update={"quant": quant}))
+    ids = torch.tensor([[1, 2, 3]])
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the whole module, as torch.save(model) users and multiprocessing do
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    for name, module in model.named_modules():
+        assert type(loaded.get_submodule(name)) is type(module)  # the same cached derived classes
+    assert applied_state(loaded) is not None
+
+
 def test_a_failure_midway_restores_the_tree(monkeypatch):
     model = tiny_qwen2()
     before = snapshot_tree(model)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ...schemas import Policy
 from ..apply import ConversionError, applied_state, apply_policy, swap_class
+from ..derived import picklable
 from ..quant.residents import MERGED_PATCH
 
 
@@ -141,6 +142,7 @@ def _patchable_class(cls: type) -> type:
             "device": _SettableDevice(fallback),
             "__module__": cls.__module__,
             "_sw_original_class": getattr(cls, "_sw_original_class", cls),
+            **picklable(_patchable_class, cls),
         })
     return _PATCHABLE[cls]
 

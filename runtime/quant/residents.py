@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..derived import picklable
 from ..tree import cast_for_compute
 from .formats import FORMATS
 
@@ -35,6 +36,7 @@ def resident_class(cls: type[nn.Module], fmt: str) -> type[nn.Module]:
             "_sw_handler": FORMATS[fmt],
             "_sw_fetched": (*FORMATS[fmt].stored, "bias"),
             "compile_safe": FORMATS[fmt].compile_safe,
+            **picklable(resident_class, original, fmt),
         })
     return _CLASSES[key]
 
