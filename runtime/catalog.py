@@ -63,5 +63,5 @@ def list_policies(dirs: Iterable[Path], *, include_hidden: bool = False) -> dict
 def _inside(candidate: Path, folder: Path) -> bool:
     try:
         return candidate.resolve().is_relative_to(folder.resolve())
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop, before Python 3.13
         return False

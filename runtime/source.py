@@ -6,7 +6,10 @@ UTF-8, TOML syntax, nesting deep enough to exhaust the parser) becomes a located
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,11 @@ class PolicySource:
     document: dict
     spans: dict[KeyPath, Located]
 
+    @functools.cached_property
+    def lines(self) -> list[str]:
+        """The text's lines, split once: a file with many problems locates each of them."""
+        return self.text.split("\n")
+
     def locate(self, key_path: KeyPath, *, value: bool = False) -> Location:
         """Where `key_path` (or its deepest recorded parent) is; the value's span when asked."""
         found = find(self.spans, key_path)
@@ -45,7 +53,7 @@ class PolicySource:
         return self.location(span.line, span.col, span.end_col)
 
     def location(self, line: int, col: int, end_col: int | None = None) -> Location:
-        lines = self.text.split("\n")
+        lines = self.lines
         source_line = lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
         end_col = end_col if end_col is not None else col + 1
         return Location(self.file, line, col, end_col, source_line)
@@ -54,18 +62,21 @@ class PolicySource:
 def read_source(path: Path, display: str) -> tuple[PolicySource | None, list[Diagnostic]]:
     """Read and parse one policy file; on failure return the located problem instead."""
     try:
-        size = path.stat().st_size
-        if size > MAX_POLICY_BYTES:
-            return None, [_problem("file-too-large", f"policy file is {size} bytes; the limit is {MAX_POLICY_BYTES}", display)]
-        data = path.read_bytes()
+        if not stat.S_ISREG(path.stat().st_mode):  # a device or a pipe: no size to trust, maybe no end
+            return None, [_problem("unreadable-file", "cannot read policy file: not a regular file", display)]
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_POLICY_BYTES + 1)
     except OSError as exc:
         return None, [_problem("unreadable-file", f"cannot read policy file: {exc.strerror or exc}", display)]
+    if len(data) > MAX_POLICY_BYTES:
+        size = path.stat().st_size
+        return None, [_problem("file-too-large", f"policy file is {size} bytes; the limit is {MAX_POLICY_BYTES}", display)]
     return parse_source(data, display)
 
 
 def parse_source(data: bytes, display: str) -> tuple[PolicySource | None, list[Diagnostic]]:
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
+    bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    data = data[bom:]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -76,7 +87,7 @@ def parse_source(data: bytes, display: str) -> tuple[PolicySource | None, list[D
         return None, [
             Diagnostic(
                 "invalid-encoding",
-                f"policy files must be UTF-8; byte 0x{data[exc.start]:02x} at offset {exc.start} is not",
+                f"policy files must be UTF-8; byte 0x{data[exc.start]:02x} at offset {bom + exc.start} is not",
                 source.location(line, col),
             )
         ]
@@ -124,10 +135,10 @@ def _syntax_error(source: PolicySource, exc: Exception) -> Diagnostic:
 def display_path(path: Path) -> str:
     """A path as the user would write it: relative to the working folder when inside it, and
     `streamwise/policies/...` for a shipped policy seen from elsewhere."""
-    resolved = path.resolve()
-    for base, prefix in ((Path.cwd().resolve(), ""), (SHIPPED_POLICY_DIR.parent, "streamwise/")):
-        if resolved.is_relative_to(base):
-            return prefix + resolved.relative_to(base).as_posix()
+    absolute = Path(os.path.abspath(path))  # not resolved: a symlink is shown by the name it was given
+    for base, prefix in ((Path(os.path.abspath(Path.cwd())), ""), (SHIPPED_POLICY_DIR.parent, "streamwise/")):
+        if absolute.is_relative_to(base):
+            return prefix + absolute.relative_to(base).as_posix()
     return str(path)
 
 

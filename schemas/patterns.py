@@ -70,7 +70,12 @@ def _translate_segment(segment: str, offset: int) -> str:
                 raise PatternError(f"unclosed or empty `[` in path glob segment `{segment}`", offset + i)
             negate, body = found.groups()
             body = body.replace("\\", r"\\").replace("^", r"\^").replace("]", r"\]").replace("[", r"\[")
-            out.append(f"[{'^.' if negate else ''}{body}]")
+            char_class = f"[{'^.' if negate else ''}{body}]"
+            try:
+                re.compile(char_class)
+            except re.error as exc:  # a reversed range such as `[z-a]`
+                raise PatternError(f"invalid `[...]` in path glob segment `{segment}`: {exc.msg}", offset + i) from None
+            out.append(char_class)
             i = found.end()
             continue
         elif ch == "]":
@@ -101,3 +106,5 @@ def compile_regex(source: str) -> re.Pattern[str]:
         raise PatternError(f"invalid regex `{source}`: {exc.msg}", exc.pos) from None
     except RecursionError:
         raise PatternError(f"regex `{source}` is nested too deeply") from None
+    except OverflowError as exc:  # a repeat count beyond what `re` can hold
+        raise PatternError(f"invalid regex `{source}`: {exc}") from None

@@ -208,3 +208,20 @@ select = { class = ["sw_canary.Thing", "os.system"], regex = ['__import__\\(.*\\
     env = {k: v for k, v in os.environ.items() if k != "STREAMWISE_POLICY_PATH"}
     subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path)], check=True, env=env)
     assert not fired.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX devices and FIFOs")
+def test_devices_pipes_and_symlink_loops_are_unreadable_files(tmp_path):
+    os.mkfifo(tmp_path / "pipe.toml")  # opening one would wait for a writer forever
+    (tmp_path / "loop.toml").symlink_to(tmp_path / "loop.toml")
+    for path in ("/dev/zero", tmp_path / "pipe.toml", tmp_path / "loop.toml"):
+        policy, diagnostics = check_policy(path)
+        assert policy is None and [d.code for d in diagnostics] == ["unreadable-file"], path
+    assert "loop" not in list_policies([tmp_path])  # listing a folder with a loop in it still works
+
+
+def test_an_encoding_error_after_a_bom_gives_the_files_own_offset(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbfschema_version = 1 # caf\xe9\n")
+    _, diagnostics = check_policy(path)
+    assert "at offset 27 is not" in diagnostics[0].message
