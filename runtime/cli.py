@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .catalog import policy_dirs
-from .diagnostics import Diagnostic, render_json, render_text
+from .diagnostics import Diagnostic, json_report, render_json, render_text
 from .loading import check_policy
 from .source import display_path
 
@@ -64,24 +64,27 @@ def _report(reports: dict[str, list[Diagnostic]], args: argparse.Namespace) -> N
 
 
 def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    policy, diagnostics = check_policy(args.paths[0])
-    if policy is None:
-        _report({args.paths[0]: diagnostics}, args)
-        return EXIT_PROBLEMS
     from .model_spec import ModelSpecError, build_model  # torch only from here on
-    from .resolve import resolve
 
-    try:
+    try:  # a usage error, so it is found before the policy is looked at
         overrides = json.loads(args.model_config) if args.model_config else None
         model = build_model(args.model, overrides)
     except (ModelSpecError, json.JSONDecodeError) as exc:
         parser.print_usage(sys.stderr)
         print(f"policy-validate: error: --model: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    plan = resolve(policy, model)
-    diagnostics = [*diagnostics, *plan.diagnostics]
-    if args.format == "json":
-        print(json.dumps({"model": args.model, "plan": plan.summary(), "diagnostics": [d.to_dict() for d in diagnostics]}, indent=2))
+    policy, diagnostics = check_policy(args.paths[0])
+    plan = None
+    if policy is not None:
+        from .resolve import resolve
+
+        plan = resolve(policy, model)
+        diagnostics = [*diagnostics, *plan.diagnostics]
+    if args.format == "json":  # the file-grouped document of plain runs, plus the model and its plan
+        print(json.dumps({**json_report({args.paths[0]: diagnostics}), "model": args.model,
+                          "plan": plan.summary() if plan is not None else None}, indent=2))
+    elif plan is None:
+        _print_text({args.paths[0]: diagnostics}, quiet=args.quiet)
     else:
         print(_render_plan(args.model, plan))
         if diagnostics:

@@ -172,6 +172,11 @@ def _snippet(location: Location, mark: str, label: str, width: int) -> list[str]
 # json -----------------------------------------------------------------------------------------
 def render_json(reports: dict[str, Sequence[Diagnostic]]) -> str:
     """Diagnostics grouped by file, with a summary, for editors and CI annotations."""
+    return json.dumps(json_report(reports), indent=2)
+
+
+def json_report(reports: dict[str, Sequence[Diagnostic]]) -> dict:
+    """`render_json`'s document, for callers that add to it."""
     files = [
         {
             "file": file,
@@ -186,4 +191,4 @@ def render_json(reports: dict[str, Sequence[Diagnostic]]) -> str:
         "errors": sum(d.is_error for d in every),
         "warnings": sum(not d.is_error for d in every),
     }
-    return json.dumps({"files": files, "summary": summary}, indent=2)
+    return {"files": files, "summary": summary}

@@ -70,13 +70,14 @@ def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
         )
     if cls is not None and getattr(cls, "config_class", None) is None:
         raise ModelSpecError(f"`{name}` is not a transformers model class (it has no config class)")
-    try:
+    try:  # a config transformers accepts may still fail in the model's own code (a zero head count)
         if cls is not None:
             return cls(cls.config_class(**overrides))
-        config = transformers.AutoConfig.for_model(name, **overrides)
-    except (ValueError, TypeError) as exc:
-        raise ModelSpecError(f"transformers cannot build `{name}` with this config: {exc}") from None
-    return auto_model(config)
+        return auto_model(transformers.AutoConfig.for_model(name, **overrides))
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(f"transformers cannot build `{name}` with this config: {type(exc).__name__}: {exc}") from None
 
 
 def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None) -> nn.Module:
@@ -86,5 +87,5 @@ def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None)
         raise ModelSpecError(f"cannot find `{module_name}:{attribute}`: {exc}") from None
     try:
         return factory(**overrides) if overrides else factory()
-    except TypeError as exc:  # the overrides do not fit the factory's parameters
-        raise ModelSpecError(f"cannot call `{module_name}:{attribute}` with this config: {exc}") from None
+    except Exception as exc:  # the overrides do not fit the factory, or the factory itself fails
+        raise ModelSpecError(f"cannot call `{module_name}:{attribute}` with this config: {type(exc).__name__}: {exc}") from None

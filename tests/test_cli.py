@@ -87,7 +87,18 @@ def test_model_mode_with_an_inline_config_and_json(capsys):
     assert main(argv) == EXIT_OK
     document = json.loads(capsys.readouterr().out)
     assert document["plan"]["modules"]["compile"] == {"Qwen2DecoderLayer": 3}
-    assert document["plan"]["stranded"] == [] and document["diagnostics"] == []
+    assert document["plan"]["stranded"] == [] and document["model"] == "transformers:qwen2"
+    assert document["files"] == [{"file": "decoder-llm", "valid": True, "diagnostics": []}]
+    assert document["summary"] == {"files": 1, "errors": 0, "warnings": 0}
+
+
+def test_model_mode_json_keeps_its_shape_when_the_policy_has_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('schema_version = 1\n[policy]\nname = "bad"\n[[stream.rule]]\nid = "r"\nkind = "linaer"\nselect = { class = "Linear" }\n')
+    assert main(["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 1}', str(bad)]) == EXIT_PROBLEMS
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"] is None and document["model"] == "transformers:qwen2"
+    assert document["summary"]["errors"] == 1 and document["files"][0]["valid"] is False
 
 
 def test_model_mode_with_a_python_factory(tmp_path, monkeypatch, capsys):
@@ -112,6 +123,10 @@ def test_model_mode_with_a_python_factory(tmp_path, monkeypatch, capsys):
     (["--model", "transformers:Conv1D", "decoder-llm"], "`Conv1D` is not a transformers model class"),
     (["--model", "transformers:qwen2", "--model-config", "[2]", "decoder-llm"], "must be a JSON object"),
     (["--model", "torch.nn:Linear", "--model-config", '{"widht": 2}', "decoder-llm"], "cannot call `torch.nn:Linear`"),
+    (["--model", "transformers:qwen2", "--model-config", '{"num_attention_heads": 0}', "decoder-llm"], "ZeroDivisionError"),
+    (["--model", "transformers:qwen2", "--model-config", '{"hidden_size": "x"}', "decoder-llm"], "cannot build `qwen2`"),
+    (["--model", "torch.nn:Linear", "--model-config", '{"in_features": -1, "out_features": 2}', "missing.toml"],
+     "cannot call `torch.nn:Linear`"),  # the spec is checked before the policy is looked for
 ])
 def test_model_mode_usage_errors(argv, message, capsys):
     assert main(argv) == EXIT_USAGE

@@ -62,6 +62,18 @@ def test_unmatched_rule_is_a_located_error_with_a_suggestion(tmp_path):
     assert not plan.ok
 
 
+def test_a_rule_that_selects_modules_but_never_decides_one_is_not_unmatched():
+    policy = make_policy(stream={"rule": [
+        stream_rule("linear", "linear", **{"class": "Linear"}),
+        stream_rule("every-proj", "linear", regex=r".*proj"),  # beaten by nothing, ties with `q-proj`
+        stream_rule("q-proj", "linear", regex=r".*q_proj"),
+        stream_rule("heads", "linear", path=["lm_head"]),  # beats `linear` on its one module
+    ]})
+    plan = streamwise.resolve(policy, tiny_qwen2())
+    assert [d.code for d in plan.diagnostics if d.is_error] == []
+    assert plan.summary()["rule_matches"]["stream.linear"] == 0  # it selects every Linear, and decides none
+
+
 def test_optional_rules_may_match_nothing():
     policy = make_policy(stream={"rule": [
         stream_rule("linear", "linear", **{"class": "Linear"}),
