@@ -45,15 +45,18 @@ def find_policy(name: str, dirs: Iterable[Path]) -> Path | None:
     return None
 
 
+def policy_files(folder: Path) -> list[Path]:
+    """The `*.toml` files of one policy folder, without symlinks that lead out of it."""
+    return [f for f in sorted(folder.glob("*.toml")) if _inside(f, folder)] if folder.is_dir() else []
+
+
 def list_policies(dirs: Iterable[Path], *, include_hidden: bool = False) -> dict[str, Path]:
     """Every policy by name, earlier folders shadowing later ones; `_`-prefixed files are hidden."""
     found: dict[str, Path] = {}
     for folder in dirs:
-        if not folder.is_dir():
-            continue
-        for candidate in sorted(folder.glob("*.toml")):
+        for candidate in policy_files(folder):
             name = candidate.stem
-            if name in found or not is_policy_name(name) or not _inside(candidate, folder):
+            if name in found or not is_policy_name(name):
                 continue
             if include_hidden or not name.startswith("_"):
                 found[name] = candidate

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .catalog import policy_dirs
+from .catalog import policy_dirs, policy_files
 from .diagnostics import Diagnostic, json_report, render_json, render_text
 from .loading import check_policy
 from .source import display_path
@@ -117,7 +117,7 @@ def _bytes(size: int) -> str:
 
 def _collect(paths: Sequence[str]) -> list[Path]:
     if not paths:
-        return [f for folder in policy_dirs() if folder.is_dir() for f in sorted(folder.glob("*.toml"))]
+        return [f for folder in policy_dirs() for f in policy_files(folder)]
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)

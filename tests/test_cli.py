@@ -30,6 +30,19 @@ def test_no_arguments_includes_the_user_policy_folder(tmp_path, monkeypatch, cap
     assert "mine.toml:7:8" in out and "1 of 4 policies invalid" in out
 
 
+def test_no_arguments_skips_what_the_catalog_ignores(tmp_path, monkeypatch, capsys):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    write_policy(outside, "elsewhere")
+    folder = tmp_path / "policies"
+    folder.mkdir()
+    (folder / "elsewhere.toml").symlink_to(outside / "elsewhere.toml")  # leads out: never loaded by name
+    monkeypatch.setenv("STREAMWISE_POLICY_PATH", str(folder))
+    assert main([]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "elsewhere" not in out and out.strip().endswith("3 policies valid")
+
+
 def test_problems_exit_1_and_warnings_alone_exit_0(capsys):
     assert main([str(INVALID / "bad-regex--unbalanced.toml")]) == EXIT_PROBLEMS
     assert main([str(INVALID / "unknown-backend.toml")]) == EXIT_OK
