@@ -313,6 +313,10 @@ def _handle_dynamic_vram(patcher: Any, settings: CompileSettings) -> Any:
     if "disable_dynamic" not in inspect.signature(patcher.clone).parameters:
         warnings.warn("this ComfyUI core cannot demote a dynamic-VRAM MODEL; " + DYNAMIC_VRAM_MESSAGE, stacklevel=3)
         return patcher
+    if applied_state(patcher.model) is not None:  # core demotes by reloading the model from its file
+        warnings.warn("a Streamwise-converted MODEL is not demoted: ComfyUI would rebuild it from its file without "
+                      "the conversion; " + DYNAMIC_VRAM_MESSAGE, stacklevel=3)
+        return patcher
     demoted = patcher.clone(disable_dynamic=True)
     if settings.verbose:
         log.info("demoted the MODEL to a non-dynamic patcher (%s) before compiling", type(demoted).__name__)

@@ -307,6 +307,15 @@ def test_dynamic_vram_is_warned_about_or_demoted():
         streamwise.lazy_compile(FakePatcher(dynamic=False), POLICY, backend="aot_eager")
 
 
+def test_a_converted_dynamic_model_is_not_demoted():
+    """Core demotes by rebuilding the model from its file, which would silently drop the conversion."""
+    patcher = FakePatcher(dynamic=True)
+    streamwise.apply(streamwise.resolve(POLICY, patcher.model), patcher.model)
+    with pytest.warns(UserWarning, match="a Streamwise-converted MODEL is not demoted"):
+        assert streamwise.lazy_compile(patcher, POLICY, backend="aot_eager", disable_dynamic_vram=True) is patcher
+    assert patcher.clones == []
+
+
 def test_a_policy_with_compile_enabled_arms_the_standalone_host():
     policy = POLICY.model_copy(update={"compile": POLICY.compile.model_copy(update={"enabled": True, "backend": "aot_eager"})})
     model = Net(blocks=2)
