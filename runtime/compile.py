@@ -60,10 +60,9 @@ def compile_stats(model: Any) -> CompileStats:
     """What lazy compilation did to `model` (a module or a ComfyUI MODEL) so far."""
     if _is_patcher(model):
         regions = _patched_regions(model)
-        if not regions:
-            raise ValueError("this MODEL was not armed with streamwise.lazy_compile")
-        return regions[0].stats
-    state = model.__dict__.get(STATE_ATTRIBUTE)
+        if regions:
+            return regions[0].stats
+    state = model.__dict__.get(STATE_ATTRIBUTE)  # a MODEL left eager (ConvRot INT4) keeps its reason here
     if state is None:
         raise ValueError("this model was not armed with streamwise.lazy_compile")
     return state.stats
@@ -84,8 +83,7 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
         module = patcher.model
     disarm(patcher or module)
     armed = _Armed(CompileStats(), [])
-    if patcher is None:
-        module.__dict__[STATE_ATTRIBUTE] = armed
+    (patcher or module).__dict__[STATE_ATTRIBUTE] = armed
     if any(getattr(m, "compile_safe", True) is False for m in module.modules()):
         warnings.warn(INT4_MESSAGE, stacklevel=2)
         armed.stats.reason = INT4_MESSAGE
@@ -114,11 +112,11 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
 
 def disarm(model: Any) -> None:
     """Undo `lazy_compile`: every unit runs its own forward again (a MODEL: from its next load)."""
+    armed = model.__dict__.pop(STATE_ATTRIBUTE, None)
     if _is_patcher(model):
         for key in [k for k, v in model.object_patches.items() if _is_armed_forward(v)]:
             del model.object_patches[key]
         return
-    armed = model.__dict__.pop(STATE_ATTRIBUTE, None)
     for unit, own in armed.units if armed else ():
         if own is None:
             unit.__dict__.pop("forward", None)

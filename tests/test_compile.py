@@ -307,6 +307,16 @@ def test_dynamic_vram_is_warned_about_or_demoted():
         streamwise.lazy_compile(FakePatcher(dynamic=False), POLICY, backend="aot_eager")
 
 
+def test_a_model_left_eager_for_int4_still_reports_why():
+    patcher = FakePatcher(dynamic=False)
+    rule = {"id": "q", "select": {"path": "blocks.*.up"}, "format": "convrot_int4", "group_size": 16}
+    policy = POLICY.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
+    streamwise.apply(streamwise.resolve(policy, patcher.model), patcher.model)
+    with pytest.warns(UserWarning, match=INT4_MESSAGE):
+        streamwise.lazy_compile(patcher, policy, backend="aot_eager")
+    assert (compile_stats(patcher).applied, compile_stats(patcher).reason) == (False, INT4_MESSAGE)
+
+
 def test_a_converted_dynamic_model_is_not_demoted():
     """Core demotes by rebuilding the model from its file, which would silently drop the conversion."""
     patcher = FakePatcher(dynamic=True)
