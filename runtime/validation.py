@@ -43,10 +43,11 @@ _QUOTED = re.compile(r"'([^']*)'")
 
 def validate_document(source: PolicySource, document: dict) -> tuple[Policy | None, list[Diagnostic]]:
     """Validate a (migrated) document; return the policy, or None and why not."""
+    file_problems = _check_file_rules(source, document)  # on the raw document: found beside type errors too
     try:
         policy = Policy.model_validate(document)
     except ValidationError as exc:
-        problems = [_translate(source, error) for error in exc.errors(include_url=False)]
+        problems = [*(_translate(source, error) for error in exc.errors(include_url=False)), *file_problems]
         return None, sorted(problems, key=lambda d: (d.location.line, d.location.col) if d.location else (0, 0))
     except RecursionError:
         return None, [Diagnostic("invalid-value", "policy is nested too deeply", source.location(1, 1))]
@@ -54,7 +55,7 @@ def validate_document(source: PolicySource, document: dict) -> tuple[Policy | No
     for section in RULE_SECTIONS:
         for index, rule in enumerate(getattr(policy, section).rule):
             rule._origin = (source, (section, "rule", index))
-    return policy, _check_file_rules(source, policy)
+    return policy, file_problems
 
 
 # pydantic -> diagnostics ----------------------------------------------------------------------
@@ -189,29 +190,35 @@ def _strip(annotation: Any) -> Any:
 
 
 # checks across rules --------------------------------------------------------------------------
-def _check_file_rules(source: PolicySource, policy: Policy) -> list[Diagnostic]:
+def _check_file_rules(source: PolicySource, document: dict) -> list[Diagnostic]:
+    """Checks that need no valid policy: the name, rule ids and the backend, read where they are well typed."""
     problems: list[Diagnostic] = []
     stem = source.file.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".toml")
-    if policy.policy.name != stem:
+    name = _table(document, "policy").get("name")
+    if isinstance(name, str) and name != stem:
         problems.append(Diagnostic(
             "name-mismatch",
-            f"policy name `{policy.policy.name}` differs from its file name `{stem}`; "
+            f"policy name `{name}` differs from its file name `{stem}`; "
             "`extends` and the policy pickers find policies by file name",
             source.locate(("policy", "name"), value=True), key_path="policy.name", suggestion=stem,
         ))
     for section in RULE_SECTIONS:
+        rules = _table(document, section).get("rule")
         seen: dict[str, int] = {}
-        for index, rule in enumerate(getattr(policy, section).rule):
-            if rule.id in seen:
-                first = source.locate((section, "rule", seen[rule.id], "id"), value=True)
+        for index, rule in enumerate(rules if isinstance(rules, list) else ()):
+            rule_id = rule.get("id") if isinstance(rule, dict) else None
+            if not isinstance(rule_id, str):
+                continue
+            if rule_id in seen:
+                first = source.locate((section, "rule", seen[rule_id], "id"), value=True)
                 problems.append(Diagnostic(
-                    "duplicate-id", f"rule id `{rule.id}` is used twice in [{section}]",
+                    "duplicate-id", f"rule id `{rule_id}` is used twice in [{section}]",
                     source.locate((section, "rule", index, "id"), value=True), key_path=f"{section}.rule[{index}].id",
                     notes=(Note("first used here", first),), help="give every rule of a section its own id",
                 ))
-            seen.setdefault(rule.id, index)
-    backend = policy.compile.backend
-    if backend not in KNOWN_COMPILE_BACKENDS:
+            seen.setdefault(rule_id, index)
+    backend = _table(document, "compile").get("backend")
+    if isinstance(backend, str) and backend not in KNOWN_COMPILE_BACKENDS:
         problems.append(Diagnostic(
             "unknown-backend",
             f"`{backend}` is not a backend torch ships; it must be registered when compiling",
@@ -219,6 +226,11 @@ def _check_file_rules(source: PolicySource, policy: Policy) -> list[Diagnostic]:
             suggestion=did_you_mean(backend, KNOWN_COMPILE_BACKENDS), allowed=KNOWN_COMPILE_BACKENDS,
         ))
     return problems
+
+
+def _table(document: object, key: str) -> dict:
+    value = document.get(key) if isinstance(document, dict) else None
+    return value if isinstance(value, dict) else {}
 
 
 def check_rule_conflicts(policy: Policy) -> list[Diagnostic]:
