@@ -326,6 +326,18 @@ def test_a_converted_dynamic_model_is_not_demoted():
     assert patcher.clones == []
 
 
+def test_offloading_an_armed_model_keeps_prefetch_off(monkeypatch):
+    """Side-stream prefetch (CUDA) keeps Python bookkeeping a graph cannot hold; arming first must still win."""
+    from streamwise.runtime.hosts import standalone
+
+    quieted = []
+    monkeypatch.setattr(standalone._Streamer, "stop_prefetching", lambda self: quieted.append(self))
+    model = Net(blocks=2)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    streamwise.offload(model, POLICY, device="cpu", budget=0)
+    assert quieted == [streamwise.runtime.apply.applied_state(model).tree.fetcher]
+
+
 def test_a_policy_with_compile_enabled_arms_the_standalone_host():
     policy = POLICY.model_copy(update={"compile": POLICY.compile.model_copy(update={"enabled": True, "backend": "aot_eager"})})
     model = Net(blocks=2)

@@ -71,10 +71,12 @@ def offload(
             _place(module, device, pin=False)
     state.tree.compute_device = device
     state.tree.fetcher = streamer
-    if policy.compile.enabled:
-        from ..compile import lazy_compile
+    from ..compile import STATE_ATTRIBUTE as ARMED, lazy_compile
 
+    if policy.compile.enabled:
         lazy_compile(model, policy)
+    elif ARMED in model.__dict__:  # armed before: its compiled blocks cannot trace prefetch bookkeeping
+        streamer.stop_prefetching()
     return OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count, resident_bytes, streamed_bytes)
 
 
