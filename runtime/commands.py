@@ -35,16 +35,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .gguf_writer import quantize_to_gguf
     from .builders import build_skeleton
+    from .model_files import config_folder
     from .model_spec import ModelSpecError, build_model
 
     try:
         policy = load_policy(args.policy)
         if args.model:
             model = build_model(args.model, json.loads(args.model_config) if args.model_config else None)
-        elif Path(args.source).is_dir():
-            model = build_skeleton(Path(args.source))  # config.json, or a builder another pack registered
-        else:
-            parser.error("--model is needed when the source is a file rather than a model folder")
+        else:  # the folder's config.json (beside a weight file too), or a builder another pack registered
+            model = build_skeleton(config_folder(Path(args.source)))
         report = quantize_to_gguf(args.source, args.destination, policy, model)
     except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError, OSError) as exc:
         print(f"streamwise quantize: {exc}", file=sys.stderr)

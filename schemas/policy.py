@@ -152,7 +152,7 @@ class QuantRule(_Rule):
     group_size: Optional[int] = None
     """ConvRot only: Hadamard group size, a power of 4 that divides in_features (default 256)."""
     gguf_type: Optional[GGUFType] = None
-    """`gguf` only: the GGML type `streamwise-quantize` writes for these layers (default Q8_0)."""
+    """`gguf` only: the GGML type `streamwise quantize` writes for these layers (default Q8_0)."""
     min_weights: int = Field(default=0, ge=0)
     """Leave layers with fewer weight elements than this in float (small layers gain little)."""
 

@@ -486,6 +486,13 @@ gguf_type = "Q8_0"
     assert model.model.layers[0].mlp.up_proj.gguf_qtype == gguf.GGMLQuantizationType.Q4_0
 
 
+def test_quantize_finds_the_config_beside_a_weight_file(saved, tmp_path):
+    folder, _, _ = saved
+    target = tmp_path / "from-file.gguf"
+    assert streamwise_main(["quantize", str(folder / "model.safetensors"), str(target), "--policy", "decoder-llm"]) == 0
+    assert streamwise.load(skeleton_model(), target, "decoder-llm").tensors == 27
+
+
 @pytest.mark.parametrize("destination", ["model.safetensors", "folder.gguf", "missing/out.gguf", "same"])
 def test_quantize_refuses_destinations_it_would_damage(saved, tmp_path, capsys, destination):
     folder, _, _ = saved
