@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -123,7 +124,7 @@ def _collect(paths: Sequence[str]) -> list[Path]:
         path = Path(raw)
         if path.is_dir():
             files += sorted(path.rglob("*.toml"))
-        elif path.exists():
+        elif os.path.lexists(path):  # a broken or looping symlink is there too: reported as unreadable
             files.append(path)
         else:
             raise FileNotFoundError(raw)

@@ -94,6 +94,8 @@ def lazy_compile(model: Any, policy: Policy | str | None = None, *, compile_tran
     regions: dict[Any, _Region] = {}
     for path, unit in units:
         own = unit.__dict__.get("forward")  # a per-instance forward (hooks install these) is the one that runs
+        if _is_armed_forward(own):  # another clone's compiled forward, set on the shared tree while it is loaded
+            own = None
         function = _unbound_forward(unit, own)
         region = regions.setdefault(function, _Region(function, settings, armed.stats))
         forward = functools.partial(region, unit)
@@ -177,11 +179,16 @@ class _Region:
         try:
             result = self.compiled(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as exc:
+            failure = exc
+        else:
+            failure = None
+        if failure is not None:
             # The model's own errors surface while dynamo traces it too: if the eager forward raises,
-            # that error is the caller's and compilation stays on; if it runs, the compiler failed.
+            # that error is the caller's (raised outside the handler, so without dynamo's traceback)
+            # and compilation stays on; if it runs, the compiler failed.
             result = self.function(module, *args, **kwargs)
             self.failed = True
-            cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+            cause = getattr(failure, "inner_exception", None) or failure.__cause__ or failure
             reason = f"{type(module).__name__}: {type(cause).__name__}: {cause}".splitlines()[0]
             self.stats.fallbacks.append(reason)
             warnings.warn(f"torch.compile failed, running it eagerly from now on ({reason})", stacklevel=2)

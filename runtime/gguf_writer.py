@@ -9,6 +9,7 @@ model's state-dict keys, so `streamwise.load` reads the file back into the same 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,11 +65,19 @@ def quantize_to_gguf(source: str | os.PathLike, destination: str | os.PathLike, 
             writer.write_tensors_to_file()
         finally:
             writer.close()
+        # mkstemp makes the file private; the result takes the mode the file it replaces had, else the umask's
+        os.chmod(partial, stat.S_IMODE(destination.stat().st_mode) if destination.exists() else _umask_mode())
         os.replace(partial, destination)
     except BaseException:
         Path(partial).unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
         raise
     return QuantizeReport(os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in, os.path.getsize(destination))
+
+
+def _umask_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _check_destination(destination: Path, sources: set[Path]) -> None:

@@ -17,7 +17,6 @@ from .selectors import CompiledSelector, ModuleRef, Specificity
 class Decision:
     rule: Any
     specificity: Specificity
-    selecting: tuple[Any, ...]  # every rule that selects the module, the deciding one and those it beat
 
 
 class RuleConflict(ValueError):
@@ -43,4 +42,4 @@ def decide(
     for other in tied[1:]:
         if other.decision != tied[0].decision:
             raise RuleConflict(module, tied[0], other)
-    return Decision(tied[0], best, tuple(rule for _, rule in hits))
+    return Decision(tied[0], best)

@@ -37,7 +37,6 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
     matches = {f"{name}.{rule.id}": 0 for name in _SECTIONS for rule in getattr(policy, name).rule}
     if blocks is not None:
         matches["compile.blocks"] = 0
-    selecting: set[str] = set()  # rules that select some module, whether or not they decide it
     problems: list[Diagnostic] = []
     plans: list[ModulePlan] = []
     census = _Census()
@@ -55,7 +54,6 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
             decided[name] = decision.rule if decision else None
             if decision:
                 matches[f"{name}.{decision.rule.id}"] += 1
-                selecting.update(f"{name}.{rule.id}" for rule in decision.selecting)
         stream, relocate, quant = decided["stream"], decided["relocate"], decided["quant"]
         if stream is not None and _holds_parameters_below(module):
             problems.append(_rule_problem(
@@ -110,7 +108,7 @@ def resolve(policy: Policy, model: nn.Module) -> Plan:
                 compile_unit=unit,
             ))
 
-    problems += _unmatched(policy, selecting, model)
+    problems += _unmatched(policy, sections, matches, model)
     coverage = census.coverage()
     if coverage.stranded:
         problems.append(_stranded(coverage))
@@ -183,13 +181,16 @@ def _conflict(section: str, conflict: RuleConflict) -> Diagnostic:
     )
 
 
-def _unmatched(policy: Policy, selecting: set[str], model: nn.Module) -> list[Diagnostic]:
+def _unmatched(policy: Policy, sections: dict, matches: dict[str, int], model: nn.Module) -> list[Diagnostic]:
+    """Rules whose selector hits no module: not those outranked everywhere, nor those whose modules are excluded."""
     classes = sorted({ModuleRef.of("", m).classes[0][0] for m in model.modules()})
     problems = []
     for section in _SECTIONS:
-        for rule in getattr(policy, section).rule:
-            if rule.optional or f"{section}.{rule.id}" in selecting:
+        for rule, selector in sections[section][0]:
+            if rule.optional or matches[f"{section}.{rule.id}"]:
                 continue
+            if any(selector.matches(ModuleRef.of(path, module)) for path, module in model.named_modules()):
+                continue  # it selects modules, but decides none
             guess = next(filter(None, (did_you_mean(name.rsplit(".", 1)[-1], classes) for name in rule.select.class_)), None)
             problems.append(_rule_problem(
                 "unmatched-rule", rule,

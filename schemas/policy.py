@@ -243,7 +243,7 @@ class CompileSettings(_Table):
     """torch.compile settings, applied lazily on the first forward."""
 
     enabled: bool = False
-    """Compile when the policy is applied (the compile node and `lazy_compile` compile regardless)."""
+    """Arm compilation when a host takes the policy (`offload`, `model_patcher(policy=)`, the Apply node)."""
     backend: Annotated[str, AfterValidator(_checked("invalid-value", _check_backend))] = "inductor"
     """A torch.compile backend; checked against the running torch when compiling."""
     mode: CompileMode = "default"
@@ -262,6 +262,15 @@ class CompileSettings(_Table):
     """Demote a ComfyUI MODEL to a non-dynamic-VRAM patcher before compiling."""
     verbose: bool = False
     """Log compile preparation, graph-cache growth, timings and recompile reasons."""
+
+    @model_validator(mode="after")
+    def _mode_fits_backend(self) -> "CompileSettings":
+        if self.mode != "default" and self.backend != "inductor":
+            raise PydanticCustomError(
+                "invalid-value", "compile mode `{mode}` is an inductor setting; backend `{backend}` takes none",
+                {"mode": self.mode, "backend": self.backend, "field": "mode"},
+            )
+        return self
 
 
 class Policy(_Table):

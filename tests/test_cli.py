@@ -30,6 +30,13 @@ def test_no_arguments_includes_the_user_policy_folder(tmp_path, monkeypatch, cap
     assert "mine.toml:7:8" in out and "1 of 4 policies invalid" in out
 
 
+def test_a_looping_symlink_given_by_name_is_an_unreadable_file(tmp_path, capsys):
+    loop = tmp_path / "loop.toml"
+    loop.symlink_to(loop)
+    assert main([str(loop)]) == EXIT_PROBLEMS
+    assert "error[unreadable-file]" in capsys.readouterr().out
+
+
 def test_no_arguments_skips_what_the_catalog_ignores(tmp_path, monkeypatch, capsys):
     outside = tmp_path / "outside"
     outside.mkdir()

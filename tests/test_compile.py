@@ -120,6 +120,26 @@ def test_a_patched_resident_compiles_without_graph_breaks():
     assert compile_stats(model).graph_breaks == 0
 
 
+def test_half_precision_gguf_residents_compile_without_graph_breaks(tmp_path):
+    from streamwise.runtime.commands import main
+
+    from helpers import tiny_qwen2, write_policy
+
+    torch.manual_seed(0)
+    tiny_qwen2().save_pretrained(tmp_path)
+    policy = write_policy(tmp_path, "f16", 'extends = "decoder-llm"\n\n[[quant.rule]]\nid = "linears"\n'
+                          'select = { class = "Linear" }\nformat = "gguf"\ngguf_type = "F16"\n')
+    assert main(["quantize", str(tmp_path), str(tmp_path / "f16.gguf"), "--policy", str(policy)]) == 0
+    with streamwise.skeleton():
+        model = tiny_qwen2()
+    assert streamwise.load(model, tmp_path / "f16.gguf", policy).residents == {"gguf": 15}
+    ids = torch.tensor([[1, 2, 3]])
+    expected = run(model, ids).logits
+    streamwise.lazy_compile(model, policy, backend="aot_eager")
+    assert torch.allclose(run(model, ids).logits, expected, atol=1e-5)
+    assert compile_stats(model).graph_breaks == 0 and compile_stats(model).fallbacks == []
+
+
 def test_convrot_int4_residents_keep_the_model_eager():
     model = Net()
     rule = {"id": "q", "select": {"path": "blocks.*.up"}, "format": "convrot_int4", "group_size": 16}
@@ -160,6 +180,7 @@ def test_a_wrong_input_is_the_callers_error_and_compilation_stays_on():
     with pytest.raises(RuntimeError) as raised:
         run(model, torch.randn(2, 31))
     assert not isinstance(raised.value, torch._dynamo.exc.TorchDynamoException)  # the eager forward's own error
+    assert raised.value.__context__ is None  # not chained to dynamo's traceback
     run(model, torch.randn(2, 32))
     stats = compile_stats(model)
     assert stats.graphs >= 1 and stats.fallbacks == []
@@ -305,6 +326,18 @@ def test_dynamic_vram_is_warned_about_or_demoted():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         streamwise.lazy_compile(FakePatcher(dynamic=False), POLICY, backend="aot_eager")
+
+
+def test_arming_a_second_model_over_a_loaded_armed_tree_compiles_the_blocks_own_forward():
+    first = FakePatcher(dynamic=False)
+    streamwise.lazy_compile(first, POLICY, backend="aot_eager")
+    for path, forward in first.object_patches.items():  # what ComfyUI does while `first` is loaded
+        first.model.get_submodule(path.removesuffix(".forward")).forward = forward
+    second = FakePatcher(dynamic=False)
+    second.model = first.model  # a clone: same tree
+    streamwise.lazy_compile(second, POLICY, backend="aot_eager")
+    (region,) = {forward.func for forward in second.object_patches.values()}
+    assert region.function is Block.forward and region is not next(iter(first.object_patches.values())).func
 
 
 def test_a_model_left_eager_for_int4_still_reports_why():

@@ -486,6 +486,22 @@ gguf_type = "Q8_0"
     assert model.model.layers[0].mlp.up_proj.gguf_qtype == gguf.GGMLQuantizationType.Q4_0
 
 
+def test_quantize_output_takes_the_umask_or_the_replaced_files_mode(saved, tmp_path):
+    import os
+
+    folder, _, _ = saved
+    previous = os.umask(0o022)
+    try:
+        fresh, kept = tmp_path / "fresh.gguf", tmp_path / "kept.gguf"
+        kept.write_bytes(b"an earlier result")
+        kept.chmod(0o640)
+        for target in (fresh, kept):
+            assert streamwise_main(["quantize", str(folder), str(target), "--policy", "decoder-llm"]) == 0
+    finally:
+        os.umask(previous)
+    assert (fresh.stat().st_mode & 0o777, kept.stat().st_mode & 0o777) == (0o644, 0o640)
+
+
 def test_quantize_finds_the_config_beside_a_weight_file(saved, tmp_path):
     folder, _, _ = saved
     target = tmp_path / "from-file.gguf"

@@ -74,6 +74,14 @@ def test_a_rule_that_selects_modules_but_never_decides_one_is_not_unmatched():
     assert plan.summary()["rule_matches"]["stream.linear"] == 0  # it selects every Linear, and decides none
 
 
+def test_a_rule_whose_modules_are_all_excluded_is_not_unmatched():
+    policy = make_policy(stream={
+        "rule": [stream_rule("linear", "linear", **{"class": "Linear"}), stream_rule("head", "linear", path=["lm_head"])],
+        "exclude": {"path": ["lm_head"]},
+    })
+    assert all(d.code != "unmatched-rule" for d in streamwise.resolve(policy, tiny_qwen2()).diagnostics)
+
+
 def test_optional_rules_may_match_nothing():
     policy = make_policy(stream={"rule": [
         stream_rule("linear", "linear", **{"class": "Linear"}),

@@ -109,25 +109,26 @@ def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
 class _Streamer(TorchFetcher):
     """Fetches streamed weights; on CUDA, prefetches the next leaf's weights on a side stream."""
 
-    non_blocking = True  # the offloaded weights are pinned
-
     def __init__(self, device: torch.device, *, pin: bool, prefetch: bool) -> None:
         self.device = device
-        self.pin = pin
+        self.pin = self.non_blocking = pin  # copies from pinned memory may overlap compute
         self.side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         self.order: list[nn.Module] = []
         self.position: dict[int, int] = {}
         self.ready: dict[int, tuple[Tensor | None, Tensor | None, object, tuple[int, ...]]] = {}  # weight, bias, event, versions
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
+        """Copy in the stored dtype and cast on the device: a host-to-device copy that also casts
+        would convert on the CPU into a pageable buffer first."""
         if self.side is None:  # plain tensor ops: also what torch.compile traces cleanly inside a block
-            return super().fetch(module, device, dtype)
-        key = id(module)  # prefetching: learn the forward order, take what was copied ahead
-        if key not in self.position:
-            self.position[key] = len(self.order)
-            self.order.append(module)
-        weight, bias = self._take(module)
-        self._prefetch_after(key)
+            weight, bias = _copy(module, device)
+        else:
+            key = id(module)  # prefetching: learn the forward order, take what was copied ahead
+            if key not in self.position:
+                self.position[key] = len(self.order)
+                self.order.append(module)
+            weight, bias = self._take(module)
+            self._prefetch_after(key)
         return self.for_compute(module, weight, bias, device, dtype)
 
     def stop_prefetching(self) -> None:
@@ -138,7 +139,7 @@ class _Streamer(TorchFetcher):
     def _take(self, module: nn.Module) -> tuple[Tensor | None, Tensor | None]:
         ready = self.ready.pop(id(module), None)
         if ready is None or ready[3] != _versions(module):  # changed in place since the copy: copy again
-            return module.weight, getattr(module, "bias", None)
+            return _copy(module, self.device)
         weight, bias, event, _ = ready
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)

@@ -90,7 +90,13 @@ def dequantize(
 
 
 def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
-    """Bytes read as `dtype` along the last axis: a view where their layout and offset allow one, else a copy's."""
+    """Bytes read as `dtype` along the last axis: a view where their layout and offset allow one, else a copy's.
+
+    A compiled graph cannot read a storage offset; the blocks it dequantizes are residents', whose
+    storage is aligned when they are made, so there only the layout is fixed.
+    """
+    if torch.compiler.is_compiling():
+        return raw.contiguous().view(dtype)
     if not raw.is_contiguous() or raw.storage_offset() % dtype.itemsize:
         raw = raw.clone(memory_format=torch.contiguous_format)
     return raw.view(dtype)
