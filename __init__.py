@@ -50,6 +50,11 @@ if __package__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
     if _running_in_comfyui():
-        from .comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+        # One engine per process: where `streamwise` is also installed (other packs `import streamwise`),
+        # the nodes come from that installation, so MODELs made either way share their classes.
+        if __package__ != "streamwise" and importlib.util.find_spec("streamwise") is not None:
+            from streamwise.comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+        else:
+            from .comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
         __all__ += ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

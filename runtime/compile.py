@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import nn
 
 from ..schemas import CompileSettings, Policy
@@ -176,9 +175,11 @@ class _Region:
         if self.compiled is None:
             self.compiled = self._compile()
         graphs, breaks, start, failures = _graphs(), _graph_breaks(), time.perf_counter(), len(self._failures())
+        from torch._dynamo.exc import TorchDynamoException
+
         try:
             result = self.compiled(module, *args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except TorchDynamoException as exc:
             failure = exc
         else:
             failure = None
@@ -246,12 +247,16 @@ def _modes() -> set[str]:
 
 
 def _check_backend(name: str) -> None:
+    import torch._dynamo  # on first use: importing it costs a second of start-up
+
     if name not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"`{name}` is not a torch.compile backend here; available: {', '.join(torch._dynamo.list_backends())}")
 
 
 def _set_cache_limits(limit: int) -> None:
     """Set only the limits this torch has (their names changed across releases)."""
+    import torch._dynamo
+
     config = torch._dynamo.config
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(config, name):

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from comfy_harness import load_custom_node
 
-from helpers import REPO, write_policy
+from helpers import REPO, tiny_qwen2, write_policy
 
 
 def test_pack_loads_through_comfyuis_loader(comfy_nodes):
     assert load_custom_node(comfy_nodes, REPO) is True
     assert comfy_nodes.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"].__name__ == "StreamwisePolicyCheck"
     assert comfy_nodes.NODE_DISPLAY_NAME_MAPPINGS["StreamwisePolicyCheck"] == "Streamwise Policy Check"
+
+
+def test_an_installed_streamwise_and_the_pack_share_one_engine(comfy_nodes):
+    """Other packs `import streamwise`; the nodes must take the MODELs that import makes."""
+    import streamwise
+
+    load_custom_node(comfy_nodes, REPO)  # the checkout's folder, a module named after it, not `streamwise`
+    apply_node = comfy_nodes.NODE_CLASS_MAPPINGS["ApplyStreamwisePolicy"]
+    assert apply_node.__module__ == "streamwise.comfy_nodes.apply_policy"
+    model = tiny_qwen2()
+    patcher = streamwise.model_patcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                                       policy="decoder-llm")
+    (adopted,) = apply_node().apply(patcher, "decoder-llm")  # the same classes: re-applying changes nothing
+    assert adopted.model is model
 
 
 def test_policy_check_node_reads_user_policies_without_restart(comfy_nodes):
