@@ -241,8 +241,14 @@ def check_rule_conflicts(policy: Policy) -> list[Diagnostic]:
     policy is resolved against a model.
     """
     rules = [(section, rule) for section in RULE_SECTIONS for rule in getattr(policy, section).rule]
+    holders: dict[tuple, list[int]] = {}  # entry -> the rules that have it: only they can conflict over it
+    for index, (_, rule) in enumerate(rules):
+        for entry in set(_entries(rule.select)):
+            holders.setdefault(entry, []).append(index)
+    pairs = sorted({pair for indices in holders.values() for pair in combinations(indices, 2)})
     problems = []
-    for (section_a, a), (section_b, b) in combinations(rules, 2):
+    for first, second in pairs:
+        (section_a, a), (section_b, b) = rules[first], rules[second]
         disagreement = _disagreement(section_a, a, section_b, b)
         if disagreement is None:
             continue
