@@ -174,38 +174,43 @@ class _Region:
             return self.function(module, *args, **kwargs)
         if self.compiled is None:
             self.compiled = self._compile()
-        graphs, breaks, start, failures = _graphs(), _graph_breaks(), time.perf_counter(), len(self._failures())
         from torch._dynamo.exc import TorchDynamoException
 
+        before = (_graphs(), _graph_breaks(), time.perf_counter(), len(self._failures()))
         try:
             result = self.compiled(module, *args, **kwargs)
         except TorchDynamoException as exc:
             failure = exc
         else:
-            failure = None
-        if failure is not None:
-            # The model's own errors surface while dynamo traces it too: if the eager forward raises,
-            # that error is the caller's (raised outside the handler, so without dynamo's traceback)
-            # and compilation stays on; if it runs, the compiler failed.
-            result = self.function(module, *args, **kwargs)
-            self.failed = True
-            cause = getattr(failure, "inner_exception", None) or failure.__cause__ or failure
-            reason = f"{type(module).__name__}: {type(cause).__name__}: {cause}".splitlines()[0]
-            self.stats.fallbacks.append(reason)
-            warnings.warn(f"torch.compile failed, running it eagerly from now on ({reason})", stacklevel=2)
+            self._count(module, *before)
             return result
-        new_graphs = _graphs() - graphs
-        if new_graphs:
-            self.stats.graphs += new_graphs
-            self.stats.compile_seconds += time.perf_counter() - start
-            self.stats.graph_breaks += _graph_breaks() - breaks
-            if self.has_graph:
-                self._note_recompile(self._failures()[failures:])
-            self.has_graph = True
-            if self.settings.verbose:
-                log.info("%s: %d new graph(s) in %.2f s (%d in total)", type(module).__name__,
-                         new_graphs, time.perf_counter() - start, self.stats.graphs)
+        return self._fall_back(failure, module, args, kwargs)  # outside the handler: no dynamo traceback attached
+
+    def _fall_back(self, failure: Exception, module: nn.Module, args: tuple, kwargs: dict):
+        """The model's own errors surface while dynamo traces it too: if the eager forward raises, the
+        error is the caller's and compilation stays on; if it runs, the compiler failed, for good."""
+        result = self.function(module, *args, **kwargs)
+        self.failed = True
+        cause = getattr(failure, "inner_exception", None) or failure.__cause__ or failure
+        reason = f"{type(module).__name__}: {type(cause).__name__}: {cause}".splitlines()[0]
+        self.stats.fallbacks.append(reason)
+        warnings.warn(f"torch.compile failed, running it eagerly from now on ({reason})", stacklevel=3)
         return result
+
+    def _count(self, module: nn.Module, graphs: int, breaks: int, start: float, failures: int) -> None:
+        """Fold what a call compiled into the stats: new graphs, their breaks and time, recompile reasons."""
+        new_graphs = _graphs() - graphs
+        if not new_graphs:
+            return
+        self.stats.graphs += new_graphs
+        self.stats.compile_seconds += time.perf_counter() - start
+        self.stats.graph_breaks += _graph_breaks() - breaks
+        if self.has_graph:
+            self._note_recompile(self._failures()[failures:])
+        self.has_graph = True
+        if self.settings.verbose:
+            log.info("%s: %d new graph(s) in %.2f s (%d in total)", type(module).__name__,
+                     new_graphs, time.perf_counter() - start, self.stats.graphs)
 
     def _failures(self) -> list:
         from torch._dynamo.utils import guard_failures
