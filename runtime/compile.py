@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import time
+from time import perf_counter
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,7 +176,7 @@ class _Region:
             self.compiled = self._compile()
         from torch._dynamo.exc import TorchDynamoException
 
-        before = (_graphs(), _graph_breaks(), time.perf_counter(), len(self._failures()))
+        before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
         try:
             result = self.compiled(module, *args, **kwargs)
         except TorchDynamoException as exc:
@@ -203,14 +203,14 @@ class _Region:
         if not new_graphs:
             return
         self.stats.graphs += new_graphs
-        self.stats.compile_seconds += time.perf_counter() - start
+        self.stats.compile_seconds += perf_counter() - start
         self.stats.graph_breaks += _graph_breaks() - breaks
         if self.has_graph:
             self._note_recompile(self._failures()[failures:])
         self.has_graph = True
         if self.settings.verbose:
             log.info("%s: %d new graph(s) in %.2f s (%d in total)", type(module).__name__,
-                     new_graphs, time.perf_counter() - start, self.stats.graphs)
+                     new_graphs, perf_counter() - start, self.stats.graphs)
 
     def _failures(self) -> list:
         from torch._dynamo.utils import guard_failures

@@ -66,7 +66,9 @@ def test_nothing_is_traced_until_the_first_forward():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_twelve_identical_blocks_compile_into_one_graph(backend):
+def test_twelve_identical_blocks_compile_into_one_graph(backend, monkeypatch):
+    ticks = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(lazy, "perf_counter", lambda: next(ticks))  # each reading 10 s after the last
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(2, 32)
@@ -76,7 +78,7 @@ def test_twelve_identical_blocks_compile_into_one_graph(backend):
     assert torch.allclose(run(model, x), expected, atol=1e-5)
     stats = compile_stats(model)
     assert (stats.graphs, stats.graph_breaks, stats.fallbacks) == (1, 0, [])
-    assert stats.compile_seconds > 0
+    assert stats.compile_seconds == 10  # the one call that compiled: read before it and after it
 
 
 def test_a_streaming_tree_still_compiles_into_one_graph():
@@ -186,13 +188,21 @@ def test_a_wrong_input_is_the_callers_error_and_compilation_stays_on():
     assert stats.graphs >= 1 and stats.fallbacks == []
 
 
-def test_a_mode_reaches_inductor():
+def test_a_mode_reaches_inductor(monkeypatch):
+    from torch._inductor import list_mode_options
+
+    compiled_with = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compiled_with.append(dict(kwargs["options"]))
+                        or real_compile(*args, **kwargs))  # copied: torch pops the guard filter out of it
     model = Net(blocks=2)
     x = torch.randn(2, 32)
     expected = run(model, x)
     streamwise.lazy_compile(model, POLICY, mode="reduce-overhead")  # guard filter on: torch takes options, not both
     assert torch.allclose(run(model, x), expected, atol=1e-5)
     assert compile_stats(model).graphs >= 1 and compile_stats(model).fallbacks == []
+    (options,) = compiled_with
+    assert list_mode_options("reduce-overhead").items() <= options.items() and "guard_filter_fn" in options
     with pytest.raises(ValueError, match="an inductor setting; backend `aot_eager` takes none"):
         streamwise.lazy_compile(Net(blocks=1), POLICY, backend="aot_eager", mode="reduce-overhead")
 
@@ -207,6 +217,7 @@ def test_a_per_instance_forward_is_compiled_and_restored():
     expected = run(model, x)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")
     assert torch.allclose(run(model, x), expected, atol=1e-5)
+    assert (compile_stats(model).regions, compile_stats(model).graphs) == (2, 2)  # its own forward, compiled too
     lazy.disarm(model)
     assert model.blocks[0].forward is own and "forward" not in model.blocks[1].__dict__
 
@@ -220,8 +231,8 @@ def test_graphs_are_counted_once_and_on_the_copy_that_compiles():
     assert compile_stats(model).graphs == 1  # dynamo restarting its analysis is not a second graph
     twin = copy.deepcopy(model)
     before = compile_stats(model).graphs
-    run(twin, torch.randn(2, 32))
-    assert compile_stats(model).graphs == before
+    twin(torch.randn(2, 32, requires_grad=True))  # grad mode and a grad input: the twin compiles a new graph
+    assert (compile_stats(twin).graphs, compile_stats(model).graphs) == (before + 1, before)
 
 
 def test_recompiles_are_counted_with_their_reasons():

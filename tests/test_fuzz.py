@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +21,11 @@ from streamwise.runtime import check_policy, render_json, render_text
 from streamwise.runtime.catalog import SHIPPED_POLICY_DIR
 from streamwise.runtime.diagnostics import CODES
 from streamwise.runtime.source import MAX_POLICY_BYTES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 SEEDS = {p.stem: p.read_text(encoding="utf-8") for p in sorted(SHIPPED_POLICY_DIR.glob("*.toml"))}
 TOML_ALPHABET = st.sampled_from(list('[]{}=",\'.#\n\\ -_ab1') + ["\"\"\"", "'''", "[[", "]]", "é", "\x00", "\t", "true", "1e9"])
@@ -75,6 +81,7 @@ KEYS = ["schema_version", "name", "extends", "description", "id", "kind", "selec
 SCALARS = st.one_of(
     st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True), st.text(max_size=12),
     st.sampled_from(["linear", "convrot_int8", "**", "a..b", "(", "decoder-llm", "default"]),
+    st.sampled_from([-1, 0, 3, 16, 70_000]),  # around the bounds of group sizes and cache limits
     st.datetimes(max_value=datetime.datetime(9999, 1, 1)),
 )
 VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
@@ -88,19 +95,52 @@ def toml_value(value) -> str:
         return "nan" if value != value else ("inf" if value == float("inf") else "-inf" if value == float("-inf") else repr(value))
     if isinstance(value, (int, datetime.datetime)):
         return value.isoformat() if isinstance(value, datetime.datetime) else str(value)
-    if isinstance(value, str):
-        return json.dumps(value)
+    if isinstance(value, str):  # JSON's escapes are TOML's, but for surrogate pairs and a raw DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
 
 
+def place(document: dict, table: str, key: str, value) -> None:
+    """Set `key = value` in `table` of a parsed policy; an array table gets a new entry copied from its first."""
+    target, parts = document, table.strip("[]").split(".") if table else []
+    for part in parts[:-1]:
+        if not isinstance(target.get(part), dict):
+            target[part] = {}
+        target = target[part]
+    if parts and table.startswith("[["):
+        entries = target[parts[-1]] if isinstance(target.get(parts[-1]), list) else []
+        target[parts[-1]] = entries
+        target = dict(entries[0]) if entries and isinstance(entries[0], dict) else {}
+        entries.append(target)
+    elif parts:
+        if not isinstance(target.get(parts[-1]), dict):
+            target[parts[-1]] = {}
+        target = target[parts[-1]]
+    target[key] = value
+
+
+# Keys where they belong, so that half the draws reach each key's own checks rather than `unknown-key`.
+PLACES = [("", "schema_version"), ("[policy]", "name"), ("[policy]", "extends"), ("[match]", "classes"),
+          ("[match]", "state_dict_keys"), ("[[stream.rule]]", "id"), ("[[stream.rule]]", "kind"),
+          ("[[stream.rule]]", "select"), ("[[stream.rule]]", "optional"), ("[stream.exclude]", "path"),
+          ("[[relocate.rule]]", "select"), ("[[quant.rule]]", "format"), ("[[quant.rule]]", "group_size"),
+          ("[compile]", "mode"), ("[compile]", "backend"), ("[compile]", "dynamo_cache_size_limit"),
+          ("[compile.blocks]", "class"), ("[compile.blocks]", "regex")]
+PLACE = st.one_of(st.sampled_from(PLACES), st.sampled_from(PLACES), st.tuples(st.sampled_from(TABLES), st.sampled_from(KEYS)))
+
+
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from(TABLES), st.sampled_from(KEYS), VALUES), min_size=1, max_size=6))
+@given(st.lists(st.tuples(PLACE, VALUES).map(lambda drawn: (*drawn[0], drawn[1])), min_size=1, max_size=6))
 def test_random_values_under_known_and_unknown_keys(entries):
-    text = SEEDS["decoder-llm"]
+    """Values go into the parsed seed and the document is written out whole, so every example is
+    valid TOML and reaches validation (appending `[policy]` again would only test the parser)."""
+    document = tomllib.loads(SEEDS["decoder-llm"])
     for table, key, value in entries:
-        text += f"\n{table}\n{key} = {toml_value(value)}\n"
+        place(document, table, key, value)
+    text = "".join(f"{key} = {toml_value(value)}\n" for key, value in document.items())
+    assert tomllib.loads(text) is not None
     assert_clean(text.encode("utf-8"), "decoder-llm")
 
 

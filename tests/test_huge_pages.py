@@ -13,16 +13,18 @@ from streamwise.runtime.quant import huge_pages
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping in /proc/self/smaps that holds `address`."""
-    inside = False
+def mapping(address: int) -> dict[str, list[str]]:
+    """The fields of the mapping in /proc/self/smaps that holds `address`."""
+    inside, fields = False, {}
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, stop = (int(part, 16) for part in head.split("-"))
             inside = start <= address < stop
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
+        elif inside:
+            fields[head.removesuffix(":")] = line.split()[1:]
+            if head == "VmFlags:":
+                return fields
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
@@ -33,7 +35,9 @@ def vm_flags(address: int) -> list[str]:
 def test_large_cpu_buffer_is_advised_before_first_touch():
     buffer = huge_pages.empty((4 * huge_pages.HUGE_PAGE,), torch.uint8, torch.device("cpu"))
     middle = buffer.data_ptr() + buffer.numel() // 2
-    assert "hg" in vm_flags(middle)
+    assert "hg" in mapping(middle)["VmFlags"]
+    buffer.fill_(1)  # the first touch: advised in time, it faults in whole huge pages
+    assert int(mapping(middle)["AnonHugePages"][0]) > 0
     assert buffer.shape == (4 * huge_pages.HUGE_PAGE,) and buffer.dtype == torch.uint8
 
 
