@@ -9,7 +9,7 @@ ComfyUI's patcher), and computes a linear layer straight from them (`linear`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import gguf
 import torch
@@ -54,36 +54,33 @@ class QuantFormat(ABC):
         return False
 
 
-@quant_format("int8")
-@quant_format("convrot_int8")
-class Int8(QuantFormat):
+class _ScaledIntegers(QuantFormat):
+    """Integer weights beside fp32 scales, worked by three kernels of one module (int8.py, int4.py)."""
+
     stored = ("weight", "weight_scale")
+    kernels: ClassVar[tuple[Callable, Callable, Callable]]  # quantize, dequantize, linear
 
     def quantize(self, weight, group_size):
-        q, scale = quantize_int8(weight, group_size)
+        q, scale = self.kernels[0](weight, group_size)
         return {"weight": q, "weight_scale": scale}
 
     def dequantize(self, module, stored, dtype):
-        return dequantize_int8(stored["weight"], stored["weight_scale"], module._sw_group_size, dtype)
+        return self.kernels[1](stored["weight"], stored["weight_scale"], module._sw_group_size, dtype)
 
     def linear(self, module, x, stored, bias):
-        return int8_linear(x, stored["weight"], stored["weight_scale"], bias, module._sw_group_size)
+        return self.kernels[2](x, stored["weight"], stored["weight_scale"], bias, module._sw_group_size)
+
+
+@quant_format("int8")
+@quant_format("convrot_int8")
+class Int8(_ScaledIntegers):
+    kernels = (quantize_int8, dequantize_int8, int8_linear)
 
 
 @quant_format("convrot_int4")
-class ConvRotInt4(QuantFormat):
-    stored = ("weight", "weight_scale")
+class ConvRotInt4(_ScaledIntegers):
+    kernels = (quantize_int4, dequantize_int4, int4_linear)
     compile_safe = False
-
-    def quantize(self, weight, group_size):
-        packed, scale = quantize_int4(weight, group_size)
-        return {"weight": packed, "weight_scale": scale}
-
-    def dequantize(self, module, stored, dtype):
-        return dequantize_int4(stored["weight"], stored["weight_scale"], module._sw_group_size, dtype)
-
-    def linear(self, module, x, stored, bias):
-        return int4_linear(x, stored["weight"], stored["weight_scale"], bias, module._sw_group_size)
 
 
 @quant_format("gguf")
