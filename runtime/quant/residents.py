@@ -77,8 +77,9 @@ def _stored(module: nn.Module, x: Tensor, patched: bool) -> tuple[dict[str, Tens
 def _forward(self, input: Tensor) -> Tensor:  # named as nn.Linear's, for callers that pass it by keyword
     fmt = self._sw_handler
     functions = _weight_functions(self)
-    stored, bias = _stored(self, input, bool(functions or self.bias_function))
-    if not (functions or self.bias_function):
+    patched = bool(functions or self.bias_function)
+    stored, bias = _stored(self, input, patched)
+    if not patched:
         return fmt.linear(self, input, stored, bias)
     weight = fmt.dequantize(self, stored, input.dtype)
     if functions and fmt.dequantizes_to_a_view(self, input.dtype):
