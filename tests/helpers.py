@@ -16,6 +16,12 @@ def write_policy(folder: Path, name: str, body: str = "", *, version: int = 1) -
     return path
 
 
+def gguf_policy(folder: Path, gguf_type: str) -> Path:
+    """A policy extending decoder-llm whose Linear layers are GGUF residents written as `gguf_type`."""
+    return write_policy(folder, gguf_type.lower(), 'extends = "decoder-llm"\n\n[[quant.rule]]\nid = "linears"\n'
+                        f'select = {{ class = "Linear" }}\nformat = "gguf"\ngguf_type = "{gguf_type}"\n')
+
+
 def make_policy(**sections):
     """A Policy from plain data, e.g. make_policy(stream={"rule": [...]})."""
     from streamwise.schemas import Policy

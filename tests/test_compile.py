@@ -125,12 +125,11 @@ def test_a_patched_resident_compiles_without_graph_breaks():
 def test_half_precision_gguf_residents_compile_without_graph_breaks(tmp_path):
     from streamwise.runtime.commands import main
 
-    from helpers import tiny_qwen2, write_policy
+    from helpers import gguf_policy, tiny_qwen2
 
     torch.manual_seed(0)
     tiny_qwen2().save_pretrained(tmp_path)
-    policy = write_policy(tmp_path, "f16", 'extends = "decoder-llm"\n\n[[quant.rule]]\nid = "linears"\n'
-                          'select = { class = "Linear" }\nformat = "gguf"\ngguf_type = "F16"\n')
+    policy = gguf_policy(tmp_path, "F16")
     assert main(["quantize", str(tmp_path), str(tmp_path / "f16.gguf"), "--policy", str(policy)]) == 0
     with streamwise.skeleton():
         model = tiny_qwen2()

@@ -20,7 +20,7 @@ from streamwise.runtime.checkpoint import CheckpointError
 from streamwise.runtime.commands import main as streamwise_main
 from streamwise.runtime.model_spec import ModelSpecError
 
-from helpers import make_policy, tiny_qwen2, write_policy
+from helpers import gguf_policy, make_policy, tiny_qwen2, write_policy
 
 IDS = torch.tensor([[3, 17, 99, 5, 64, 2]])
 
@@ -102,14 +102,7 @@ group_size = 16
 
 def test_gguf_written_by_streamwise_quantize_loads_as_residents(saved, tmp_path, capsys):
     folder, _, expected = saved
-    policy = write_policy(tmp_path, "q8", """extends = "decoder-llm"
-
-[[quant.rule]]
-id = "linears"
-select = { class = "Linear" }
-format = "gguf"
-gguf_type = "Q8_0"
-""")
+    policy = gguf_policy(tmp_path, "Q8_0")
     target = tmp_path / "model.gguf"
     assert streamwise_main(["quantize", str(folder), str(target), "--policy", str(policy)]) == 0
     assert "Q8_0 x15" in capsys.readouterr().out
@@ -354,14 +347,7 @@ def test_a_quantized_tensor_for_an_integer_buffer_is_refused(tmp_path):
 @pytest.mark.parametrize("gguf_type", ["F16", "BF16"])
 def test_half_precision_gguf_weights_load_back_as_residents(saved, tmp_path, gguf_type):
     folder, original, expected = saved
-    policy = write_policy(tmp_path, "half", f"""extends = "decoder-llm"
-
-[[quant.rule]]
-id = "linears"
-select = {{ class = "Linear" }}
-format = "gguf"
-gguf_type = "{gguf_type}"
-""")
+    policy = gguf_policy(tmp_path, gguf_type)
     target = tmp_path / "half.gguf"
     assert streamwise_main(["quantize", str(folder), str(target), "--policy", str(policy)]) == 0
     model = skeleton_model()
@@ -463,26 +449,18 @@ def test_quantize_keeps_bf16_and_integer_tensors_loadable(tmp_path):
 
 def test_a_gguf_source_keeps_its_blocks_or_is_requantized(saved, tmp_path):
     folder, _, _ = saved
-    q8 = write_policy(tmp_path, "q8", """extends = "decoder-llm"
-
-[[quant.rule]]
-id = "linears"
-select = { class = "Linear" }
-format = "gguf"
-gguf_type = "Q8_0"
-""")
+    q8 = gguf_policy(tmp_path, "Q8_0")
     first, second = tmp_path / "q8.gguf", tmp_path / "again.gguf"
     assert streamwise_main(["quantize", str(folder), str(first), "--policy", str(q8)]) == 0
     spec = ["--model", "transformers:Qwen2ForCausalLM", "--model-config", (folder / "config.json").read_text()]
     assert streamwise_main(["quantize", str(first), str(second), "--policy", "decoder-llm", *spec]) == 0
     blocks = lambda path: {t.name: (t.tensor_type, t.data.tobytes()) for t in gguf.GGUFReader(path).tensors}
     assert blocks(second) == blocks(first)  # no rule asks for another type: the Q8_0 blocks are copied as they are
-    q4 = q8.read_text().replace('"Q8_0"', '"Q4_0"').replace('name = "q8"', 'name = "q4"')
-    (tmp_path / "q4.toml").write_text(q4)
+    q4 = gguf_policy(tmp_path, "Q4_0")
     third = tmp_path / "q4.gguf"
-    assert streamwise_main(["quantize", str(first), str(third), "--policy", str(tmp_path / "q4.toml"), *spec]) == 0
+    assert streamwise_main(["quantize", str(first), str(third), "--policy", str(q4), *spec]) == 0
     model = skeleton_model()
-    assert streamwise.load(model, third, tmp_path / "q4.toml").residents == {"gguf": 15}
+    assert streamwise.load(model, third, q4).residents == {"gguf": 15}
     assert model.model.layers[0].mlp.up_proj.gguf_qtype == gguf.GGMLQuantizationType.Q4_0
 
 

@@ -7,7 +7,7 @@ import torch
 
 import streamwise
 
-from helpers import make_policy, tiny_qwen2
+from helpers import gguf_policy, make_policy, tiny_qwen2
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 KEY = "model.layers.1.mlp.down_proj.weight"
@@ -24,9 +24,7 @@ def quantized_qwen(fmt: str, tmp_path) -> torch.nn.Module:
         from streamwise.runtime.commands import main
 
         model.save_pretrained(tmp_path)
-        policy_file = tmp_path / "q8.toml"
-        policy_file.write_text('schema_version = 1\n[policy]\nname = "q8"\nextends = "decoder-llm"\n'
-                               '[[quant.rule]]\nid = "q"\nselect = { class = "Linear" }\nformat = "gguf"\n')
+        policy_file = gguf_policy(tmp_path, "Q8_0")
         assert main(["quantize", str(tmp_path), str(tmp_path / "m.gguf"), "--policy", str(policy_file)]) == 0
         with streamwise.skeleton():
             model = tiny_qwen2()
