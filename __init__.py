@@ -18,14 +18,14 @@ __all__: list[str] = []
 # The engine needs torch; it is imported on first use so that `import streamwise` (and the
 # policy validator) stays fast.
 _ENGINE = {
-    "resolve": ".runtime.resolve",
-    "apply": ".runtime.apply",
-    "revert": ".runtime.apply",
+    "resolve": ".runtime.plan",
+    "apply": ".runtime.engine",
+    "revert": ".runtime.engine",
     "offload": ".runtime.hosts.standalone",
     "model_patcher": ".runtime.hosts.comfyui",
-    "load": ".runtime.load",
-    "skeleton": ".runtime.load",
-    "load_pretrained": ".runtime.pretrained",
+    "load": ".runtime.checkpoint",
+    "skeleton": ".runtime.checkpoint",
+    "load_pretrained": ".runtime.checkpoint",
     "lazy_compile": ".runtime.compile",
     "compile_stats": ".runtime.compile",
 }

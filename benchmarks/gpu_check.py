@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import streamwise
-from streamwise.runtime.apply import applied_state
+from streamwise.runtime.engine.apply import applied_state
 
 
 def decoder(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:

@@ -2,7 +2,7 @@
 
 from .apply_policy import ApplyStreamwisePolicy
 from .generate_text import StreamwiseGenerateText
-from .lazy_compile import INT8LazyTorchCompile
+from .compile import INT8LazyTorchCompile
 from .model_loader import StreamwiseModelLoader
 from .policy_check import StreamwisePolicyCheck
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..runtime.auto_policy import select_policy
-from ..runtime.hosts.comfyui import adopt
-from ..runtime.loading import load_policy
-from .policy_dirs import comfy_policy_dirs, policy_choices
+from ..runtime.plan.auto import select_policy
+from ..runtime.hosts.comfyui.patcher import adopt
+from ..runtime.policy.load import load_policy
+from .folders import comfy_policy_dirs, policy_choices
 
 
 class ApplyStreamwisePolicy:

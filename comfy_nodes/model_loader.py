@@ -6,10 +6,11 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.hosts.comfyui import model_patcher
-from ..runtime.model_files import config_folder, list_models, resolve_model
-from ..runtime.pretrained import load_pretrained
-from .policy_dirs import comfy_policy_dirs, model_roots, policy_choices
+from ..runtime.hosts.comfyui.patcher import model_patcher
+from ..runtime.checkpoint.skeleton import config_folder
+from .model_files import list_models, resolve_model
+from ..runtime.checkpoint.pretrained import load_pretrained
+from .folders import comfy_policy_dirs, model_roots, policy_choices
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..runtime import check_policy, render_text
-from .policy_dirs import comfy_policy_dirs, policy_choices
+from .folders import comfy_policy_dirs, policy_choices
 
 
 class StreamwisePolicyCheck:

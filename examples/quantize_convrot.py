@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import streamwise
-from streamwise.runtime import comfy_quant
+from streamwise.runtime.checkpoint import comfy_quant
 from streamwise.schemas import Policy
 
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

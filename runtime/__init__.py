@@ -1,6 +1,6 @@
 """The Streamwise engine. Importable without ComfyUI; validating a policy never imports torch."""
 
-from .diagnostics import Diagnostic, PolicyError, render_json, render_text
-from .loading import check_policy, load_policy
+from .policy.diagnostics import Diagnostic, PolicyError, render_json, render_text
+from .policy.load import check_policy, load_policy
 
 __all__ = ["Diagnostic", "PolicyError", "check_policy", "load_policy", "render_json", "render_text"]

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers
 
 import streamwise
-from streamwise.runtime import apply as apply_module
-from streamwise.runtime.apply import ConversionError, applied_state
-from streamwise.runtime.tree import StreamTree
+from streamwise.runtime.engine.apply import ConversionError, applied_state
+from streamwise.runtime.engine.tree import StreamTree
 
 from helpers import force_streaming, make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2
+
+apply_module = importlib.import_module("streamwise.runtime.engine.apply")  # the module: the package exports the function
 
 DECODER = streamwise.load_policy("decoder-llm")
 
@@ -182,7 +185,7 @@ def test_offloading_relocated_tensors_sends_them_back(monkeypatch):
     convert(model)
     tree: StreamTree = applied_state(model).tree
     moved = []
-    monkeypatch.setattr("streamwise.runtime.tree._move", lambda module, name, device: moved.append((name, device)))
+    monkeypatch.setattr("streamwise.runtime.engine.tree._move", lambda module, name, device: moved.append((name, device)))
     tree.offload_relocated(torch.device("cpu"))
     assert moved == []  # already there
     tree.offload_relocated(torch.device("meta"))

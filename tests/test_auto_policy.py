@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from streamwise import PolicyError
-from streamwise.runtime.auto_policy import select_policy
+from streamwise.runtime.plan.auto import select_policy
 
 
 class Unknown(torch.nn.Module):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from streamwise.runtime.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
+from streamwise.runtime.cli.policy_validate import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 
 from helpers import INVALID, write_policy
 
@@ -87,7 +87,7 @@ def test_bad_options_are_usage_errors(argv):
 
 
 def test_console_script_runs_without_importing_torch():
-    script = "import sys; from streamwise.runtime.cli import main; rc = main(['-q']); assert 'torch' not in sys.modules; sys.exit(rc)"
+    script = "import sys; from streamwise.runtime.cli.policy_validate import main; rc = main(['-q']); assert 'torch' not in sys.modules; sys.exit(rc)"
     env = {k: v for k, v in os.environ.items() if k != "STREAMWISE_POLICY_PATH"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr

@@ -2,18 +2,33 @@
 
 That package pins transformers 4.51.3 and registers configs named like transformers 5's own
 VibeVoice, so it cannot share a process with the rest of the suite. The test builds a separate
-virtual environment (cached between runs) that sees this environment's torch and streamwise
-through `--system-site-packages` but holds its own transformers, and runs
+virtual environment that holds its own transformers, diffusers, accelerate and vibevoice, and sees
+this environment's torch, streamwise (an editable install included) and other packages through a
+`.pth` file that appends this environment's site-packages after its own; it runs
 tests/community/check_community.py there.
+
+The first run builds that environment with pip (about 30 s); later runs reuse it. It is cached under
+the system temp directory (`<tempdir>/streamwise-test-cache-<uid>`, e.g.
+`/tmp/streamwise-test-cache-1000`), never in your home unless you opt in by setting
+`STREAMWISE_CACHE`, e.g. `STREAMWISE_CACHE=~/.cache/streamwise` to keep it across reboots. Its name
+hashes the Python, this environment's prefix, torch's version, the pins and the build recipe, so a
+change to any of them builds a fresh one; a cached one that fails its import probe is rebuilt.
+Concurrent runs wait on a lock file beside it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
+import shutil
+import site
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
@@ -23,27 +38,99 @@ from helpers import TESTS
 
 REQUIREMENTS = ["transformers==4.51.3", "diffusers==0.35.2"]
 NO_DEPS = ["vibevoice==0.0.1", "accelerate==1.6.0"]  # the package's own pins; its app extras are not needed
+RECIPE = 2  # bump whenever community_python() builds differently, so old caches are not reused
+
+PROBE = """
+import importlib.metadata, json, sys
+import accelerate, diffusers, streamwise, torch, transformers, vibevoice
+print(json.dumps({"versions": {name: importlib.metadata.version(name) for name in sys.argv[1:]},
+                  "torch": torch.__version__, "streamwise": streamwise.__file__}))
+"""
+
+
+def active_site_dirs() -> list[str]:
+    """This environment's site-packages in the order `site` adds them: the user site first where enabled."""
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    return [path for path in dict.fromkeys([*user, *site.getsitepackages()]) if os.path.isdir(path)]
+
+
+def cache_dir() -> Path:
+    """$STREAMWISE_CACHE, or a folder of this user's own under the system temp directory."""
+    if os.environ.get("STREAMWISE_CACHE"):
+        cache = Path(os.environ["STREAMWISE_CACHE"]).expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+        return cache
+    cache = Path(tempfile.gettempdir()) / f"streamwise-test-cache-{os.getuid()}"
+    cache.mkdir(mode=0o700, exist_ok=True)
+    if cache.stat().st_uid != os.getuid():  # a shared temp dir: never run an environment someone else planted
+        raise RuntimeError(f"{cache} belongs to another user; set STREAMWISE_CACHE to a folder of your own")
+    return cache
+
+
+def probe_failure(python: Path) -> str | None:
+    """Why the environment at `python` is unusable, or None: it must import everything, with the pinned
+    versions first on its path, this environment's torch and this environment's streamwise."""
+    pins = dict(requirement.split("==") for requirement in [*REQUIREMENTS, *NO_DEPS])
+    if not python.exists():
+        return f"{python} is missing"
+    result = subprocess.run([str(python), "-c", PROBE, *pins], capture_output=True, text=True, env=clean_env())
+    if result.returncode != 0:
+        return result.stderr[-4000:]
+    found = json.loads(result.stdout)
+    expected_streamwise = Path(importlib.util.find_spec("streamwise").origin).resolve()
+    if found["versions"] != pins:
+        return f"versions {found['versions']}, pinned {pins}"
+    if found["torch"] != importlib.metadata.version("torch"):
+        return f"torch {found['torch']}, this environment has {importlib.metadata.version('torch')}"
+    if Path(found["streamwise"]).resolve() != expected_streamwise:
+        return f"streamwise from {found['streamwise']}, this environment has {expected_streamwise}"
+    return None
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "STREAMWISE_POLICY_PATH")}
+
+
+def build(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    # No system site-packages: they would be the base interpreter's, not this (virtual) environment's.
+    venv.EnvBuilder(clear=True, with_pip=True).create(root)
+    python = str(root / "bin" / "python")
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         capture_output=True, text=True, check=True, env=clean_env()).stdout.strip()
+    # Appended after the environment's own site-packages, so its transformers wins over this one's;
+    # addsitedir also runs the .pth files there, which is how an editable streamwise is found.
+    Path(own, "streamwise-active-env.pth").write_text(
+        "".join(f"import site; site.addsitedir({path!r})\n" for path in active_site_dirs()), encoding="utf-8")
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, *REQUIREMENTS], check=True, env=clean_env())
+    subprocess.run([*pip, "--no-deps", *NO_DEPS], check=True, env=clean_env())
 
 
 def community_python() -> Path:
-    key = hashlib.sha256(" ".join([sys.version, *REQUIREMENTS, *NO_DEPS]).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("STREAMWISE_CACHE", Path.home() / ".cache" / "streamwise")) / f"community-vibevoice-{key}"
+    recipe = [f"recipe={RECIPE}", sys.version, sys.executable, sys.prefix, *active_site_dirs(),
+              f"torch=={importlib.metadata.version('torch')}", *REQUIREMENTS, *NO_DEPS]
+    key = hashlib.sha256("\n".join(recipe).encode()).hexdigest()[:12]
+    cache = cache_dir()
+    root = cache / f"community-vibevoice-{key}"
     python = root / "bin" / "python"
-    if not (root / "ready").exists():
-        venv.EnvBuilder(system_site_packages=True, clear=True, with_pip=True).create(root)
-        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-        subprocess.run([*pip, *REQUIREMENTS], check=True)
-        subprocess.run([*pip, "--no-deps", *NO_DEPS], check=True)
+    with open(cache / f"{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (root / "ready").exists() and probe_failure(python) is None:
+            return python
+        (root / "ready").unlink(missing_ok=True)
+        build(root)
+        failure = probe_failure(python)
+        assert failure is None, f"the community environment at {root} does not work: {failure}"
         (root / "ready").touch()
     return python
 
 
 @pytest.fixture(scope="module")
 def report():
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "STREAMWISE_POLICY_PATH")}
     result = subprocess.run(
         [str(community_python()), str(TESTS / "community" / "check_community.py")],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=clean_env(), timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import streamwise
-from streamwise.runtime import compile as lazy
-from streamwise.runtime.compile import DYNAMIC_VRAM_MESSAGE, INT4_MESSAGE, compile_stats
+from streamwise.runtime.compile import arm as lazy
+from streamwise.runtime.compile.arm import DYNAMIC_VRAM_MESSAGE, INT4_MESSAGE, compile_stats
 
 from helpers import force_streaming, make_policy, stream_rule
 
@@ -123,7 +123,7 @@ def test_a_patched_resident_compiles_without_graph_breaks():
 
 
 def test_half_precision_gguf_residents_compile_without_graph_breaks(tmp_path):
-    from streamwise.runtime.commands import main
+    from streamwise.runtime.cli.streamwise import main
 
     from helpers import gguf_policy, tiny_qwen2
 
@@ -378,7 +378,7 @@ def test_offloading_an_armed_model_keeps_prefetch_off(monkeypatch):
     model = Net(blocks=2)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")
     streamwise.offload(model, POLICY, device="cpu", budget=0)
-    assert quieted == [streamwise.runtime.apply.applied_state(model).tree.fetcher]
+    assert quieted == [streamwise.runtime.engine.applied_state(model).tree.fetcher]
 
 
 def test_a_policy_with_compile_enabled_arms_the_standalone_host():

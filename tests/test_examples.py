@@ -22,7 +22,7 @@ def test_example_runs(script, expected):
 
 
 def test_demo_reports_parity_for_both_models_and_formats():
-    from streamwise.runtime.demo import run_demo
+    from streamwise.runtime.cli.demo import run_demo
 
     lines = []
     results = run_demo(print=lines.append)

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamwise.runtime import check_policy, render_json, render_text
-from streamwise.runtime.catalog import SHIPPED_POLICY_DIR
-from streamwise.runtime.diagnostics import CODES
-from streamwise.runtime.source import MAX_POLICY_BYTES
+from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR
+from streamwise.runtime.policy.diagnostics import CODES
+from streamwise.runtime.policy.source import MAX_POLICY_BYTES
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import streamwise
-from streamwise.runtime.kinds import COMPUTE_KINDS
+from streamwise.runtime.engine.kinds import COMPUTE_KINDS
 from streamwise.schemas.vocabulary import COMPUTE_KINDS as VOCABULARY
 
 from helpers import force_streaming, make_policy, stream_rule

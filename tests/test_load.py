@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streamwise
-from streamwise.runtime import comfy_quant
-from streamwise.runtime.checkpoint import CheckpointError
-from streamwise.runtime.commands import main as streamwise_main
-from streamwise.runtime.model_spec import ModelSpecError
+from streamwise.runtime.checkpoint import comfy_quant
+from streamwise.runtime.checkpoint.readers import CheckpointError
+from streamwise.runtime.cli.streamwise import main as streamwise_main
+from streamwise.runtime.checkpoint.model_spec import ModelSpecError
 
 from helpers import gguf_policy, make_policy, tiny_qwen2, write_policy
 
@@ -228,7 +228,7 @@ def test_gguf_residents_of_an_unsupported_type_are_refused_before_anything_chang
 
 def test_a_failure_after_the_assignments_puts_everything_back(saved, tmp_path, monkeypatch):
     """Quantizing on load runs after the tensors are placed; running out of memory there undoes them."""
-    from streamwise.runtime.apply import ConversionError
+    from streamwise.runtime.engine.apply import ConversionError
     from streamwise.runtime.quant.formats import FORMATS
 
     folder, _, _ = saved
@@ -410,7 +410,7 @@ def test_mutated_files_give_clean_errors(small_files, tmp_path, kind, cuts):
 
 
 def test_a_failed_quantize_leaves_an_existing_destination_alone(tmp_path):
-    from streamwise.runtime.gguf_writer import quantize_to_gguf
+    from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 
     model = torch.nn.Linear(32, 16)
     tensors = {"weight": model.weight.detach().to(torch.float8_e4m3fn), "bias": model.bias.detach()}
@@ -437,7 +437,7 @@ def test_quantize_keeps_bf16_and_integer_tensors_loadable(tmp_path):
     safetensors.torch.save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "tiny.safetensors")
     policy = make_policy(stream={"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
                          quant={"rule": [{"id": "q", "select": {"class": "Linear"}, "format": "gguf"}]})
-    from streamwise.runtime.gguf_writer import quantize_to_gguf
+    from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 
     report = quantize_to_gguf(tmp_path / "tiny.safetensors", tmp_path / "tiny.gguf", policy, Tiny())
     assert report.types == {"BF16": 1, "Q8_0": 1, "int64": 1}

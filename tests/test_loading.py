@@ -10,9 +10,9 @@ import pytest
 
 import streamwise
 from streamwise.runtime import check_policy, load_policy
-from streamwise.runtime import migrations
-from streamwise.runtime.catalog import SHIPPED_POLICY_DIR, find_policy, list_policies, policy_dirs
-from streamwise.runtime.diagnostics import CODES
+from streamwise.runtime.policy import migrations
+from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, find_policy, list_policies, policy_dirs
+from streamwise.runtime.policy.diagnostics import CODES
 
 from helpers import REPO, write_policy
 

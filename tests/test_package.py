@@ -96,4 +96,4 @@ def test_wheel_carries_the_package_policies_and_schema(tmp_path):
         assert expected in names
     assert not any(name.startswith(("streamwise/tests", "tests/", "streamwise/benchmarks")) for name in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "policy-validate = streamwise.runtime.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "policy-validate = streamwise.runtime.cli.policy_validate:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

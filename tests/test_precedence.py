@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamwise.runtime.precedence import RuleConflict, decide
-from streamwise.runtime.selectors import CompiledSelector, ModuleRef
+from streamwise.runtime.plan.precedence import RuleConflict, decide
+from streamwise.runtime.plan.selectors import CompiledSelector, ModuleRef
 from streamwise.schemas import QuantRule, Selector, StreamRule
 
 

@@ -101,7 +101,7 @@ def test_residents_stream_their_raw_storage_and_match_resident_compute(fmt, grou
     x = torch.randn(5, 64)
     resident = model(x)
     fetched = []
-    fetcher = streamwise.runtime.apply.applied_state(model).tree.fetcher
+    fetcher = streamwise.runtime.engine.applied_state(model).tree.fetcher
     original_fetch = fetcher.fetch_raw
     fetcher.fetch_raw = lambda module, names, device: fetched.append([getattr(module, n).dtype for n in names if getattr(module, n) is not None]) or original_fetch(module, names, device)
     force_streaming(model)
@@ -143,7 +143,7 @@ def test_int4_residents_say_they_are_not_compile_safe():
 
 def test_quantized_trees_cannot_be_reverted():
     model = quantized(two_layers(), "int8")
-    with pytest.raises(streamwise.runtime.apply.ConversionError, match="quantized residents"):
+    with pytest.raises(streamwise.runtime.engine.ConversionError, match="quantized residents"):
         streamwise.revert(model)
 
 
@@ -187,15 +187,15 @@ def test_a_failing_quantization_leaves_the_tree_unchanged(monkeypatch):
         return real(weight, group_size)
 
     monkeypatch.setattr(FORMATS["int8"], "quantize", flaky)
-    with pytest.raises(streamwise.runtime.apply.ConversionError, match="out of memory"):
+    with pytest.raises(streamwise.runtime.engine.ConversionError, match="out of memory"):
         quantized(model, "int8")
     assert [type(m) for m in model] == [nn.Linear, nn.Linear]
     assert all(m.weight.dtype == torch.float32 for m in model)
-    assert streamwise.runtime.apply.applied_state(model) is None
+    assert streamwise.runtime.engine.applied_state(model) is None
 
 
 def test_comfy_quant_cannot_describe_int4_residents():
-    from streamwise.runtime import comfy_quant
+    from streamwise.runtime.checkpoint import comfy_quant
 
     with pytest.raises(ValueError, match="convrot_int4"):
         comfy_quant.state_dict(quantized(two_layers(), "convrot_int4", 16))

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import streamwise
-from streamwise.runtime.diagnostics import render_text
+from streamwise.runtime.policy.diagnostics import render_text
 
 from helpers import make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2, write_policy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from streamwise.runtime.catalog import SHIPPED_POLICY_DIR
-from streamwise.runtime.schema_export import SCHEMA_PATH, build_schema, render_schema
+from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR
+from streamwise.runtime.policy.schema_export import SCHEMA_PATH, build_schema, render_schema
 
 from helpers import REPO
 
@@ -27,7 +27,7 @@ def property_names(node, found=None):
 
 def test_committed_schema_is_current():
     assert SCHEMA_PATH.read_text(encoding="utf-8") == render_schema(), (
-        "schemas/policy.v1.schema.json is stale: run `python -m streamwise.runtime.schema_export`"
+        "schemas/policy.v1.schema.json is stale: run `python -m streamwise.runtime.policy.schema_export`"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamwise.runtime.selectors import CompiledSelector, ModuleRef
+from streamwise.runtime.plan.selectors import CompiledSelector, ModuleRef
 from streamwise.schemas import Selector
 from streamwise.schemas.patterns import PatternError, compile_glob, glob_matches
 

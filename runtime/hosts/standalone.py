@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
-from ..apply import applied_state, apply_policy
-from ..tree import TorchFetcher
+from ..engine.apply import applied_state, apply_policy
+from ..engine.tree import TorchFetcher
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def offload(
             _place(module, device, pin=False)
     state.tree.compute_device = device
     state.tree.fetcher = streamer
-    from ..compile import STATE_ATTRIBUTE as ARMED, lazy_compile
+    from ..compile.arm import STATE_ATTRIBUTE as ARMED, lazy_compile
 
     if policy.compile.enabled:
         lazy_compile(model, policy)

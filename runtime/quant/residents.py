@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..derived import picklable
-from ..tree import cast_for_compute
+from ..engine.classes import picklable
+from ..engine.tree import cast_for_compute
 from .formats import FORMATS
 
 _CLASSES: dict[tuple[type, str], type] = {}

@@ -139,7 +139,7 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (root / "tiny-qwen2" / name).exists():
             shutil.copy(root / "tiny-qwen2" / name, folder / name)
-    from streamwise.runtime.commands import main
+    from streamwise.runtime.cli.streamwise import main
 
     assert main(["quantize", str(root / "tiny-qwen2"), str(folder / "model.gguf"), "--policy", "decoder-llm"]) == 0
     patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2-gguf", "decoder-llm", "auto")

@@ -21,7 +21,7 @@ def quantized_qwen(fmt: str, tmp_path) -> torch.nn.Module:
     decoder = streamwise.load_policy("decoder-llm")
     policy = decoder.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
     if fmt == "gguf":
-        from streamwise.runtime.commands import main
+        from streamwise.runtime.cli.streamwise import main
 
         model.save_pretrained(tmp_path)
         policy_file = gguf_policy(tmp_path, "Q8_0")

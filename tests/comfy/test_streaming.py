@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.apply import applied_state
+from streamwise.runtime.engine.apply import applied_state
 
 from helpers import tiny_qwen2, tiny_vibevoice, vibevoice_inputs
 
@@ -49,7 +49,7 @@ def stranded(model) -> list[str]:
 
 
 def test_the_fetcher_matches_the_cores_cast_api(core):
-    from streamwise.runtime.hosts.comfyui import ComfyFetcher
+    from streamwise.runtime.hosts.comfyui.patcher import ComfyFetcher
 
     offloadable = "offloadable" in inspect.signature(core.ops.cast_bias_weight).parameters
     assert ComfyFetcher()._offloadable is offloadable
@@ -161,7 +161,7 @@ def test_storage_dtypes_are_archived_where_the_core_reads_them(core):
 
 
 def test_unloads_send_relocated_tensors_back(core, monkeypatch):
-    from streamwise.runtime.tree import StreamTree
+    from streamwise.runtime.engine.tree import StreamTree
 
     sent = []
     monkeypatch.setattr(StreamTree, "offload_relocated", lambda self, device: sent.append(device))

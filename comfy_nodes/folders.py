@@ -1,0 +1,35 @@
+"""The folders the nodes read inside ComfyUI: user policies before shipped ones, and model folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import folder_paths
+
+from ..runtime.policy.folders import list_policies, policy_dirs
+
+MODEL_FOLDERS = ("streamwise", "text_encoders", "LLM")
+
+
+def comfy_policy_dirs() -> list[Path]:
+    """`<ComfyUI user dir>/streamwise/policies` (created on first use) before the shipped folder."""
+    user = Path(folder_paths.get_user_directory()) / "streamwise" / "policies"
+    user.mkdir(parents=True, exist_ok=True)
+    return policy_dirs([user])
+
+
+def policy_choices(auto: bool = False) -> list[str]:
+    """Re-read on every call, so edited or new user policies appear without a restart."""
+    return (["auto"] if auto else []) + list(list_policies(comfy_policy_dirs()))
+
+
+def model_roots() -> dict[str, list[str]]:
+    """ComfyUI's `streamwise` model folder (registered on first use) and the folders LLMs already live in."""
+    if "streamwise" not in folder_paths.folder_names_and_paths:
+        folder_paths.add_model_folder_path("streamwise", os.path.join(folder_paths.models_dir, "streamwise"))
+    roots = {}
+    for key in MODEL_FOLDERS:
+        if key in folder_paths.folder_names_and_paths:
+            roots[key] = folder_paths.get_folder_paths(key)
+    return roots

@@ -1,0 +1,249 @@
+"""`load(model, path, policy)`: fill a skeleton tree from a checkpoint, converting it as it goes.
+
+Everything is checked before the first change (missing, extra and misshapen tensors, dtype
+mismatches, unknown quant formats, a plan that does not fit): on any problem the model is left
+exactly as it was and a `CheckpointError` names the file and every offending tensor. Float
+tensors are views of the file's memory map; GGUF tensors that a `gguf` rule selects stay in
+their raw blocks as residents (other quantized GGUF tensors, embeddings and convolutions, are
+dequantized once); `.comfy_quant` layers load as INT8 residents; int8-family rules quantize the
+float weights on load.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ...schemas import Policy
+from ..engine.apply import apply, check
+from . import comfy_quant
+from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
+from ..policy.diagnostics import PolicyError
+from ..policy.load import load_policy
+from ..quant.convrot import check_group_size
+from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
+from ..quant.residents import make_resident
+from ..plan.resolve import resolve
+
+
+_GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    file: str
+    tensors: int
+    bytes: int
+    residents: dict[str, int]
+    dequantized: int
+
+
+def load(
+    model: nn.Module,
+    path: str | os.PathLike,
+    policy: Policy | str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadReport:
+    """Load `path` into `model` as `policy` says, then convert the tree (see `apply`).
+
+    `dtype` converts floating-point tensors; without it a file dtype that differs from the
+    model's is an error. `progress(done, total)` is called as tensors are placed; without one, a
+    tqdm bar shows on a terminal.
+    """
+    policy = policy if isinstance(policy, Policy) else load_policy(policy)
+    plan = resolve(policy, model)
+    if not plan.ok:
+        raise PolicyError(plan.diagnostics)
+    checkpoint = open_checkpoint(path)
+    filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
+    filling.collect()
+    if filling.problems:
+        raise CheckpointError(filling.problems)
+    check(plan, model)  # a plan that cannot be applied fails before the first assignment
+    with _undone_on_failure(model):  # what can still fail (quantizing on load: memory) undoes the assignments
+        if progress is None:
+            from tqdm import tqdm
+
+            with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
+                      disable=None, leave=False) as bar:
+                filling.assign(lambda done, total: bar.update(done - bar.n))
+        else:
+            filling.assign(progress)
+        apply(plan, model)
+    residents: dict[str, int] = {}
+    for module in model.modules():
+        fmt = getattr(type(module), "_sw_format", None)
+        if fmt is not None:
+            residents[fmt] = residents.get(fmt, 0) + 1
+    read = [*filling.tensors.values(), *(t for _, stored, _ in filling.residents.values() for t in stored.values())]
+    return LoadReport(
+        checkpoint.path, len(filling.tensors) + len(filling.residents),
+        sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())), filling.dequantized,
+    )
+
+
+@contextmanager
+def _undone_on_failure(model: nn.Module):
+    """Put every module's class, attributes, parameters and buffers back if the block raises."""
+    saved = [(m, m.__class__, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    try:
+        yield
+    except BaseException:
+        for module, cls, attributes, parameters, buffers in saved:
+            module.__class__ = cls
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+        raise
+
+
+class _Filling:
+    """What a checkpoint puts where: gathered and checked in full before anything is assigned."""
+
+    def __init__(self, model: nn.Module, checkpoint: Checkpoint, plans: dict, dtype: torch.dtype | None) -> None:
+        self.model, self.checkpoint, self.plans, self.dtype = model, checkpoint, plans, dtype
+        self.tensors: dict[str, Tensor] = {}
+        self.residents: dict[str, tuple[str, dict[str, Tensor], dict[str, object]]] = {}
+        self.problems: list[str] = []
+        self.dequantized = 0
+        self.aliases: dict[str, list[str]] = {}
+
+    def problem(self, name: str, message: str) -> None:
+        stored = self.checkpoint.tensors.get(name)  # in a sharded folder: the shard that holds it
+        self.problems.append(f"{stored.file if stored else self.checkpoint.path}: tensor `{name}`: {message}")
+
+    def collect(self) -> None:
+        expected = self.model.state_dict(keep_vars=True)
+        groups: dict[int, list[str]] = {}
+        for name, tensor in expected.items():
+            groups.setdefault(id(tensor), []).append(name)
+        consumed = set(self._comfy_quant(expected))
+        for names in groups.values():
+            names = [n for n in names if n not in consumed]  # a tied partner stored as a .comfy_quant layer unties
+            if not names or any(n in self.tensors for n in names):
+                continue
+            present = [n for n in names if n in self.checkpoint.tensors]
+            if not present:
+                self.problem(names[0], "missing from the file")
+                continue
+            consumed.update(present)
+            first = self.checkpoint.tensors[present[0]]
+            for other in present[1:]:  # tied in the model, stored twice in the file: only one value can win
+                stored = self.checkpoint.tensors[other]
+                if stored.shape != first.shape or stored.dtype != first.dtype or not torch.equal(stored.read(), first.read()):
+                    self.problem(other, f"tied to `{present[0]}` in the model, but the file stores a different value for it")
+            self._take(names, expected[names[0]], first)
+        for name in sorted(set(self.checkpoint.tensors) - consumed):
+            self.problem(name, "not in the model (an extra tensor)")
+        for module_path, module in self.model.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_meta and f"{module_path}.{name}".lstrip(".") not in expected:
+                    self.problem(f"{module_path}.{name}", "a non-persistent buffer on the meta device: build the model "
+                                 "inside `streamwise.skeleton()` so buffers stay real")
+
+    def _take(self, names: list[str], current: Tensor, stored: StoredTensor) -> None:
+        name = names[0]
+        if stored.shape != tuple(current.shape):
+            self.problem(name, f"shape {list(stored.shape)} in the file, {list(current.shape)} in the model")
+            return
+        target = self.dtype if (self.dtype is not None and current.is_floating_point()) else current.dtype
+        module_path, _, attribute = name.rpartition(".")
+        if stored.qtype is not None:
+            if not current.is_floating_point():
+                self.problem(name, f"a quantized {stored.qtype.name} tensor in the file, {current.dtype} in the model")
+                return
+            blocks = stored.read()
+            try:
+                check_blocks(stored.qtype, stored.shape, blocks.numel())
+            except ValueError as exc:  # UnsupportedQuantType too
+                self.problem(name, str(exc))
+                return
+            if self._keeps_gguf_storage(module_path, attribute):
+                self.residents[module_path] = ("gguf", {"weight": blocks}, {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape})
+                return
+            tensor = dequantize(blocks, stored.qtype, stored.shape, target)
+            self.dequantized += 1
+        else:
+            tensor = stored.read()
+            if tensor.dtype != target and tensor.dtype in _GGUF_HALVES and self._keeps_gguf_storage(module_path, attribute):
+                # a GGUF F16/BF16 weight under a `gguf` rule stays in the file's storage, like a quantized one
+                attributes = {"gguf_qtype": _GGUF_HALVES[tensor.dtype], "gguf_shape": stored.shape}
+                self.residents[module_path] = ("gguf", {"weight": tensor.view(torch.uint8).reshape(-1)}, attributes)
+                return
+            if tensor.dtype != target:
+                if not (self.dtype is not None and tensor.is_floating_point() and current.is_floating_point()):
+                    self.problem(name, f"dtype {tensor.dtype} in the file, {current.dtype} in the model (pass dtype= to convert)")
+                    return
+                tensor = tensor.to(target)
+        self.tensors[name] = tensor
+        self.aliases[name] = names
+
+    def _keeps_gguf_storage(self, module_path: str, attribute: str) -> bool:
+        """A Linear weight in a GGUF file that a `gguf` quant rule selects: it becomes a resident."""
+        entry = self.plans.get(module_path)
+        return (self.checkpoint.kind == "gguf" and attribute == "weight" and entry is not None and entry.quant == "gguf"
+                and isinstance(self.model.get_submodule(module_path), nn.Linear))
+
+    def _comfy_quant(self, expected: dict[str, Tensor]) -> list[str]:
+        """Layers stored pre-quantized under ComfyUI's `<layer>.comfy_quant` convention."""
+        consumed = []
+        for key, stored in self.checkpoint.tensors.items():
+            if not key.endswith(comfy_quant.SUFFIX):
+                continue
+            prefix = key[: -len(comfy_quant.SUFFIX)]
+            consumed.append(key)
+            try:
+                fmt, group = comfy_quant.decode(stored.read())
+            except ValueError as exc:
+                self.problem(key, str(exc))
+                continue
+            weight, scale = self.checkpoint.tensors.get(f"{prefix}.weight"), self.checkpoint.tensors.get(f"{prefix}.weight_scale")
+            current = expected.get(f"{prefix}.weight")
+            if weight is None or scale is None or current is None:
+                self.problem(key, "needs `.weight` and `.weight_scale` in the file and a Linear `.weight` in the model")
+                continue
+            if weight.dtype != torch.int8 or weight.shape != tuple(current.shape) or scale.shape not in ((current.shape[0],), (current.shape[0], 1)):
+                self.problem(f"{prefix}.weight", f"an int8_tensorwise layer needs int8{list(current.shape)} and one scale per row")
+                continue
+            if not isinstance(self.model.get_submodule(prefix), nn.Linear):
+                self.problem(key, f"`{prefix}` is not a Linear layer")
+                continue
+            try:
+                if group:
+                    check_group_size(group, current.shape[1])
+            except ValueError as exc:
+                self.problem(key, str(exc))
+                continue
+            stored_tensors = {"weight": weight.read(), "weight_scale": scale.read().float().reshape(-1)}
+            self.residents[prefix] = (fmt, stored_tensors, {"_sw_group_size": group})
+            consumed += [f"{prefix}.weight", f"{prefix}.weight_scale"]
+        return consumed
+
+    def assign(self, progress: Callable[[int, int], None] | None) -> None:
+        expected = self.model.state_dict(keep_vars=True)
+        total = len(self.tensors) + len(self.residents)
+        for done, (name, tensor) in enumerate(self.tensors.items(), 1):
+            if progress is not None:
+                progress(done, total)
+            current = expected[name]
+            value = nn.Parameter(tensor, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else tensor
+            for alias in self.aliases[name]:
+                module_path, _, attribute = alias.rpartition(".")
+                module = self.model.get_submodule(module_path)
+                slot = module._parameters if attribute in module._parameters else module._buffers
+                slot[attribute] = value
+        for done, (module_path, (fmt, stored, attributes)) in enumerate(self.residents.items(), len(self.tensors) + 1):
+            make_resident(self.model.get_submodule(module_path), fmt, stored, attributes)
+            if progress is not None:
+                progress(done, total)

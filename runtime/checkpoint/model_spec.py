@@ -1,0 +1,91 @@
+"""Build a model tree on the meta device from a short spec, for `policy-validate --model`.
+
+Specs:
+- `transformers:Qwen2ForCausalLM`: a transformers class with its default (full-size) config;
+- `transformers:qwen2`: a config `model_type`, built with the causal-LM auto class where one
+  exists and the base auto class otherwise;
+- `package.module:factory`: a Python callable returning an `nn.Module` (this imports your code:
+  the model is yours, unlike a policy, which is only ever read).
+Config overrides (a small JSON object) apply to the transformers forms.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..policy.diagnostics import did_you_mean
+
+
+class ModelSpecError(ValueError):
+    pass
+
+
+def read_config(folder: str | os.PathLike):
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # transformers rejects bad fields with its own validation error types too
+        raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
+
+
+def auto_model(config) -> nn.Module:
+    """The causal-LM model for a transformers config where one exists, else the base model."""
+    import transformers
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto.from_config(config)
+        except ValueError:
+            continue
+    raise ModelSpecError(f"no transformers auto class builds model_type `{config.model_type}`")
+
+
+def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
+    source, _, name = spec.partition(":")
+    if not source or not name:
+        raise ModelSpecError(f"`{spec}` is not a model spec: use `transformers:<Class or model_type>` or `module:factory`")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ModelSpecError(f"the config overrides must be a JSON object, not {type(overrides).__name__}")
+    with torch.device("meta"):
+        model = _transformers(name, overrides or {}) if source == "transformers" else _factory(source, name, overrides)
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"`{spec}` built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)) and name not in transformers.CONFIG_MAPPING:
+        guess = did_you_mean(name, list(transformers.CONFIG_MAPPING))
+        raise ModelSpecError(
+            f"transformers has no model class or model_type `{name}`" + (f"; did you mean `{guess}`?" if guess else "")
+        )
+    if cls is not None and getattr(cls, "config_class", None) is None:
+        raise ModelSpecError(f"`{name}` is not a transformers model class (it has no config class)")
+    try:  # a config transformers accepts may still fail in the model's own code (a zero head count)
+        if cls is not None:
+            return cls(cls.config_class(**overrides))
+        return auto_model(transformers.AutoConfig.for_model(name, **overrides))
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(f"transformers cannot build `{name}` with this config: {type(exc).__name__}: {exc}") from None
+
+
+def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None) -> nn.Module:
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSpecError(f"cannot find `{module_name}:{attribute}`: {exc}") from None
+    try:
+        return factory(**overrides) if overrides else factory()
+    except Exception as exc:  # the overrides do not fit the factory, or the factory itself fails
+        raise ModelSpecError(f"cannot call `{module_name}:{attribute}` with this config: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,69 @@
+"""`load_pretrained(path, policy)`: a model folder or weight file in, a loaded, converted tree out.
+
+The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the
+skeleton from the config beside the weights (`builders`), pick the policy by name or by its
+`[match]` table (`auto_policy`), and fill the skeleton from the file (`load`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+from torch import nn
+
+from ...schemas import Policy
+from ..plan.auto import select_policy
+from .skeleton import BUILD_DTYPES, build_skeleton, config_folder, model_type
+from .readers import Checkpoint, open_checkpoint
+from .fill import LoadReport, load
+from ..policy.load import load_policy
+
+
+class Pretrained(NamedTuple):
+    model: nn.Module
+    report: LoadReport
+    policy: str
+    """Which policy converted the tree and how it was chosen, in words."""
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    policy: Policy | str | os.PathLike = "auto",
+    *,
+    dtype: torch.dtype | None = None,
+    policy_dirs: Iterable[str | os.PathLike] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> Pretrained:
+    """Build, convert and load the model at `path` (a Hugging Face folder, or a weight file beside its config.json).
+
+    `policy="auto"` picks the policy whose `[match]` recognizes the model, and refuses to guess
+    between equal matches. Without `dtype` the model takes the floating dtype most of the file's
+    values are stored in (float8 counts as bfloat16).
+    """
+    path = Path(path)
+    folder = config_folder(path)
+    checkpoint = open_checkpoint(path)
+    dtype = dtype or _file_dtype(checkpoint)
+    model = build_skeleton(folder, dtype)
+    chosen = None
+    if isinstance(policy, str) and policy == "auto":
+        policy, chosen = select_policy(model, model_type=model_type(folder), keys=checkpoint.tensors, dirs=policy_dirs)
+    if not isinstance(policy, Policy):
+        policy = load_policy(policy, dirs=policy_dirs)
+    report = load(model, path, policy, dtype=dtype, progress=progress)
+    return Pretrained(model, report, chosen or f"policy `{policy.name}`")
+
+
+def _file_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The floating dtype most stored values have (float32 norms beside bf16 weights do not decide);
+    float8 values count as bfloat16, the dtype they compute in."""
+    counts: dict[torch.dtype, int] = {}
+    for stored in checkpoint.tensors.values():
+        if stored.dtype.is_floating_point:
+            dtype = stored.dtype if stored.dtype in BUILD_DTYPES else torch.bfloat16
+            counts[dtype] = counts.get(dtype, 0) + math.prod(stored.shape)
+    return max(counts, key=counts.get) if counts else torch.float32

@@ -1,0 +1,96 @@
+"""Building a model tree to load weights into, from what sits next to the weights.
+
+A builder turns a model folder into a skeleton (parameters on meta). The default one reads a
+Hugging Face `config.json` and uses transformers' auto classes; other node packs register
+builders for their own architectures with `@register_builder`. Builders are tried newest first;
+the first that recognizes the folder wins.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .model_spec import ModelSpecError, auto_model, read_config
+
+Builder = Callable[[Path, torch.dtype | None], "nn.Module | None"]
+BUILDERS: list[Builder] = []
+
+
+def register_builder(builder: Builder) -> Builder:
+    """Add a builder: `(folder, dtype) -> skeleton`, or None when the folder is not its kind."""
+    BUILDERS.insert(0, builder)
+    return builder
+
+
+# The dtypes torch can build a model in (its default dtype), so the only ones a skeleton can have.
+BUILD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@contextmanager
+def skeleton():
+    """Build a model with its parameters on the meta device and its buffers real.
+
+    Non-persistent buffers (rotary tables) are computed in `__init__` and are never in a
+    checkpoint, so they must exist for real; parameters cost nothing until `load` fills them.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, parameter):
+        register(module, name, parameter)
+        if parameter is not None and not parameter.is_meta:
+            module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def config_folder(path: Path) -> Path:
+    """Where a model's config.json lives: the folder itself, or the folder holding a weight file."""
+    return path if path.is_dir() else path.parent
+
+
+def build_skeleton(folder: Path, dtype: torch.dtype | None = None) -> nn.Module:
+    if dtype is not None and dtype not in BUILD_DTYPES:
+        raise ModelSpecError(f"cannot build a model in {dtype}; choose one of {', '.join(map(str, BUILD_DTYPES))}")
+    for builder in BUILDERS:
+        model = builder(folder, dtype)
+        if model is not None:
+            return model.eval()
+    raise ModelSpecError(f"no builder recognizes {folder}: expected a Hugging Face config.json beside the weights")
+
+
+def model_type(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@register_builder
+def _transformers(folder: Path, dtype: torch.dtype | None) -> nn.Module | None:
+    if not (folder / "config.json").is_file():
+        return None
+    config = read_config(folder)
+    with skeleton(), _default_dtype(dtype):
+        return auto_model(config)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """Build in `dtype` as transformers' `from_pretrained` does: tensors made in float32 on purpose
+    (rotary `inv_freq`) stay float32, where casting the built model would round them."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or previous)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,1 @@
+"""The command-line tools: `policy-validate` (torch-free) and `streamwise` (demo, quantize)."""

@@ -1,0 +1,56 @@
+"""The `streamwise` command: `streamwise demo`, and `streamwise quantize SRC DST --policy NAME`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..checkpoint.readers import CheckpointError
+from ..policy.diagnostics import PolicyError
+from ..policy.load import load_policy
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamwise", description="Streamwise tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    quantize = commands.add_parser("quantize", help="write a .safetensors checkpoint as GGUF, types per the policy")
+    quantize.add_argument("source", help="a .safetensors file, a shard index, or a Hugging Face folder")
+    quantize.add_argument("destination", help="the .gguf file to write")
+    quantize.add_argument("--policy", required=True, help="a policy name or file whose `gguf` quant rules pick the types")
+    quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
+    quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
+    commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        results = run_demo()
+        return 0 if all(r["identical"] or r["relative_error"] < 0.05 for k, r in results.items() if k != "peak_rss_mib") else 1
+    return _quantize(parser, args)
+
+
+def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ..checkpoint.gguf_writer import quantize_to_gguf
+    from ..checkpoint.skeleton import build_skeleton, config_folder
+    from ..checkpoint.model_spec import ModelSpecError, build_model
+
+    try:
+        policy = load_policy(args.policy)
+        if args.model:
+            model = build_model(args.model, json.loads(args.model_config) if args.model_config else None)
+        else:  # the folder's config.json (beside a weight file too), or a builder another pack registered
+            model = build_skeleton(config_folder(Path(args.source)))
+        report = quantize_to_gguf(args.source, args.destination, policy, model)
+    except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError, OSError) as exc:
+        print(f"streamwise quantize: {exc}", file=sys.stderr)
+        return 1
+    types = ", ".join(f"{name} x{count}" for name, count in report.types.items())
+    print(f"wrote {report.file}: {report.tensors} tensors ({types}), {report.bytes_in} -> {report.bytes_out} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

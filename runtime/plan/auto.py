@@ -1,0 +1,50 @@
+"""`auto` policy selection: which policy's `[match]` table recognizes a model.
+
+A policy matches when the model's root class is in `classes` (strongest), its config's
+`model_type` is in `model_types`, or every glob in `state_dict_keys` matches some checkpoint key
+(weakest). The strongest match wins; two policies matching equally strongly is an error that
+names both, rather than a silent pick.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from torch import nn
+
+from ...schemas.patterns import compile_glob, glob_matches
+from ..policy.folders import list_policies, policy_dirs
+from ..policy.diagnostics import Diagnostic, PolicyError
+from ..policy.load import check_policy
+from .selectors import ModuleRef
+
+
+def select_policy(
+    model: nn.Module, *, model_type: str | None = None, keys: Iterable[str] = (), dirs: Iterable[str | os.PathLike] = ()
+) -> tuple[str, str]:
+    """(policy name, why it was picked) for `model`; PolicyError when none or several fit."""
+    short, qualified = ModuleRef.of("", model).classes[0]
+    keys = list(keys)
+    scored: dict[int, list[tuple[str, str]]] = {}
+    for name, path in list_policies(policy_dirs(dirs)).items():
+        policy, _ = check_policy(path, dirs=dirs)
+        if policy is None:
+            continue
+        match = policy.match
+        if short in match.classes or qualified in match.classes:
+            scored.setdefault(3, []).append((name, f"root class `{short}`"))
+        elif model_type is not None and model_type in match.model_types:
+            scored.setdefault(2, []).append((name, f"model_type `{model_type}`"))
+        elif match.state_dict_keys and keys and all(
+            any(glob_matches(pattern, k) for k in keys) for pattern in map(compile_glob, match.state_dict_keys)
+        ):
+            scored.setdefault(1, []).append((name, "its state-dict key patterns"))
+    if not scored:
+        raise PolicyError([Diagnostic("unknown-policy", f"no policy's [match] recognizes `{short}`; choose a policy by name")])
+    best = scored[max(scored)]
+    if len(best) > 1:
+        names = ", ".join(f"`{n}`" for n, _ in best)
+        raise PolicyError([Diagnostic("rule-conflict", f"policies {names} all match `{short}` by {best[0][1]}; choose one by name")])
+    name, reason = best[0]
+    return name, f"`auto` picked `{name}` by {reason}"

@@ -1,0 +1,98 @@
+"""The Plan: what a policy does to one concrete module tree, decided before anything changes.
+
+`resolve` produces it; `apply` carries it out; the CLI and the tests read it. It is plain,
+sorted data: module paths with their roles and the rules that decided them, a coverage census
+in bytes, and the diagnostics found while resolving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...schemas import CompileSettings
+from ..policy.diagnostics import Diagnostic
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """One module with something to do (or something missed)."""
+
+    path: str
+    class_name: str
+    stream: str | None = None
+    stream_rule: str | None = None
+    relocate: tuple[str, ...] = ()
+    relocate_rule: str | None = None
+    quant: str | None = None
+    quant_rule: str | None = None
+    group_size: int | None = None
+    gguf_type: str | None = None
+    compile_unit: bool = False
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    name: str
+    kind: str  # "parameter" or "buffer"
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Bytes of parameters and buffers by role, and every tensor no rule handles."""
+
+    bytes: dict[str, int]
+    stranded: tuple[TensorRef, ...]
+    tied: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return not self.stranded
+
+    @property
+    def fraction(self) -> float:
+        total = sum(self.bytes.values())
+        return 1.0 if total == 0 else 1 - self.bytes["stranded"] / total
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    root_class: str
+    compile: CompileSettings
+    modules: tuple[ModulePlan, ...]
+    coverage: Coverage
+    rule_matches: dict[str, int] = field(default_factory=dict)
+    diagnostics: tuple[Diagnostic, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.is_error for d in self.diagnostics)
+
+    def module(self, path: str) -> ModulePlan | None:
+        return next((m for m in self.modules if m.path == path), None)
+
+    def summary(self) -> dict:
+        """A compact census: modules per role and class, bytes per role, rule match counts."""
+        census: dict[str, dict[str, int]] = {}
+        for module in self.modules:
+            short = module.class_name.rsplit(".", 1)[-1]
+            for role, active in (
+                (f"stream:{module.stream}", module.stream),
+                ("relocate", module.relocate),
+                (f"quant:{module.quant}", module.quant),
+                ("compile", module.compile_unit),
+            ):
+                if active:
+                    census.setdefault(role, {}).setdefault(short, 0)
+                    census[role][short] += 1
+        return {
+            "policy": self.policy,
+            "root_class": self.root_class,
+            "modules": {role: dict(sorted(classes.items())) for role, classes in sorted(census.items())},
+            "bytes": dict(self.coverage.bytes),
+            "stranded": [f"{t.name} ({t.kind}, {t.bytes} bytes)" for t in self.coverage.stranded],
+            "tied": [list(group) for group in self.coverage.tied],
+            "rule_matches": dict(sorted(self.rule_matches.items())),
+            "diagnostics": [f"{d.severity}[{d.code}]: {d.message}" for d in self.diagnostics],
+        }

@@ -1,0 +1,38 @@
+"""`extends`: how a policy builds on another one.
+
+Merge rules, applied from the root of the chain down:
+- `[policy]` and `[match]` belong to the file and are never inherited;
+- in `[stream]`, `[relocate]` and `[quant]`, a rule replaces the parent's rule with the same id
+  in place, new rules follow the parent's, and an `exclude` given by the child replaces the
+  parent's (omit it to keep the parent's);
+- in `[compile]`, every key the child sets overrides the parent's value.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from ...schemas import Policy
+from ...schemas.policy import RuleSection
+
+SectionT = TypeVar("SectionT", bound=RuleSection)
+
+
+def merge(parent: Policy, child: Policy) -> Policy:
+    overrides = {key: getattr(child.compile, key) for key in child.compile.model_fields_set}
+    return child.model_copy(
+        update={
+            "stream": _merge_section(parent.stream, child.stream),
+            "relocate": _merge_section(parent.relocate, child.relocate),
+            "quant": _merge_section(parent.quant, child.quant),
+            "compile": parent.compile.model_copy(update=overrides),
+        }
+    )
+
+
+def _merge_section(parent: SectionT, child: SectionT) -> SectionT:
+    rules = {rule.id: rule for rule in parent.rule}
+    for rule in child.rule:
+        rules[rule.id] = rule
+    exclude = child.exclude if "exclude" in child.model_fields_set else parent.exclude
+    return child.model_copy(update={"rule": tuple(rules.values()), "exclude": exclude})

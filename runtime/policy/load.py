@@ -1,0 +1,142 @@
+"""`load_policy`: from a name or a file to a validated, fully inherited `Policy`.
+
+The stages run in order and each reports every problem it finds: read and parse the TOML, check
+`schema_version` and migrate older documents, validate against the pydantic models, resolve
+`extends`, and check that no two rules conflict. Nothing here imports torch or any module a
+policy names: a policy is data.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from ...schemas import SCHEMA_VERSION, Policy
+from .folders import find_policy, list_policies, policy_dirs
+from .diagnostics import Diagnostic, Location, Note, PolicyError, did_you_mean, format_key_path
+from .extends import merge
+from .migrations import migrate, oldest_readable_version
+from .source import PolicySource, display_path, read_source
+from .validate import check_rule_conflicts, errors_in, validate_document
+
+def load_policy(name_or_path: str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()) -> Policy:
+    """Load a shipped or user policy by name, or a policy file by path, with `extends` resolved.
+
+    Raises `PolicyError` carrying every located diagnostic when the policy has errors.
+    """
+    policy, diagnostics = check_policy(name_or_path, dirs=dirs)
+    if policy is None:
+        raise PolicyError(diagnostics)
+    return policy
+
+
+def as_policy(policy: Policy | str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()) -> Policy:
+    """`policy` itself, or the policy a name or path stands for (`load_policy`): what every API taking one accepts."""
+    return policy if isinstance(policy, Policy) else load_policy(policy, dirs=dirs)
+
+
+def check_policy(
+    name_or_path: str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()
+) -> tuple[Policy | None, list[Diagnostic]]:
+    """Like `load_policy`, but return the diagnostics (warnings too) instead of raising."""
+    search = policy_dirs(dirs)
+    path = _as_path(name_or_path, search)
+    if isinstance(path, Diagnostic):
+        return None, [path]
+    policy, diagnostics = _load_chain(path, search, chain=())
+    if policy is not None and not errors_in(diagnostics):
+        diagnostics += check_rule_conflicts(policy)
+    return (None if errors_in(diagnostics) else policy), diagnostics
+
+
+def _as_path(name_or_path: str | os.PathLike[str], search: list[Path]) -> Path | Diagnostic:
+    text = os.fspath(name_or_path)
+    if isinstance(name_or_path, os.PathLike) or any(sep in text for sep in "/\\") or text.endswith(".toml"):
+        return Path(text)
+    found = find_policy(text, search)
+    if found is not None:
+        return found
+    names = tuple(list_policies(search))
+    return Diagnostic(
+        "unknown-policy", f"no policy named `{text}` in the policy folders",
+        suggestion=did_you_mean(text, names), allowed=names,
+        help="policy folders: " + ", ".join(str(d) for d in search),
+    )
+
+
+def _load_chain(path: Path, search: list[Path], chain: tuple[tuple[Path, Location | None], ...]):
+    """Load one file and, through `extends`, its ancestors; `chain` holds the files below it."""
+    source, diagnostics = read_source(path, display_path(path))
+    if source is None:
+        return None, diagnostics
+    document, diagnostics = _upgrade(source)
+    if document is None:
+        return None, diagnostics
+    policy, problems = validate_document(source, document)
+    diagnostics += problems
+    if policy is None or policy.policy.extends is None:
+        return policy, diagnostics
+
+    where = source.locate(("policy", "extends"), value=True)
+    parent_name = policy.policy.extends
+    parent_path = find_policy(parent_name, [path.parent, *search])
+    if parent_path is None:
+        names = tuple(n for n in list_policies([path.parent, *search], include_hidden=True) if n != path.stem)
+        return None, diagnostics + [Diagnostic(
+            "unknown-extends", f"`extends` names `{parent_name}`, which is not a policy in the policy folders",
+            where, key_path="policy.extends", suggestion=did_you_mean(parent_name, names),
+        )]
+    visited = [(path.resolve(), where), *chain]
+    if any(parent_path.resolve() == seen for seen, _ in visited):
+        cycle = " -> ".join([*(p.stem for p, _ in reversed(visited)), parent_path.stem])
+        notes = tuple(Note("extended from here", w) for _, w in chain if w is not None)
+        return None, diagnostics + [Diagnostic(
+            "extends-cycle", f"`extends` forms a cycle: {cycle}", where, key_path="policy.extends", notes=notes,
+        )]
+    parent, parent_diagnostics = _load_chain(parent_path, search, tuple(visited))
+    diagnostics += parent_diagnostics
+    if parent is None:
+        if not any(d.code == "extends-cycle" for d in parent_diagnostics):
+            diagnostics.append(Diagnostic(
+                "invalid-extends", f"the policy `{parent_name}` that this policy extends has errors", where,
+                key_path="policy.extends",
+            ))
+        return None, diagnostics
+    return merge(parent, policy), diagnostics
+
+
+def _upgrade(source: PolicySource) -> tuple[dict | None, list[Diagnostic]]:
+    """Check `schema_version` before anything else, then migrate an older document."""
+    document = source.document
+    version = document.get("schema_version")
+    where = source.locate(("schema_version",), value=True)
+    newest, oldest = SCHEMA_VERSION, oldest_readable_version()
+    if "schema_version" not in document:
+        return None, [Diagnostic(
+            "missing-key", "missing required key `schema_version` at the top level", source.location(1, 1),
+            key_path="schema_version", help=f"start the file with `schema_version = {newest}`",
+        )]
+    if type(version) is not int:
+        return None, [Diagnostic(
+            "invalid-type", "`schema_version` must be an integer", where, key_path="schema_version",
+        )]
+    if version > newest:
+        return None, [Diagnostic(
+            "unsupported-version", f"policy requires schema_version {version}; this runtime supports up to {newest}",
+            where, key_path="schema_version", help="upgrade streamwise to read this policy",
+        )]
+    if version < oldest:
+        return None, [Diagnostic(
+            "unsupported-version", f"schema_version {version} is older than any this runtime reads (oldest: {oldest})",
+            where, key_path="schema_version",
+        )]
+    document, moves = migrate(document, version)
+    return document, [
+        Diagnostic(
+            "deprecated-key",
+            f"'{format_key_path(m.old)}' -> '{format_key_path(m.new)}'" if m.new else f"'{format_key_path(m.old)}' was removed",
+            source.locate(m.old), severity="warning", key_path=format_key_path(m.old), help=m.note or None,
+        )
+        for m in moves
+    ]

@@ -1,0 +1,70 @@
+"""Generate the JSON Schema that editors use to check policy files as they are typed.
+
+The schema is flattened (every `$ref` inlined, no `$defs`, no `allOf`) because TOML language
+servers such as taplo/Even Better TOML stumble over references. It is committed under
+`schemas/`; a test fails when it is stale. Regenerate with:
+
+    python -m streamwise.runtime.policy.schema_export
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ...schemas import SCHEMA_VERSION, Policy
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / f"policy.v{SCHEMA_VERSION}.schema.json"
+
+
+def build_schema() -> dict[str, Any]:
+    raw = Policy.model_json_schema(by_alias=True)
+    definitions = raw.pop("$defs", {})
+    schema = _inline(raw, definitions)
+    return {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "$id": f"https://streamwise.dev/schemas/policy.v{SCHEMA_VERSION}.schema.json",
+        **schema,
+        "title": "Streamwise policy",
+    }
+
+
+def render_schema() -> str:
+    return json.dumps(build_schema(), indent=2, sort_keys=False) + "\n"
+
+
+def _inline(node: Any, definitions: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            target = definitions[node["$ref"].rsplit("/", 1)[-1]]
+            merged = {**_inline(target, definitions), **{k: v for k, v in node.items() if k != "$ref"}}
+            return _inline(merged, definitions)
+        node = _drop_null(node)
+        return {
+            key: _inline(value, definitions)
+            for key, value in node.items()
+            if not (key == "title" and isinstance(value, str)) and not (key == "default" and (value is None or isinstance(value, dict)))
+        }
+    if isinstance(node, list):
+        return [_inline(item, definitions) for item in node]
+    return node
+
+
+def _drop_null(node: dict[str, Any]) -> dict[str, Any]:
+    """TOML has no null: an optional table is simply absent, so `anyOf [X, null]` becomes X."""
+    branches = node.get("anyOf")
+    if not branches or {"type": "null"} not in branches:
+        return node
+    rest = [b for b in branches if b != {"type": "null"}]
+    node = {k: v for k, v in node.items() if k != "anyOf"}
+    return {**rest[0], **node} if len(rest) == 1 else {**node, "anyOf": rest}
+
+
+def main() -> None:
+    SCHEMA_PATH.write_text(render_schema(), encoding="utf-8")
+    print(f"wrote {SCHEMA_PATH}")
+
+
+if __name__ == "__main__":
+    main()
