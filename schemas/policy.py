@@ -9,7 +9,7 @@ not a boolean). Attribute docstrings become the hover documentation in editors.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import ClassVar, Annotated, Any, Callable, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
@@ -290,6 +290,9 @@ class Policy(_Table):
     """Quantization formats per module."""
     compile: CompileSettings = CompileSettings()
     """torch.compile settings."""
+
+    RULE_SECTIONS: ClassVar[tuple[str, ...]] = ("stream", "relocate", "quant")
+    """The sections made of `[[<section>.rule]]` arrays and an `exclude`, in the order they are decided."""
 
     _source: Any = PrivateAttr(default=None)
 

@@ -12,8 +12,8 @@ the system temp directory (`<tempdir>/streamwise-test-cache-<uid>`, e.g.
 `/tmp/streamwise-test-cache-1000`), never in your home unless you opt in by setting
 `STREAMWISE_CACHE`, e.g. `STREAMWISE_CACHE=~/.cache/streamwise` to keep it across reboots. Its name
 hashes the Python, this environment's prefix, torch's version, the pins and the build recipe, so a
-change to any of them builds a fresh one; a cached one that fails its import probe is rebuilt.
-Concurrent runs wait on a lock file beside it.
+change to any of them builds a fresh one, and a cached one that no longer finds its packages (say,
+this environment was deleted and made again) is rebuilt. Concurrent runs wait on a lock file beside it.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
-import shutil
 import site
 import subprocess
 import sys
 import tempfile
 import venv
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -40,11 +39,13 @@ REQUIREMENTS = ["transformers==4.51.3", "diffusers==0.35.2"]
 NO_DEPS = ["vibevoice==0.0.1", "accelerate==1.6.0"]  # the package's own pins; its app extras are not needed
 RECIPE = 2  # bump whenever community_python() builds differently, so old caches are not reused
 
+SHARED = ("torch", "streamwise")  # found through this environment
 PROBE = """
-import importlib.metadata, json, sys
-import accelerate, diffusers, streamwise, torch, transformers, vibevoice
-print(json.dumps({"versions": {name: importlib.metadata.version(name) for name in sys.argv[1:]},
-                  "torch": torch.__version__, "streamwise": streamwise.__file__}))
+import importlib.metadata, importlib.util, json, sys
+if sys.argv[1] == "import":
+    import accelerate, diffusers, streamwise, torch, transformers, vibevoice
+print(json.dumps({"versions": {name: importlib.metadata.version(name) for name in sys.argv[2:]},
+                  "origins": {name: getattr(importlib.util.find_spec(name), "origin", None) for name in sys.argv[2:]}}))
 """
 
 
@@ -67,23 +68,28 @@ def cache_dir() -> Path:
     return cache
 
 
-def probe_failure(python: Path) -> str | None:
-    """Why the environment at `python` is unusable, or None: it must import everything, with the pinned
-    versions first on its path, this environment's torch and this environment's streamwise."""
+def probe_failure(root: Path, *, imports: bool) -> str | None:
+    """Why the environment at `root` is unusable, or None. Its own pinned packages must come first on its
+    path and this environment's torch and streamwise must be the ones it finds; with `imports` it must also
+    import them all (seconds, so only right after a build; the quick check takes a tenth of one)."""
     pins = dict(requirement.split("==") for requirement in [*REQUIREMENTS, *NO_DEPS])
+    python = root / "bin" / "python"
     if not python.exists():
         return f"{python} is missing"
-    result = subprocess.run([str(python), "-c", PROBE, *pins], capture_output=True, text=True, env=clean_env())
+    result = subprocess.run([str(python), "-c", PROBE, "import" if imports else "find", *pins, *SHARED],
+                            capture_output=True, text=True, env=clean_env())
     if result.returncode != 0:
         return result.stderr[-4000:]
     found = json.loads(result.stdout)
-    expected_streamwise = Path(importlib.util.find_spec("streamwise").origin).resolve()
-    if found["versions"] != pins:
-        return f"versions {found['versions']}, pinned {pins}"
-    if found["torch"] != importlib.metadata.version("torch"):
-        return f"torch {found['torch']}, this environment has {importlib.metadata.version('torch')}"
-    if Path(found["streamwise"]).resolve() != expected_streamwise:
-        return f"streamwise from {found['streamwise']}, this environment has {expected_streamwise}"
+    expected = {**pins, **{name: importlib.metadata.version(name) for name in SHARED}}
+    if found["versions"] != expected:
+        return f"versions {found['versions']}, expected {expected}"
+    for name, origin in found["origins"].items():
+        if origin is None:
+            return f"{name} not found"
+        own = Path(origin).resolve().is_relative_to(root.resolve())
+        if own != (name in pins) or name in SHARED and Path(origin).resolve() != Path(find_spec(name).origin).resolve():
+            return f"{name} from {origin}"
     return None
 
 
@@ -92,7 +98,6 @@ def clean_env() -> dict[str, str]:
 
 
 def build(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
     # No system site-packages: they would be the base interpreter's, not this (virtual) environment's.
     venv.EnvBuilder(clear=True, with_pip=True).create(root)
     python = str(root / "bin" / "python")
@@ -116,11 +121,11 @@ def community_python() -> Path:
     python = root / "bin" / "python"
     with open(cache / f"{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if (root / "ready").exists() and probe_failure(python) is None:
+        if (root / "ready").exists() and probe_failure(root, imports=False) is None:
             return python
         (root / "ready").unlink(missing_ok=True)
         build(root)
-        failure = probe_failure(python)
+        failure = probe_failure(root, imports=True)
         assert failure is None, f"the community environment at {root} does not work: {failure}"
         (root / "ready").touch()
     return python
