@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamwise.runtime import check_policy, render_json, render_text
-from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR
+from streamwise.runtime import check_policy, errors_in, render_json, render_text
 from streamwise.runtime.policy.diagnostics import CODES
+from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR
 from streamwise.runtime.policy.source import MAX_POLICY_BYTES
 
 if sys.version_info >= (3, 11):
@@ -43,7 +43,7 @@ def assert_clean(data: bytes, stem: str = "fuzzed") -> None:
         assert diagnostic.code in CODES
         assert diagnostic.location is not None and 1 <= diagnostic.location.line <= lines
         assert "Input should" not in diagnostic.message and "Extra inputs" not in diagnostic.message
-    assert (policy is None) == any(d.is_error for d in diagnostics)
+    assert (policy is None) == errors_in(diagnostics)
     render_text(diagnostics)
     json.loads(render_json({stem: diagnostics}))
 

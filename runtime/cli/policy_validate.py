@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..policy.diagnostics import Diagnostic, errors_in, json_report, render_json, render_text
 from ..policy.folders import policy_dirs, policy_files
-from ..policy.diagnostics import Diagnostic, json_report, render_json, render_text
 from ..policy.load import check_policy
 from ..policy.source import display_path
 
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     reports = {display_path(path): check_policy(path)[1] for path in files}
     _report(reports, args)
-    return EXIT_PROBLEMS if any(d.is_error for ds in reports.values() for d in ds) else EXIT_OK
+    return EXIT_PROBLEMS if any(errors_in(ds) for ds in reports.values()) else EXIT_OK
 
 
 def _report(reports: dict[str, list[Diagnostic]], args: argparse.Namespace) -> None:
@@ -90,7 +90,7 @@ def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespa
         print(_render_plan(args.model, plan))
         if diagnostics:
             print("\n" + render_text(diagnostics))
-    return EXIT_PROBLEMS if any(d.is_error for d in diagnostics) else EXIT_OK
+    return EXIT_PROBLEMS if errors_in(diagnostics) else EXIT_OK
 
 
 def _render_plan(spec: str, plan) -> str:
@@ -140,7 +140,7 @@ def _print_text(reports: dict[str, list[Diagnostic]], *, quiet: bool) -> None:
     every = [d for ds in reports.values() for d in ds]
     errors = sum(d.is_error for d in every)
     warnings = len(every) - errors
-    failed = sum(any(d.is_error for d in ds) for ds in reports.values())
+    failed = sum(errors_in(ds) for ds in reports.values())
     if not reports:
         print("no policy files found")
     elif errors:

@@ -5,7 +5,9 @@ Invariants:
 - every problem is a located `Diagnostic`; `load_policy` raises them together as a `PolicyError`.
 """
 
-from .diagnostics import Diagnostic, Location, PolicyError, render_json, render_text
+from .diagnostics import Diagnostic, Location, PolicyError, errors_in, render_json, render_text
 from .load import check_policy, load_policy
 
-__all__ = ["Diagnostic", "Location", "PolicyError", "check_policy", "load_policy", "render_json", "render_text"]
+__all__ = [
+    "Diagnostic", "Location", "PolicyError", "check_policy", "errors_in", "load_policy", "render_json", "render_text",
+]

@@ -101,6 +101,11 @@ class Diagnostic:
         }
 
 
+def errors_in(diagnostics: Iterable[Diagnostic]) -> bool:
+    """Whether any of `diagnostics` is an error (warnings alone leave a policy usable)."""
+    return any(d.is_error for d in diagnostics)
+
+
 class PolicyError(Exception):
     """A policy could not be loaded; `diagnostics` holds every located problem found."""
 
@@ -180,7 +185,7 @@ def json_report(reports: dict[str, Sequence[Diagnostic]]) -> dict:
     files = [
         {
             "file": file,
-            "valid": not any(d.is_error for d in diagnostics),
+            "valid": not errors_in(diagnostics),
             "diagnostics": [d.to_dict() for d in diagnostics],
         }
         for file, diagnostics in reports.items()

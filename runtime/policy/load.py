@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Iterable
 
 from ...schemas import SCHEMA_VERSION, Policy
-from .folders import find_policy, list_policies, policy_dirs
-from .diagnostics import Diagnostic, Location, Note, PolicyError, did_you_mean, format_key_path
+from .diagnostics import Diagnostic, Location, Note, PolicyError, did_you_mean, errors_in, format_key_path
 from .extends import merge
+from .folders import find_policy, list_policies, policy_dirs
 from .migrations import migrate, oldest_readable_version
 from .source import PolicySource, display_path, read_source
-from .validate import check_rule_conflicts, errors_in, validate_document
+from .validate import check_rule_conflicts, validate_document
+
 
 def load_policy(name_or_path: str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()) -> Policy:
     """Load a shipped or user policy by name, or a policy file by path, with `extends` resolved.

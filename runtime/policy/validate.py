@@ -13,7 +13,7 @@ import datetime
 import re
 import types
 from itertools import combinations
-from typing import Annotated, Any, Iterator, Sequence, Union, get_args, get_origin
+from typing import Annotated, Any, Iterator, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -298,7 +298,3 @@ def _entry_location(rule: Any, entry: tuple[str, str]):
 
 def _rule_key(rule: Any) -> str:
     return format_key_path(rule._origin[1])
-
-
-def errors_in(diagnostics: Sequence[Diagnostic]) -> bool:
-    return any(d.is_error for d in diagnostics)
