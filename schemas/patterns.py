@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+#: Policy names, `extends` targets and rule ids: a file stem, never a path (no separator; `..` is refused too).
+POLICY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _SEGMENT_CHAR_CLASS = re.compile(r"\[(!?)(\]?[^\]]*)\]")
 
@@ -23,6 +25,11 @@ class PatternError(ValueError):
         super().__init__(message)
         self.message = message
         self.offset = offset
+
+
+def is_policy_name(text: str) -> bool:
+    """Whether `text` has the shape of `POLICY_NAME`, so it can only ever name a file inside a policy folder."""
+    return POLICY_NAME.fullmatch(text) is not None and ".." not in text
 
 
 def check_class_name(name: str) -> None:

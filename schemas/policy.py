@@ -14,7 +14,7 @@ from typing import ClassVar, Annotated, Any, Callable, Literal, Optional
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
-from .patterns import PatternError, check_class_name, compile_glob, compile_regex
+from .patterns import PatternError, check_class_name, compile_glob, compile_regex, is_policy_name
 from .vocabulary import (
     COMPILE_MODES,
     COMPUTE_KINDS,
@@ -32,7 +32,6 @@ QuantFormat = Literal[tuple(QUANT_FORMATS)]
 CompileMode = Literal[tuple(COMPILE_MODES)]
 GGUFType = Literal[GGUF_WRITE_TYPES]
 
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BACKEND = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -50,7 +49,7 @@ def _checked(code: str, check: Callable[[str], Any]) -> Callable[[str], str]:
 
 
 def _check_name(value: str) -> None:
-    if not _NAME.fullmatch(value) or ".." in value:
+    if not is_policy_name(value):
         raise PatternError(f"`{value}` is not a valid name: use letters, digits, `_`, `-` and `.`")
 
 

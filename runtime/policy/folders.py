@@ -10,18 +10,18 @@ edited copy of a shipped policy wins over the original.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Iterable
+
+from ...schemas.patterns import is_policy_name
 
 SHIPPED_POLICY_DIR = Path(__file__).resolve().parents[2] / "policies"
 USER_POLICY_PATH_ENV = "STREAMWISE_POLICY_PATH"
 
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
-
-def is_policy_name(text: str) -> bool:
-    return bool(_NAME.fullmatch(text)) and ".." not in text and not text.endswith(".toml")
+def _findable(name: str) -> bool:
+    """A policy name that can stand for a file: `x.toml` would be read as a path, so it names none."""
+    return is_policy_name(name) and not name.endswith(".toml")
 
 
 def policy_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:
@@ -36,7 +36,7 @@ def policy_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:
 
 def find_policy(name: str, dirs: Iterable[Path]) -> Path | None:
     """The file a policy name stands for in the first folder that has it, or None."""
-    if not is_policy_name(name):
+    if not _findable(name):
         return None
     for folder in dirs:
         candidate = folder / f"{name}.toml"
@@ -56,7 +56,7 @@ def list_policies(dirs: Iterable[Path], *, include_hidden: bool = False) -> dict
     for folder in dirs:
         for candidate in policy_files(folder):
             name = candidate.stem
-            if name in found or not is_policy_name(name):
+            if name in found or not _findable(name):
                 continue
             if include_hidden or not name.startswith("_"):
                 found[name] = candidate
