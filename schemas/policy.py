@@ -23,6 +23,7 @@ from .vocabulary import (
     GGUF_WRITE_TYPES,
     GROUPED_QUANT_FORMATS,
     QUANT_FORMATS,
+    is_power_of_4,
 )
 
 SCHEMA_VERSION = 1
@@ -179,7 +180,7 @@ class QuantRule(_Rule):
                 "`group_size` applies only to the formats {formats}, not to `{format}`",
                 {"formats": ", ".join(sorted(GROUPED_QUANT_FORMATS)), "format": self.format, "field": "group_size"},
             )
-        if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
+        if not is_power_of_4(size):
             raise PydanticCustomError(
                 "invalid-value",
                 "`group_size` must be a power of 4 (4, 16, 64, 256, 1024, ...), found {size}",

@@ -40,6 +40,13 @@ DEFAULT_GGUF_TYPE = "Q8_0"
 GROUPED_QUANT_FORMATS: frozenset[str] = frozenset({"convrot_int8", "convrot_int4"})
 DEFAULT_GROUP_SIZE = 256
 
+
+def is_power_of_4(size: int) -> bool:
+    """Whether `size` is 4, 16, 64, ...: a ConvRot group size, the order of a Kronecker power of the 4x4
+    Hadamard matrix (1 is left out: a group of one rotates nothing)."""
+    return size >= 4 and not size & (size - 1) and (size.bit_length() - 1) % 2 == 0
+
+
 COMPILE_MODES: dict[str, str] = {
     "default": "Balanced compile time and speed.",
     "reduce-overhead": "CUDA graphs to cut Python and launch overhead.",

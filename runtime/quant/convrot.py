@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from ...schemas.vocabulary import is_power_of_4
 
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
 
 
 def check_group_size(group_size: int, in_features: int) -> None:
-    if group_size < 4 or group_size & (group_size - 1) or (group_size.bit_length() - 1) % 2:
+    if not is_power_of_4(group_size):
         raise ValueError(f"ConvRot group size must be a power of 4, got {group_size}")
     if in_features % group_size:
         raise ValueError(f"ConvRot group size {group_size} does not divide in_features {in_features}")
