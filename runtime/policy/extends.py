@@ -19,15 +19,9 @@ SectionT = TypeVar("SectionT", bound=RuleSection)
 
 
 def merge(parent: Policy, child: Policy) -> Policy:
+    sections = {s: _merge_section(getattr(parent, s), getattr(child, s)) for s in Policy.RULE_SECTIONS}
     overrides = {key: getattr(child.compile, key) for key in child.compile.model_fields_set}
-    return child.model_copy(
-        update={
-            "stream": _merge_section(parent.stream, child.stream),
-            "relocate": _merge_section(parent.relocate, child.relocate),
-            "quant": _merge_section(parent.quant, child.quant),
-            "compile": parent.compile.model_copy(update=overrides),
-        }
-    )
+    return child.model_copy(update={**sections, "compile": parent.compile.model_copy(update=overrides)})
 
 
 def _merge_section(parent: SectionT, child: SectionT) -> SectionT:

@@ -23,8 +23,6 @@ from .diagnostics import Diagnostic, Note, did_you_mean, format_key_path
 from .source import PolicySource
 from .spans import KeyPath
 
-RULE_SECTIONS = ("stream", "relocate", "quant")
-
 _EXPECTED = {
     "string_type": "a string",
     "bool_type": "a boolean (`true` or `false`)",
@@ -52,7 +50,7 @@ def validate_document(source: PolicySource, document: dict) -> tuple[Policy | No
     except RecursionError:
         return None, [Diagnostic("invalid-value", "policy is nested too deeply", source.location(1, 1))]
     policy._source = source.file
-    for section in RULE_SECTIONS:
+    for section in Policy.RULE_SECTIONS:
         for index, rule in enumerate(getattr(policy, section).rule):
             rule._origin = (source, (section, "rule", index))
     return policy, file_problems
@@ -202,7 +200,7 @@ def _check_file_rules(source: PolicySource, document: dict) -> list[Diagnostic]:
             "`extends` and the policy pickers find policies by file name",
             source.locate(("policy", "name"), value=True), key_path="policy.name", suggestion=stem,
         ))
-    for section in RULE_SECTIONS:
+    for section in Policy.RULE_SECTIONS:
         rules = _table(document, section).get("rule")
         seen: dict[str, int] = {}
         for index, rule in enumerate(rules if isinstance(rules, list) else ()):
@@ -240,7 +238,7 @@ def check_rule_conflicts(policy: Policy) -> list[Diagnostic]:
     Overlaps between different entries (a class and a path) are settled by precedence when the
     policy is resolved against a model.
     """
-    rules = [(section, rule) for section in RULE_SECTIONS for rule in getattr(policy, section).rule]
+    rules = [(section, rule) for section in Policy.RULE_SECTIONS for rule in getattr(policy, section).rule]
     holders: dict[tuple, list[int]] = {}  # entry -> the rules that have it: only they can conflict over it
     for index, (_, rule) in enumerate(rules):
         for entry in set(_entries(rule.select)):
