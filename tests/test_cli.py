@@ -37,7 +37,7 @@ def test_a_looping_symlink_given_by_name_is_an_unreadable_file(tmp_path, capsys)
     assert "error[unreadable-file]" in capsys.readouterr().out
 
 
-def test_no_arguments_skips_what_the_catalog_ignores(tmp_path, monkeypatch, capsys):
+def test_no_arguments_skips_what_the_policy_folders_ignore(tmp_path, monkeypatch, capsys):
     outside = tmp_path / "outside"
     outside.mkdir()
     write_policy(outside, "elsewhere")
@@ -86,12 +86,73 @@ def test_bad_options_are_usage_errors(argv):
     assert raised.value.code == EXIT_USAGE
 
 
-def test_console_script_runs_without_importing_torch():
-    script = "import sys; from streamwise.runtime.cli.policy_validate import main; rc = main(['-q']); assert 'torch' not in sys.modules; sys.exit(rc)"
+NAMES_FOREIGN_CLASSES = """extends = "decoder-llm"
+
+[[stream.rule]]
+id = "qualified-norms"
+kind = "llama_rms_norm"
+select = { class = ["transformers.models.llama.modeling_llama.LlamaRMSNorm", "torch.nn.modules.normalization.RMSNorm"] }
+
+[[quant.rule]]
+id = "qualified-linears"
+format = "int8"
+select = { class = "torch.nn.modules.linear.Linear", subclasses = true }
+
+[compile]
+backend = "my_backend"
+blocks = { class = "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer" }
+"""
+
+FRONT_END_SCRIPT = """
+import importlib, json, pkgutil, sys
+
+baseline = set(sys.modules)
+import streamwise.runtime.policy as front
+
+submodules = {info.name for info in pkgutil.iter_modules(front.__path__)}
+expected = {"folders", "source", "spans", "validate", "diagnostics", "extends", "migrations", "load", "schema_export"}
+assert expected <= submodules, submodules
+for name in sorted(submodules):
+    importlib.import_module(f"{front.__name__}.{name}")
+from streamwise.runtime import check_policy, errors_in, load_policy, render_json, render_text
+from streamwise.runtime.cli.policy_validate import main
+from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, list_policies
+from streamwise.runtime.policy.schema_export import render_schema
+
+render_schema()
+reports = {}
+for name, path in list_policies([SHIPPED_POLICY_DIR], include_hidden=True).items():
+    policy, diagnostics = check_policy(path)
+    assert policy is not None and not errors_in(diagnostics) and load_policy(name) == policy, name
+    reports[name] = diagnostics
+named, diagnostics = check_policy(sys.argv[1])  # class names as text, torch's and transformers' among them
+assert named is not None and named.stream.rule[-1].id == "qualified-norms"
+assert "warning[unknown-backend]" in render_text(diagnostics)
+reports["names-foreign-classes"] = diagnostics
+assert json.loads(render_json(reports))["summary"] == {"files": 4, "errors": 0, "warnings": 1}
+status = main(["-q"]) or main(["--format", "json", sys.argv[1]])
+
+assert "torch" not in sys.modules, "torch imported"
+assert "transformers" not in sys.modules, "transformers imported"
+allowed = {"streamwise", "pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection", "tomli"}
+foreign = {m.split(".")[0] for m in set(sys.modules) - baseline} - set(sys.stdlib_module_names) - allowed
+foreign = {m for m in foreign if not m.startswith("_sysconfigdata")}  # stdlib, named per platform
+assert not foreign, sorted(foreign)
+sys.exit(status)
+"""
+
+
+def test_the_policy_front_end_imports_neither_torch_nor_what_a_policy_names(tmp_path):
+    """In a fresh interpreter: every policy module and the CLI, every shipped policy checked and rendered, and a
+    policy naming torch and transformers classes; only the stdlib, pydantic, tomli and streamwise get imported."""
+    path = write_policy(tmp_path, "names-foreign-classes", NAMES_FOREIGN_CLASSES)
     env = {k: v for k, v in os.environ.items() if k != "STREAMWISE_POLICY_PATH"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "3 policies valid"
+    result = subprocess.run([sys.executable, "-c", FRONT_END_SCRIPT, str(path)], capture_output=True, text=True, env=env)
+    assert result.returncode == EXIT_OK, result.stderr
+    summary, _, document = result.stdout.partition("\n")
+    assert summary == "3 policies valid"
+    (report,) = json.loads(document)["files"]
+    assert report["valid"] is True and [d["code"] for d in report["diagnostics"]] == ["unknown-backend"]
 
 
 def test_model_mode_prints_the_plan_and_coverage(capsys):
