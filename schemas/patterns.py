@@ -1,7 +1,10 @@
-"""Syntax of the three selector entry kinds: class names, path globs and regexes.
+"""Syntax of policy names and of the three selector entry kinds: class names, path globs and regexes.
 
-Path globs work on dotted module paths segment by segment and always match the whole path, so
-`kv_proj` never hits `qkv_proj` and `layers.*` never reaches `model.layers.0`:
+A policy name (also an `extends` target or a rule id) is a file stem, `POLICY_NAME` without `..`, so a name
+never reaches outside a policy folder.
+
+Path globs work on dotted module paths segment by segment and always match the whole path, so `kv_proj` never
+hits `qkv_proj` and `layers.*` never reaches `model.layers.0`:
 
 - `*` matches exactly one segment, `**` zero or more segments;
 - `?` and `[...]` (`[!...]` negates) match characters inside one segment;
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-#: Policy names, `extends` targets and rule ids: a file stem, never a path (no separator; `..` is refused too).
+#: Policy names, `extends` targets and rule ids: a file stem, never a path (`is_policy_name` also refuses `..`).
 POLICY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _SEGMENT_CHAR_CLASS = re.compile(r"\[(!?)(\]?[^\]]*)\]")
@@ -28,7 +31,7 @@ class PatternError(ValueError):
 
 
 def is_policy_name(text: str) -> bool:
-    """Whether `text` has the shape of `POLICY_NAME`, so it can only ever name a file inside a policy folder."""
+    """Whether `text` is a `POLICY_NAME` without `..`: a name that can only stand for a file inside its folder."""
     return POLICY_NAME.fullmatch(text) is not None and ".." not in text
 
 

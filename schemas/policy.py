@@ -1,9 +1,13 @@
 """Pydantic models of the policy format, version 1.
 
-The models are the single source of truth: the loader validates TOML documents against them and
-`schemas/policy.v1.schema.json` is generated from them for editors. They are frozen, reject
-unknown keys and use strict types (TOML has real booleans and integers, so `"yes"` is a mistake,
-not a boolean). Attribute docstrings become the hover documentation in editors.
+Invariants:
+- the single source of truth: the loader validates TOML against these models and `schemas/policy.v1.schema.json`
+  is generated from them (attribute docstrings become the editors' hover text), so the two cannot disagree;
+- frozen: a loaded policy is a value; `extends` builds a new one by copying, never by editing the parent;
+- unknown keys are refused, so a typo is an error with a suggestion, never a silently ignored key;
+- strict types: TOML has real booleans and integers, so `"yes"` is a mistake, not a boolean;
+- what the runtime checks too (names, group sizes, `Policy.RULE_SECTIONS`) is defined once here or in
+  `patterns`/`vocabulary`, so the runtime imports it instead of keeping a copy.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The fixed words of the policy format.
 
-A policy names compute kinds, quant formats and compile modes only from these tables, so loading
-a policy never has to import or evaluate anything: the runtime registers one handler per word
-and a test checks that every word has one. Each entry carries the one-line description that the
-JSON Schema shows in editors.
+Invariants:
+- a policy names compute kinds, quant formats and compile modes only from these tables, so loading one never
+  imports or evaluates anything;
+- the runtime registers one handler per word, and a test checks that every word has one;
+- each entry's one-line description is what the JSON Schema shows in editors (editing one means regenerating it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ COMPUTE_KINDS: dict[str, str] = {
     "group_norm": "torch.nn.GroupNorm.",
     "rms_norm": "torch.nn.RMSNorm (torch.nn.functional.rms_norm).",
     "llama_rms_norm": "transformers' LlamaRMSNorm/Qwen2RMSNorm: fp32 statistics, scale applied after the cast back.",
-    "conv_layer_norm": "Channels-first LayerNorm (VibeVoice ConvLayerNorm): transpose, fp32 layer norm, transpose back.",
+    "conv_layer_norm": (
+        "Channels-first LayerNorm (VibeVoice ConvLayerNorm): transpose, fp32 layer norm, transpose back."
+    ),
     "conv_rms_norm": "Channels-first RMSNorm (VibeVoice ConvRMSNorm): transpose, llama-style RMS norm, transpose back.",
 }
 

@@ -1,9 +1,11 @@
 """`policy-validate`: check policy files and print located diagnostics.
 
-Exit status: 0 when every policy is valid (warnings allowed), 1 when any has errors, 2 on usage
-errors. With no arguments it checks the user policy folders (`$STREAMWISE_POLICY_PATH`) and the
-shipped policies. Checking files never imports torch, so it answers fast; `--model SPEC POLICY`
-also resolves the policy against a model built on the meta device and prints the plan.
+- exit status 0 when every policy is valid (warnings allowed), 1 when any has errors (`errors_in`), 2 on usage
+  errors, so CI can gate on it;
+- with no arguments it checks the user policy folders (`$STREAMWISE_POLICY_PATH`) and the shipped policies;
+- checking files never imports torch, so it answers fast (a test proves it in a fresh interpreter); only
+  `--model SPEC POLICY`, which also resolves the policy against a model built on the meta device and prints the
+  plan, imports the engine.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="resolve one policy against a model built on the meta device: transformers:<Class>, "
         "transformers:<model_type> or module:factory",
     )
-    parser.add_argument("--model-config", metavar="JSON", help="config overrides for --model, e.g. '{\"num_hidden_layers\": 2}'")
+    parser.add_argument(
+        "--model-config", metavar="JSON", help="config overrides for --model, e.g. '{\"num_hidden_layers\": 2}'"
+    )
     args = parser.parse_args(argv)
     if args.model is not None:
         if len(args.paths) != 1:
@@ -146,7 +150,8 @@ def _print_text(reports: dict[str, list[Diagnostic]], *, quiet: bool) -> None:
     elif errors:
         print(f"{failed} of {len(reports)} policies invalid: {_count(errors, 'error')}, {_count(warnings, 'warning')}")
     else:
-        print(f"{len(reports)} {'policy' if len(reports) == 1 else 'policies'} valid" + (f", {_count(warnings, 'warning')}" if warnings else ""))
+        valid = f"{len(reports)} {'policy' if len(reports) == 1 else 'policies'} valid"
+        print(valid + (f", {_count(warnings, 'warning')}" if warnings else ""))
 
 
 def _count(n: int, noun: str) -> str:

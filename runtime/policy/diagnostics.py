@@ -1,9 +1,12 @@
 """Located, coded problem reports and their two renderings (compiler-style text, JSON).
 
-Every problem Streamwise finds in a policy becomes a `Diagnostic`: a stable kebab-case code, a
-message that says what was found and what is allowed, the `file:line:col` of the offending key or
-value, and a did-you-mean suggestion where one is close. The CLI, `PolicyError` and the ComfyUI
-nodes all render the same records.
+Every problem Streamwise finds in a policy becomes a `Diagnostic`:
+- with a stable kebab-case code from `CODES`, so tools can match on it;
+- with a message saying what was found and what is allowed, and a did-you-mean suggestion where one is close;
+- located at the `file:line:col` of the offending key or value, so an editor can jump there.
+
+The CLI, `PolicyError` and the ComfyUI nodes render the same records, and all ask `errors_in` whether there are
+errors: warnings alone never make a policy unusable.
 """
 
 from __future__ import annotations

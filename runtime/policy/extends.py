@@ -1,10 +1,11 @@
 """`extends`: how a policy builds on another one.
 
 Merge rules, applied from the root of the chain down:
-- `[policy]` and `[match]` belong to the file and are never inherited;
-- in `[stream]`, `[relocate]` and `[quant]`, a rule replaces the parent's rule with the same id
-  in place, new rules follow the parent's, and an `exclude` given by the child replaces the
-  parent's (omit it to keep the parent's);
+- `[policy]` and `[match]` belong to the file and are never inherited (an inherited `[match]` would give `auto`
+  two candidates for the parent's models);
+- in each rule section (`Policy.RULE_SECTIONS`: `[stream]`, `[relocate]`, `[quant]`), a rule replaces the
+  parent's rule with the same id in place, new rules follow the parent's, and an `exclude` given by the child
+  replaces the parent's (omit it to keep the parent's), so a child can adjust one rule without repeating the rest;
 - in `[compile]`, every key the child sets overrides the parent's value.
 """
 

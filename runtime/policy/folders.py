@@ -1,10 +1,10 @@
 """Where policies live and how a policy *name* becomes a file.
 
-Names resolve only inside the policy folders: a name is a plain file stem (no separators, no
-`..`) and the file it finds must really lie inside its folder, so neither a crafted name nor a
-symlink can reach elsewhere. Folders are searched in order: the ones a caller adds (ComfyUI's
-user folder), then those in `$STREAMWISE_POLICY_PATH`, then the shipped `policies/`, so a user's
-edited copy of a shipped policy wins over the original.
+Invariants:
+- names resolve only inside the policy folders: a name is a plain file stem (`schemas.patterns.is_policy_name`)
+  and the file it finds must really lie inside its folder, so neither a crafted name nor a symlink reaches elsewhere;
+- folders are searched in order: those a caller adds (ComfyUI's user folder), then `$STREAMWISE_POLICY_PATH`,
+  then the shipped `policies/`, so a user's edited copy of a shipped policy wins over the original.
 """
 
 from __future__ import annotations

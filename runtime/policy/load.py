@@ -1,9 +1,13 @@
 """`load_policy`: from a name or a file to a validated, fully inherited `Policy`.
 
-The stages run in order and each reports every problem it finds: read and parse the TOML, check
-`schema_version` and migrate older documents, validate against the pydantic models, resolve
-`extends`, and check that no two rules conflict. Nothing here imports torch or any module a
-policy names: a policy is data.
+The stages run in order, and each reports every problem it finds:
+- `source`: read the file and parse the TOML, keeping where each key is;
+- `migrations`: check `schema_version` and upgrade an older document;
+- `validate`: check the document against the pydantic models;
+- `extends`: load the parents the same way and merge them;
+- `validate` again: check that no two rules of the merged policy conflict.
+
+Nothing here imports torch or any module a policy names: a policy is data (a test proves it in a fresh interpreter).
 """
 
 from __future__ import annotations
@@ -136,7 +140,8 @@ def _upgrade(source: PolicySource) -> tuple[dict | None, list[Diagnostic]]:
     return document, [
         Diagnostic(
             "deprecated-key",
-            f"'{format_key_path(m.old)}' -> '{format_key_path(m.new)}'" if m.new else f"'{format_key_path(m.old)}' was removed",
+            f"'{format_key_path(m.old)}' -> '{format_key_path(m.new)}'" if m.new
+            else f"'{format_key_path(m.old)}' was removed",
             source.locate(m.old), severity="warning", key_path=format_key_path(m.old), help=m.note or None,
         )
         for m in moves

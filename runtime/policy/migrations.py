@@ -1,9 +1,11 @@
 """Upgrading older policy documents to the current format, one version at a time.
 
-Each migration is a pure `dict -> dict` step from version N to N+1, registered with
-`@migration(N)`, that also reports which keys it moved so the loader can warn about them
-ruff-style (`'stream.classes' -> 'stream.rule'`). Version 1 is the first format, so the chain
-is empty today; the hook exists so that the first format change is a registration, not a rewrite.
+- each migration is a pure `dict -> dict` step from version N to N+1, registered with `@migration(N)`, so steps
+  chain: a file of any readable version passes through every later step;
+- each step reports the keys it moved, so the loader warns about every one, located and ruff-style
+  (`'stream.classes' -> 'stream.rule'`);
+- version 1 is the first format, so the chain is empty today: the hook exists so that the first format change is
+  a registration, not a rewrite.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Generate the JSON Schema that editors use to check policy files as they are typed.
 
-The schema is flattened (every `$ref` inlined, no `$defs`, no `allOf`) because TOML language
-servers such as taplo/Even Better TOML stumble over references. It is committed under
-`schemas/`; a test fails when it is stale. Regenerate with:
+- flat (every `$ref` inlined, no `$defs`, no `allOf`, no `null`): TOML language servers such as
+  taplo/Even Better TOML stumble over references, and TOML has no null;
+- generated from the pydantic models only, so it cannot disagree with the loader;
+- committed under `schemas/`, and a test fails when it is stale. Regenerate with:
 
     python -m streamwise.runtime.policy.schema_export
 """
@@ -41,14 +42,17 @@ def _inline(node: Any, definitions: dict[str, Any]) -> Any:
             merged = {**_inline(target, definitions), **{k: v for k, v in node.items() if k != "$ref"}}
             return _inline(merged, definitions)
         node = _drop_null(node)
-        return {
-            key: _inline(value, definitions)
-            for key, value in node.items()
-            if not (key == "title" and isinstance(value, str)) and not (key == "default" and (value is None or isinstance(value, dict)))
-        }
+        return {key: _inline(value, definitions) for key, value in node.items() if not _dropped(key, value)}
     if isinstance(node, list):
         return [_inline(item, definitions) for item in node]
     return node
+
+
+def _dropped(key: str, value: Any) -> bool:
+    """Pydantic's generated titles, and defaults that are None (TOML has no null) or a whole table."""
+    if key == "title":
+        return isinstance(value, str)
+    return key == "default" and (value is None or isinstance(value, dict))
 
 
 def _drop_null(node: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """Reading a policy file: bytes to a TOML document that knows where its keys are.
 
-Everything that can go wrong before validation (a missing or oversized file, bytes that are not
-UTF-8, TOML syntax, nesting deep enough to exhaust the parser) becomes a located diagnostic here.
+Everything that can go wrong before validation becomes a located diagnostic here, never an exception:
+- a missing or unreadable file, or one that is no regular file (a pipe or a device is never opened: it may never end);
+- a file over `MAX_POLICY_BYTES` (read with that bound, so a huge file is never read whole);
+- bytes that are not UTF-8 (located at the first bad byte), and TOML syntax errors;
+- nesting deeper than `MAX_NESTING` (measured without recursion, before validation recurses over the document).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .folders import SHIPPED_POLICY_DIR
 from .diagnostics import Diagnostic, Location
+from .folders import SHIPPED_POLICY_DIR
 from .spans import KeyPath, Located, find, record_spans
 
 if sys.version_info >= (3, 11):
@@ -70,7 +73,8 @@ def read_source(path: Path, display: str) -> tuple[PolicySource | None, list[Dia
         return None, [_problem("unreadable-file", f"cannot read policy file: {exc.strerror or exc}", display)]
     if len(data) > MAX_POLICY_BYTES:
         size = path.stat().st_size
-        return None, [_problem("file-too-large", f"policy file is {size} bytes; the limit is {MAX_POLICY_BYTES}", display)]
+        message = f"policy file is {size} bytes; the limit is {MAX_POLICY_BYTES}"
+        return None, [_problem("file-too-large", message, display)]
     return parse_source(data, display)
 
 

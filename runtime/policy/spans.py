@@ -1,10 +1,11 @@
 """Where each key and value of a TOML document sits, so diagnostics can point at them.
 
-Neither `tomllib` nor pydantic keep source positions, so this scanner walks the text of a
-document that already parsed and records, for every key path (`("stream", "rule", 0, "kind")`),
-the span of the key and of its value. Array items get index paths, inline tables nested paths,
-and `[[array.of.tables]]` headers count their repeats. It is best effort by design: whatever it
-cannot place makes a diagnostic fall back to the nearest recorded parent, never an exception.
+Neither `tomllib` nor pydantic keep source positions, so this scanner walks the text of a document that already
+parsed and records, for every key path (`("stream", "rule", 0, "kind")`), the span of the key and of its value:
+- array items get index paths, inline tables nested paths, and `[[array.of.tables]]` headers count their repeats;
+- it runs only on text `tomllib` accepted, so it need not report syntax errors;
+- best effort by design: whatever it cannot place makes a diagnostic fall back to the nearest recorded parent,
+  never an exception.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Turning a parsed document into a `Policy`, with every problem as a located diagnostic.
 
-pydantic finds the structural problems; this module rewrites each one in the user's terms (no
-pydantic wording reaches a user), points it at the key or value in the file, and adds the checks
-that span several rules: duplicate ids, a name that disagrees with the file, and rules that
-select the same modules but disagree on what to do with them.
+- pydantic finds the structural problems; each is rewritten in the user's terms (no pydantic wording reaches a
+  user: the diagnostics corpus checks it) and pointed at the key or value in the file;
+- the checks that span several rules are added here: duplicate ids, a name that disagrees with the file name, and
+  rules that select the same modules by the same entry but disagree (no precedence could choose between them).
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def _translate(source: PolicySource, error: dict) -> Diagnostic:
             suggestion=did_you_mean(loc[-1], allowed), allowed=allowed,
         )
     if kind == "missing":
-        return Diagnostic("missing-key", f"missing required key {name} {where}", source.locate(loc[:-1]), key_path=key_path)
+        return Diagnostic(
+            "missing-key", f"missing required key {name} {where}", source.locate(loc[:-1]), key_path=key_path
+        )
     if kind == "literal_error":
         allowed = tuple(_QUOTED.findall(ctx.get("expected", "")))
         return Diagnostic(
@@ -95,7 +97,10 @@ def _translate(source: PolicySource, error: dict) -> Diagnostic:
             loc = loc + (ctx["field"],)
         location = _with_offset(source, loc, ctx.get("offset"))
         return Diagnostic(kind, error["msg"], location, key_path=format_key_path(loc))
-    return Diagnostic("invalid-value", f"{name} has an invalid value {_show(value)}", source.locate(loc, value=True), key_path=key_path)
+    return Diagnostic(
+        "invalid-value", f"{name} has an invalid value {_show(value)}", source.locate(loc, value=True),
+        key_path=key_path,
+    )
 
 
 def _with_offset(source: PolicySource, loc: KeyPath, offset: int | None):
