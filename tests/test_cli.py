@@ -134,7 +134,8 @@ status = main(["-q"]) or main(["--format", "json", sys.argv[1]])
 
 assert "torch" not in sys.modules, "torch imported"
 assert "transformers" not in sys.modules, "transformers imported"
-allowed = {"streamwise", "pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection", "tomli"}
+allowed = {"streamwise", "tomli", "pydantic"}
+allowed |= {"pydantic_core", "annotated_types", "typing_extensions", "typing_inspection"}  # pydantic's own
 foreign = {m.split(".")[0] for m in set(sys.modules) - baseline} - set(sys.stdlib_module_names) - allowed
 foreign = {m for m in foreign if not m.startswith("_sysconfigdata")}  # stdlib, named per platform
 assert not foreign, sorted(foreign)
@@ -147,7 +148,8 @@ def test_the_policy_front_end_imports_neither_torch_nor_what_a_policy_names(tmp_
     policy naming torch and transformers classes; only the stdlib, pydantic, tomli and streamwise get imported."""
     path = write_policy(tmp_path, "names-foreign-classes", NAMES_FOREIGN_CLASSES)
     env = {k: v for k, v in os.environ.items() if k != "STREAMWISE_POLICY_PATH"}
-    result = subprocess.run([sys.executable, "-c", FRONT_END_SCRIPT, str(path)], capture_output=True, text=True, env=env)
+    command = [sys.executable, "-c", FRONT_END_SCRIPT, str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     assert result.returncode == EXIT_OK, result.stderr
     summary, _, document = result.stdout.partition("\n")
     assert summary == "3 policies valid"
@@ -164,7 +166,8 @@ def test_model_mode_prints_the_plan_and_coverage(capsys):
 
 
 def test_model_mode_with_an_inline_config_and_json(capsys):
-    argv = ["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 3}', "decoder-llm"]
+    argv = ["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 3}',
+            "decoder-llm"]
     assert main(argv) == EXIT_OK
     document = json.loads(capsys.readouterr().out)
     assert document["plan"]["modules"]["compile"] == {"Qwen2DecoderLayer": 3}
@@ -175,8 +178,10 @@ def test_model_mode_with_an_inline_config_and_json(capsys):
 
 def test_model_mode_json_keeps_its_shape_when_the_policy_has_errors(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
-    bad.write_text('schema_version = 1\n[policy]\nname = "bad"\n[[stream.rule]]\nid = "r"\nkind = "linaer"\nselect = { class = "Linear" }\n')
-    assert main(["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 1}', str(bad)]) == EXIT_PROBLEMS
+    bad.write_text('schema_version = 1\n[policy]\nname = "bad"\n'
+                   '[[stream.rule]]\nid = "r"\nkind = "linaer"\nselect = { class = "Linear" }\n')
+    argv = ["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 1}', str(bad)]
+    assert main(argv) == EXIT_PROBLEMS
     document = json.loads(capsys.readouterr().out)
     assert document["plan"] is None and document["model"] == "transformers:qwen2"
     assert document["summary"]["errors"] == 1 and document["files"][0]["valid"] is False
@@ -204,8 +209,10 @@ def test_model_mode_with_a_python_factory(tmp_path, monkeypatch, capsys):
     (["--model", "transformers:Conv1D", "decoder-llm"], "`Conv1D` is not a transformers model class"),
     (["--model", "transformers:qwen2", "--model-config", "[2]", "decoder-llm"], "must be a JSON object"),
     (["--model", "torch.nn:Linear", "--model-config", '{"widht": 2}', "decoder-llm"], "cannot call `torch.nn:Linear`"),
-    (["--model", "transformers:qwen2", "--model-config", '{"num_attention_heads": 0}', "decoder-llm"], "ZeroDivisionError"),
-    (["--model", "transformers:qwen2", "--model-config", '{"hidden_size": "x"}', "decoder-llm"], "cannot build `qwen2`"),
+    (["--model", "transformers:qwen2", "--model-config", '{"num_attention_heads": 0}', "decoder-llm"],
+     "ZeroDivisionError"),
+    (["--model", "transformers:qwen2", "--model-config", '{"hidden_size": "x"}', "decoder-llm"],
+     "cannot build `qwen2`"),
     (["--model", "torch.nn:Linear", "--model-config", '{"in_features": -1, "out_features": 2}', "missing.toml"],
      "cannot call `torch.nn:Linear`"),  # the spec is checked before the policy is looked for
 ])
@@ -215,7 +222,10 @@ def test_model_mode_usage_errors(argv, message, capsys):
 
 
 def test_model_mode_needs_exactly_one_policy():
-    for argv in (["--model", "transformers:qwen2"], ["--model", "transformers:qwen2", "a", "b"], ["--model-config", "{}"]):
+    usage_errors = (
+        ["--model", "transformers:qwen2"], ["--model", "transformers:qwen2", "a", "b"], ["--model-config", "{}"]
+    )
+    for argv in usage_errors:
         with pytest.raises(SystemExit) as raised:
             main(argv)
         assert raised.value.code == EXIT_USAGE

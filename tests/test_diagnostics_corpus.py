@@ -55,5 +55,6 @@ def test_json(name, in_tests_dir, snapshot):
     rendered = render_json({f"fixtures/invalid/{name}": diagnostics})
     document = json.loads(rendered)
     assert document["summary"]["errors"] == sum(d.is_error for d in diagnostics)
-    assert all(set(d) >= {"code", "severity", "message", "file", "line", "col"} for d in document["files"][0]["diagnostics"])
+    keys = {"code", "severity", "message", "file", "line", "col"}
+    assert all(set(d) >= keys for d in document["files"][0]["diagnostics"])
     assert rendered == snapshot

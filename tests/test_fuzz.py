@@ -28,9 +28,14 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 SEEDS = {p.stem: p.read_text(encoding="utf-8") for p in sorted(SHIPPED_POLICY_DIR.glob("*.toml"))}
-TOML_ALPHABET = st.sampled_from(list('[]{}=",\'.#\n\\ -_ab1') + ["\"\"\"", "'''", "[[", "]]", "é", "\x00", "\t", "true", "1e9"])
+TOML_ALPHABET = st.sampled_from(
+    list('[]{}=",\'.#\n\\ -_ab1') + ["\"\"\"", "'''", "[[", "]]", "é", "\x00", "\t", "true", "1e9"]
+)
 # STREAMWISE_FUZZ_EXAMPLES=5000 for a deeper local run; CI keeps the suite quick.
-FUZZ = settings(max_examples=int(os.environ.get("STREAMWISE_FUZZ_EXAMPLES", 120)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("STREAMWISE_FUZZ_EXAMPLES", 120)), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def assert_clean(data: bytes, stem: str = "fuzzed") -> None:
@@ -92,7 +97,9 @@ def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
-        return "nan" if value != value else ("inf" if value == float("inf") else "-inf" if value == float("-inf") else repr(value))
+        if value != value:
+            return "nan"
+        return "inf" if value == float("inf") else "-inf" if value == float("-inf") else repr(value)
     if isinstance(value, (int, datetime.datetime)):
         return value.isoformat() if isinstance(value, datetime.datetime) else str(value)
     if isinstance(value, str):  # JSON's escapes are TOML's, but for surrogate pairs and a raw DEL
@@ -128,7 +135,9 @@ PLACES = [("", "schema_version"), ("[policy]", "name"), ("[policy]", "extends"),
           ("[[relocate.rule]]", "select"), ("[[quant.rule]]", "format"), ("[[quant.rule]]", "group_size"),
           ("[compile]", "mode"), ("[compile]", "backend"), ("[compile]", "dynamo_cache_size_limit"),
           ("[compile.blocks]", "class"), ("[compile.blocks]", "regex")]
-PLACE = st.one_of(st.sampled_from(PLACES), st.sampled_from(PLACES), st.tuples(st.sampled_from(TABLES), st.sampled_from(KEYS)))
+PLACE = st.one_of(
+    st.sampled_from(PLACES), st.sampled_from(PLACES), st.tuples(st.sampled_from(TABLES), st.sampled_from(KEYS))
+)
 
 
 @FUZZ
