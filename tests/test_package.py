@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -76,16 +77,22 @@ def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
 
 
 def test_wheel_carries_the_package_policies_and_schema(tmp_path):
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True,
-    )
+    """Built from a copy of the checkout: a `build/` left behind by an older layout must not fill the wheel's gaps."""
+    source = tmp_path / "src"
+    litter = ("build", "dist", "*.egg-info", ".git", ".venv", "__pycache__", ".*_cache", ".hypothesis", ".benchmarks")
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*litter))
+    inits = (p.relative_to(source) for p in source.glob("*/**/__init__.py"))
+    packages = sorted(p.as_posix() for p in inits if p.parts[0] not in ("tests", "benchmarks", "examples"))
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    build = subprocess.run([*command, str(source)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("streamwise-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    assert [p for p in packages if f"streamwise/{p}" not in names] == []  # pyproject lists every package
     for expected in (
         "streamwise/__init__.py",
-        "streamwise/runtime/cli.py",
+        "streamwise/runtime/cli/policy_validate.py",
+        "streamwise/runtime/policy/load.py",
         "streamwise/schemas/policy.py",
         "streamwise/schemas/policy.v1.schema.json",
         "streamwise/policies/vibevoice.toml",
@@ -96,4 +103,5 @@ def test_wheel_carries_the_package_policies_and_schema(tmp_path):
         assert expected in names
     assert not any(name.startswith(("streamwise/tests", "tests/", "streamwise/benchmarks")) for name in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "policy-validate = streamwise.runtime.cli.policy_validate:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    entry_point = "policy-validate = streamwise.runtime.cli.policy_validate:main"
+    assert entry_point in zipfile.ZipFile(wheel).read(entry_points).decode()
