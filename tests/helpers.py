@@ -35,9 +35,11 @@ def stream_rule(rule_id: str, kind: str, **select) -> dict:
 
 def force_streaming(model, on: bool = True) -> None:
     """Make every streamed leaf take the fetching path, as a host does for offloaded leaves."""
+    from streamwise.runtime.engine import protocol
+
     for module in model.modules():
-        if hasattr(type(module), "_sw_kind"):
-            module.comfy_cast_weights = on
+        if protocol.kind_of(module) is not None:
+            protocol.set_fetching(module, on)
 
 
 def tiny_qwen2(**overrides):

@@ -10,7 +10,7 @@ import transformers
 
 import streamwise
 from streamwise.runtime.engine.apply import ConversionError, applied_state
-from streamwise.runtime.engine.tree import StreamTree
+from streamwise.runtime.engine.relocating import offload_relocated
 
 from helpers import force_streaming, make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2
 
@@ -183,10 +183,10 @@ def test_two_trees_keep_their_own_compute_device():
 def test_offloading_relocated_tensors_sends_them_back(monkeypatch):
     model = tiny_qwen2()
     convert(model)
-    tree: StreamTree = applied_state(model).tree
     moved = []
-    monkeypatch.setattr("streamwise.runtime.engine.tree._move", lambda module, name, device: moved.append((name, device)))
-    tree.offload_relocated(torch.device("cpu"))
+    monkeypatch.setattr("streamwise.runtime.engine.relocating.move_in_place",
+                        lambda module, name, device: moved.append((name, device)))
+    offload_relocated(model, torch.device("cpu"))
     assert moved == []  # already there
-    tree.offload_relocated(torch.device("meta"))
+    offload_relocated(model, torch.device("meta"))
     assert moved == [("inv_freq", torch.device("meta")), ("original_inv_freq", torch.device("meta"))]

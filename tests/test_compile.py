@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import streamwise
-from streamwise.runtime.compile import arm as lazy
-from streamwise.runtime.compile.arm import DYNAMIC_VRAM_MESSAGE, INT4_MESSAGE, compile_stats
+from streamwise.runtime.compile import disarm, regions
+from streamwise.runtime.compile import INT4_MESSAGE, compile_stats
+from streamwise.runtime.hosts.comfyui.compile import DYNAMIC_VRAM_MESSAGE, PER_CALL_DICTS
 
 from helpers import force_streaming, make_policy, stream_rule
 
@@ -68,7 +69,7 @@ def test_nothing_is_traced_until_the_first_forward():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_twelve_identical_blocks_compile_into_one_graph(backend, monkeypatch):
     ticks = iter(range(0, 10_000, 10))
-    monkeypatch.setattr(lazy, "perf_counter", lambda: next(ticks))  # each reading 10 s after the last
+    monkeypatch.setattr(regions, "perf_counter", lambda: next(ticks))  # each reading 10 s after the last
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(2, 32)
@@ -217,7 +218,7 @@ def test_a_per_instance_forward_is_compiled_and_restored():
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")
     assert torch.allclose(run(model, x), expected, atol=1e-5)
     assert (compile_stats(model).regions, compile_stats(model).graphs) == (2, 2)  # its own forward, compiled too
-    lazy.disarm(model)
+    disarm(model)
     assert model.blocks[0].forward is own and "forward" not in model.blocks[1].__dict__
 
 
@@ -286,7 +287,7 @@ def test_disarm_restores_eager_forwards():
     model = Net(blocks=2)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")
     assert "forward" in model.blocks[0].__dict__
-    lazy.disarm(model)
+    disarm(model)
     assert "forward" not in model.blocks[0].__dict__
 
 
@@ -299,13 +300,13 @@ def test_verbose_logs_preparation_and_graph_growth(caplog):
     assert "armed 2 unit(s) in 1 region(s)" in text and "1 new graph(s)" in text
 
 
-def test_guard_filter_drops_guards_on_per_call_dicts():
+def test_guard_filter_drops_guards_on_comfyuis_per_call_dicts():
     class Entry:
         def __init__(self, name):
             self.name = name
 
     entries = [Entry("L['x']"), Entry("L['kwargs']['transformer_options']['sigmas']"), Entry("L['self'].up.weight")]
-    assert lazy._guard_filter(entries) == [True, False, True]
+    assert regions.guard_filter(PER_CALL_DICTS)(entries) == [True, False, True]
 
 
 class FakePatcher:
@@ -374,7 +375,7 @@ def test_offloading_an_armed_model_keeps_prefetch_off(monkeypatch):
     from streamwise.runtime.hosts import standalone
 
     quieted = []
-    monkeypatch.setattr(standalone._Streamer, "stop_prefetching", lambda self: quieted.append(self))
+    monkeypatch.setattr(standalone._Streamer, "inline_for_compile", lambda self: quieted.append(self))
     model = Net(blocks=2)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")
     streamwise.offload(model, POLICY, device="cpu", budget=0)

@@ -137,8 +137,10 @@ def test_in_place_bias_functions_never_touch_the_stored_bias(fmt, group_size):
 
 
 def test_int4_residents_say_they_are_not_compile_safe():
-    assert quantized(two_layers(), "convrot_int4", 16)[0].compile_safe is False
-    assert quantized(two_layers(), "convrot_int8", 16)[0].compile_safe is True
+    from streamwise.runtime.engine import protocol
+
+    assert protocol.quant_handler(quantized(two_layers(), "convrot_int4", 16)[0]).compile_safe is False
+    assert protocol.quant_handler(quantized(two_layers(), "convrot_int8", 16)[0]).compile_safe is True
 
 
 def test_quantized_trees_cannot_be_reverted():
@@ -217,10 +219,10 @@ def test_residents_never_keep_misaligned_storage():
 
 
 def dequantized_weight(layer: nn.Module) -> torch.Tensor:
-    from streamwise.runtime.quant.formats import FORMATS
+    from streamwise.runtime.engine import protocol
 
-    fmt = type(layer)._sw_format
-    return FORMATS[fmt].dequantize(layer, {name: getattr(layer, name) for name in FORMATS[fmt].stored}, torch.float32)
+    handler = protocol.quant_handler(layer)
+    return handler.dequantize(layer, {name: getattr(layer, name) for name in handler.stored}, torch.float32)
 
 
 @pytest.mark.parametrize("fmt, group_size", [("int8", None), ("convrot_int8", 16), ("convrot_int4", 16)])

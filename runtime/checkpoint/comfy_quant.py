@@ -12,6 +12,8 @@ import json
 import torch
 from torch import Tensor, nn
 
+from ..engine import protocol
+
 SUFFIX = ".comfy_quant"
 INT8_TENSORWISE = "int8_tensorwise"
 
@@ -44,9 +46,10 @@ def state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The model's tensors with INT8 residents in ComfyUI's convention, ready for safetensors."""
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     for path, module in model.named_modules():
-        fmt = getattr(type(module), "_sw_format", None)
-        if fmt in ("int8", "convrot_int8"):
+        handler = protocol.quant_handler(module)
+        if handler is not None and handler.name in ("int8", "convrot_int8"):
             tensors[f"{path}{SUFFIX}"] = encode(module._sw_group_size)
-        elif fmt is not None:
-            raise ValueError(f"`{path}` is a `{fmt}` resident, which ComfyUI's comfy_quant convention cannot describe")
+        elif handler is not None:
+            raise ValueError(f"`{path}` is a `{handler.name}` resident, which ComfyUI's comfy_quant convention "
+                             "cannot describe")
     return tensors

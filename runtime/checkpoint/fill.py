@@ -12,7 +12,6 @@ float weights on load.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,15 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
-from ..engine.apply import apply, check
+from ..engine import protocol
+from ..engine.apply import Journal, apply, check
 from . import comfy_quant
 from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
-from ..policy.diagnostics import PolicyError
-from ..policy.load import load_policy
 from ..quant.convrot import check_group_size
 from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
-from ..plan.resolve import resolve
+from ..plan import plan_for
 
 
 _GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
@@ -58,54 +56,37 @@ def load(
     model's is an error. `progress(done, total)` is called as tensors are placed; without one, a
     tqdm bar shows on a terminal.
     """
-    policy = policy if isinstance(policy, Policy) else load_policy(policy)
-    plan = resolve(policy, model)
-    if not plan.ok:
-        raise PolicyError(plan.diagnostics)
+    _, plan = plan_for(policy, model)
     checkpoint = open_checkpoint(path)
     filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
     filling.collect()
     if filling.problems:
         raise CheckpointError(filling.problems)
     check(plan, model)  # a plan that cannot be applied fails before the first assignment
-    with _undone_on_failure(model):  # what can still fail (quantizing on load: memory) undoes the assignments
+    journal = Journal()  # what can still fail (quantizing on load: memory) undoes the assignments too
+    try:
         if progress is None:
             from tqdm import tqdm
 
             with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
                       disable=None, leave=False) as bar:
-                filling.assign(lambda done, total: bar.update(done - bar.n))
+                filling.assign(lambda done, total: bar.update(done - bar.n), journal)
         else:
-            filling.assign(progress)
-        apply(plan, model)
+            filling.assign(progress, journal)
+        apply(plan, model, journal=journal)
+    except BaseException:
+        journal.rollback()
+        raise
     residents: dict[str, int] = {}
     for module in model.modules():
-        fmt = getattr(type(module), "_sw_format", None)
-        if fmt is not None:
-            residents[fmt] = residents.get(fmt, 0) + 1
+        handler = protocol.quant_handler(module)
+        if handler is not None:
+            residents[handler.name] = residents.get(handler.name, 0) + 1
     read = [*filling.tensors.values(), *(t for _, stored, _ in filling.residents.values() for t in stored.values())]
     return LoadReport(
         checkpoint.path, len(filling.tensors) + len(filling.residents),
         sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())), filling.dequantized,
     )
-
-
-@contextmanager
-def _undone_on_failure(model: nn.Module):
-    """Put every module's class, attributes, parameters and buffers back if the block raises."""
-    saved = [(m, m.__class__, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
-    try:
-        yield
-    except BaseException:
-        for module, cls, attributes, parameters, buffers in saved:
-            module.__class__ = cls
-            module.__dict__.clear()
-            module.__dict__.update(attributes)
-            module._parameters.clear()
-            module._parameters.update(parameters)
-            module._buffers.clear()
-            module._buffers.update(buffers)
-        raise
 
 
 class _Filling:
@@ -204,7 +185,7 @@ class _Filling:
             prefix = key[: -len(comfy_quant.SUFFIX)]
             consumed.append(key)
             try:
-                fmt, group = comfy_quant.decode(stored.read())
+                format_name, group = comfy_quant.decode(stored.read())
             except ValueError as exc:
                 self.problem(key, str(exc))
                 continue
@@ -226,11 +207,11 @@ class _Filling:
                 self.problem(key, str(exc))
                 continue
             stored_tensors = {"weight": weight.read(), "weight_scale": scale.read().float().reshape(-1)}
-            self.residents[prefix] = (fmt, stored_tensors, {"_sw_group_size": group})
+            self.residents[prefix] = (format_name, stored_tensors, {"_sw_group_size": group})
             consumed += [f"{prefix}.weight", f"{prefix}.weight_scale"]
         return consumed
 
-    def assign(self, progress: Callable[[int, int], None] | None) -> None:
+    def assign(self, progress: Callable[[int, int], None] | None, journal: Journal) -> None:
         expected = self.model.state_dict(keep_vars=True)
         total = len(self.tensors) + len(self.residents)
         for done, (name, tensor) in enumerate(self.tensors.items(), 1):
@@ -240,10 +221,9 @@ class _Filling:
             value = nn.Parameter(tensor, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else tensor
             for alias in self.aliases[name]:
                 module_path, _, attribute = alias.rpartition(".")
-                module = self.model.get_submodule(module_path)
-                slot = module._parameters if attribute in module._parameters else module._buffers
-                slot[attribute] = value
-        for done, (module_path, (fmt, stored, attributes)) in enumerate(self.residents.items(), len(self.tensors) + 1):
-            make_resident(self.model.get_submodule(module_path), fmt, stored, attributes)
+                journal.set_tensor(self.model.get_submodule(module_path), attribute, value)
+        for done, (module_path, (format_name, stored, attributes)) in enumerate(self.residents.items(),
+                                                                                len(self.tensors) + 1):
+            make_resident(self.model.get_submodule(module_path), format_name, stored, attributes, journal)
             if progress is not None:
                 progress(done, total)

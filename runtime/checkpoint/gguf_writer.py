@@ -21,9 +21,8 @@ from torch import nn
 
 from ...schemas import Policy
 from .readers import CheckpointError, StoredTensor, open_checkpoint
-from ..policy.diagnostics import PolicyError
 from ..quant.gguf_dequant import dequantize
-from ..plan.resolve import resolve
+from ..plan import plan_for
 
 
 @dataclass(frozen=True)
@@ -35,12 +34,12 @@ class QuantizeReport:
     bytes_out: int
 
 
-def quantize_to_gguf(source: str | os.PathLike, destination: str | os.PathLike, policy: Policy, model: nn.Module) -> QuantizeReport:
+def quantize_to_gguf(
+    source: str | os.PathLike, destination: str | os.PathLike, policy: Policy | str, model: nn.Module
+) -> QuantizeReport:
     """Write `source` to `destination` (a new `.gguf`) as `policy` says; an existing destination is replaced
     only once the whole file is written, and the source is never the destination."""
-    plan = resolve(policy, model)
-    if not plan.ok:
-        raise PolicyError(plan.diagnostics)
+    policy, plan = plan_for(policy, model)
     chosen = {entry.path: entry.gguf_type for entry in plan.modules if entry.gguf_type}
     destination = Path(destination)
     checkpoint = open_checkpoint(source)

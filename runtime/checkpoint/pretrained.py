@@ -1,8 +1,8 @@
 """`load_pretrained(path, policy)`: a model folder or weight file in, a loaded, converted tree out.
 
 The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the
-skeleton from the config beside the weights (`builders`), pick the policy by name or by its
-`[match]` table (`auto_policy`), and fill the skeleton from the file (`load`).
+skeleton from the config beside the weights (`skeleton`), pick the policy by name or by its
+`[match]` table (`plan.auto`), and fill the skeleton from the file (`fill`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..plan.auto import select_policy
 from .skeleton import BUILD_DTYPES, build_skeleton, config_folder, model_type
 from .readers import Checkpoint, open_checkpoint
 from .fill import LoadReport, load
-from ..policy.load import load_policy
+from ..policy.load import as_policy
 
 
 class Pretrained(NamedTuple):
@@ -52,8 +52,7 @@ def load_pretrained(
     chosen = None
     if isinstance(policy, str) and policy == "auto":
         policy, chosen = select_policy(model, model_type=model_type(folder), keys=checkpoint.tensors, dirs=policy_dirs)
-    if not isinstance(policy, Policy):
-        policy = load_policy(policy, dirs=policy_dirs)
+    policy = as_policy(policy, dirs=policy_dirs)
     report = load(model, path, policy, dtype=dtype, progress=progress)
     return Pretrained(model, report, chosen or f"policy `{policy.name}`")
 

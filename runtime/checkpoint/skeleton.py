@@ -16,16 +16,16 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..registry import Registry
 from .model_spec import ModelSpecError, auto_model, read_config
 
 Builder = Callable[[Path, torch.dtype | None], "nn.Module | None"]
-BUILDERS: list[Builder] = []
+BUILDERS: Registry[Builder] = Registry("skeleton builder", order="newest-first")
 
 
 def register_builder(builder: Builder) -> Builder:
-    """Add a builder: `(folder, dtype) -> skeleton`, or None when the folder is not its kind."""
-    BUILDERS.insert(0, builder)
-    return builder
+    """Add a builder: `(folder, dtype) -> skeleton`, or None when the folder is not its kind (tried newest first)."""
+    return BUILDERS.register(f"{builder.__module__}.{builder.__qualname__}", builder)
 
 
 # The dtypes torch can build a model in (its default dtype), so the only ones a skeleton can have.
@@ -61,7 +61,7 @@ def config_folder(path: Path) -> Path:
 def build_skeleton(folder: Path, dtype: torch.dtype | None = None) -> nn.Module:
     if dtype is not None and dtype not in BUILD_DTYPES:
         raise ModelSpecError(f"cannot build a model in {dtype}; choose one of {', '.join(map(str, BUILD_DTYPES))}")
-    for builder in BUILDERS:
+    for builder in BUILDERS.values():
         model = builder(folder, dtype)
         if model is not None:
             return model.eval()

@@ -1,27 +1,33 @@
 """`apply(plan, model)` converts a tree in place; `revert(model)` undoes it.
 
-Conversion swaps classes and adds a few plain attributes: no tensor is copied or moved, so it
-works on meta tensors and costs nothing in memory. It is checked in full before the first
-change, atomic (a failure midway restores every module exactly), idempotent (applying the same
-plan again changes nothing and reports the same census) and reversible.
+Invariants:
+- checked in full before the first change (`check`); the heavy part (quantizing int8-family weights) runs
+  before any module changes, so problems surface with the tree untouched;
+- atomic: every change goes through a `Journal`, and any failure (Ctrl-C included) puts each one back exactly;
+  an `Exception` surfaces as `ConversionError`, anything else (KeyboardInterrupt) unchanged;
+- idempotent: applying the same plan again changes nothing and counts the same;
+- no float tensor is copied: conversion swaps classes and sets a few plain attributes; only an int8-family quant
+  rule replaces a layer's weight, with its quantized storage;
+- reversible by `revert`, except once weights were quantized (their float values are gone).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from torch import nn
+from torch import Tensor, nn
 
+from . import protocol
 from .kinds import COMPUTE_KINDS
-from ..plan.plan import ModulePlan, Plan
 from .relocating import relocating_class
-from ..plan.selectors import ModuleRef
 from .streamed import streaming_class
 from .tree import StreamTree
 
 if TYPE_CHECKING:
     from ...schemas import Policy
+    from ..plan import ModulePlan, Plan
 
 STATE_ATTRIBUTE = "_streamwise"
 
@@ -43,10 +49,48 @@ _ABSENT = object()
 
 @dataclass
 class _Record:
+    """One module's conversion: the class it had and each instance attribute set (with what it held before)."""
+
     module: nn.Module
     original_class: type
-    replaced: dict[str, object]  # each attribute set, and what the instance held before (_ABSENT: nothing)
+    replaced: dict[str, object]  # _ABSENT: the instance held nothing under that name
     role: str  # "stream", "relocate" or "host" (a host's adaptation of the root, see hosts/)
+
+    def undo(self) -> None:
+        self.module.__class__ = self.original_class
+        for name, previous in self.replaced.items():
+            if previous is _ABSENT:
+                self.module.__dict__.pop(name, None)
+            else:
+                self.module.__dict__[name] = previous
+
+
+class Journal:
+    """The changes one operation made to a tree, undone newest first when the operation fails (apply, load)."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def swap_class(self, module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
+        record = swap_class(module, cls, attributes, role)
+        self._undo.append(record.undo)
+        return record
+
+    def set_tensor(self, module: nn.Module, name: str, value: Tensor) -> None:
+        """Put `value` in the parameter or buffer slot `name` of `module` (a parameter if none holds it yet)."""
+        slots = module._buffers if name in module._buffers else module._parameters
+        previous = slots.get(name, _ABSENT)
+        slots[name] = value
+        self._undo.append(lambda: slots.pop(name) if previous is _ABSENT else slots.__setitem__(name, previous))
+
+    def set_attributes(self, module: nn.Module, attributes: dict[str, object]) -> None:
+        previous = {name: module.__dict__.get(name, _ABSENT) for name in attributes}
+        module.__dict__.update(attributes)
+        self._undo.append(_Record(module, type(module), previous, "").undo)
+
+    def rollback(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
 
 @dataclass
@@ -57,12 +101,12 @@ class AppliedState:
     records: list[_Record] = field(default_factory=list)
     plan: Plan | None = None
 
-    def census(self) -> ConversionCounts:
+    def counts(self) -> ConversionCounts:
         streamed: dict[str, int] = {}
         relocating = 0
         for record in self.records:
             if record.role == "stream":
-                kind = type(record.module)._sw_kind
+                kind = protocol.kind_of(record.module)
                 streamed[kind] = streamed.get(kind, 0) + 1
             relocating += record.role == "relocate"
         return ConversionCounts(dict(sorted(streamed.items())), relocating)
@@ -72,133 +116,79 @@ def applied_state(model: nn.Module) -> AppliedState | None:
     return model.__dict__.get(STATE_ATTRIBUTE)
 
 
-def apply(plan: Plan, model: nn.Module) -> ConversionCounts:
-    """Convert `model` as `plan` says, in place, and return the census of the converted tree."""
+def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> ConversionCounts:
+    """Convert `model` as `plan` says, in place, and count the converted tree.
+
+    With a `journal` (a caller's operation in progress, as `load` has), a failure also undoes what the
+    caller journaled before.
+    """
     targets = check(plan, model)
     state = applied_state(model) or AppliedState()
-    changes = [(entry, module, cls) for entry, (module, cls) in targets if type(module) is not cls]
-    done: list[_Record] = []
-    path = ""
+    journal = journal or Journal()
+    step = "quantizing"
     try:
         quantized = _quantized(plan, model)  # the heavy part, before anything changes
-        for entry, module, cls in changes:
-            path = entry.path
-            done.append(_convert(module, cls, entry, state.tree))
-    except BaseException as exc:
-        for record in reversed(done):
-            _restore(record)
-        step = f"converting `{path}`" if path else "quantizing"
+        records = []
+        for entry, module, cls in targets:
+            if type(module) is not cls:
+                step = f"converting `{entry.path}`"
+                records.append(_convert(journal, module, cls, entry, state.tree))
+        step = "making quantized residents"
+        from ..quant.residents import make_resident
+
+        for entry, module, stored in quantized:
+            make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, state.tree)
+        for entry in plan.modules:  # residents a checkpoint load made before the tree existed
+            module = model.get_submodule(entry.path) if entry.quant else None
+            if module is not None and protocol.is_resident(module) and protocol.tree_of(module) is None:
+                journal.set_attributes(module, {protocol.TREE: state.tree})
+    except Exception as exc:
+        journal.rollback()
         raise ConversionError(f"{step} failed ({exc!r}); the tree was restored unchanged") from exc
-    state.records += done
+    except BaseException:
+        journal.rollback()
+        raise
+    state.records += records
     state.plan = plan
     model.__dict__[STATE_ATTRIBUTE] = state
-    from ..quant.residents import make_resident
-
-    for entry, module, stored in quantized:
-        make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size})
-    for module in model.modules():
-        if hasattr(type(module), "_sw_format"):
-            module.__dict__.setdefault("_sw_tree", state.tree)
-    return state.census()
+    return state.counts()
 
 
-def apply_policy(model: nn.Module, policy: "Policy | str") -> tuple["Policy", Plan]:
+def apply_policy(
+    model: nn.Module, policy: "Policy | str | os.PathLike[str]", *, dirs: Iterable[str | os.PathLike] = ()
+) -> tuple["Policy", Plan]:
     """Resolve `policy` (a Policy, or a name or file to load) against `model` and convert it.
 
     Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit.
     """
-    from ...schemas import Policy
-    from ..policy.diagnostics import PolicyError
-    from ..policy.load import load_policy
-    from ..plan.resolve import resolve
+    from ..plan import plan_for
 
-    policy = policy if isinstance(policy, Policy) else load_policy(policy)
-    plan = resolve(policy, model)
-    if not plan.ok:
-        raise PolicyError(plan.diagnostics)
+    policy, plan = plan_for(policy, model, dirs=dirs)
     apply(plan, model)
     return policy, plan
 
 
-def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, tuple[nn.Module, type]]]:
+def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, type]]:
     """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
     if not plan.ok:
         raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
             f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
         ))
-    return [(entry, _target(entry, model)) for entry in plan.modules if entry.stream or entry.relocate]
+    return [(entry, *_target(entry, model)) for entry in plan.modules if entry.stream or entry.relocate]
 
 
 def revert(model: nn.Module) -> None:
     """Restore the original classes and attributes of a converted tree (tensors stay where they are)."""
-    state = model.__dict__.get(STATE_ATTRIBUTE)
+    state = applied_state(model)
     if state is None:
         raise ConversionError("this model was not converted by streamwise.apply")
-    if any(hasattr(type(m), "_sw_format") for m in model.modules()):
-        raise ConversionError("the tree holds quantized residents, whose float weights are gone; reload the model instead")
+    if any(protocol.is_resident(m) for m in model.modules()):
+        raise ConversionError(
+            "the tree holds quantized residents, whose float weights are gone; reload the model instead"
+        )
     del model.__dict__[STATE_ATTRIBUTE]
     for record in reversed(state.records):
-        _restore(record)
-
-
-def _quantized(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, dict]]:
-    """The quantized tensors for the plan's int8-family layers, computed without changing the tree.
-
-    GGUF residents come from GGUF files (`streamwise.load`); a `gguf` rule on float weights keeps them.
-    """
-    from ..quant.formats import FORMATS
-
-    quantized = []
-    for entry in plan.modules:
-        fmt = FORMATS.get(entry.quant or "")
-        module = model.get_submodule(entry.path) if fmt is not None else None
-        if module is None or not fmt.quantizes_on_load or hasattr(type(module), "_sw_format"):
-            continue
-        quantized.append((entry, module, fmt.quantize(module.weight.detach(), entry.group_size)))
-    return quantized
-
-
-def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
-    """The module a plan entry names and the class it must end up with; checks everything first."""
-    try:
-        module = model.get_submodule(entry.path)
-    except AttributeError:
-        raise ConversionError(f"the plan names `{entry.path}`, which this model does not have") from None
-    if hasattr(type(module), "_sw_format"):
-        return module, type(module)  # a quantized resident already streams
-    original = getattr(type(module), "_sw_original_class", type(module))
-    seen = ModuleRef.of(entry.path, module).classes[0][1]
-    if seen != entry.class_name:
-        raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
-    if entry.stream and "forward" in module.__dict__:
-        raise ConversionError(f"`{entry.path}` has a forward of its own (a hook installs these), which would bypass "
-                              "streaming; remove the hook or exclude the module from the policy")
-    if entry.stream:
-        missing = COMPUTE_KINDS[entry.stream].missing(module)
-        if missing:
-            raise ConversionError(
-                f"`{entry.path}` ({original.__name__}) cannot compute as `{entry.stream}`: it has no {', '.join(missing)}"
-            )
-        target = streaming_class(original, entry.stream)
-    else:
-        target = relocating_class(original)
-    if type(module) not in (original, target):
-        raise ConversionError(f"`{entry.path}` was already converted differently ({type(module).__name__})")
-    return module, target
-
-
-def _convert(module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) -> _Record:
-    attributes: dict[str, object] = {"_sw_tree": tree}
-    if entry.stream:
-        attributes.update(comfy_cast_weights=False, weight_function=[], bias_function=[])
-        if not hasattr(module, "bias"):
-            attributes["bias"] = None  # ComfyUI's cast_bias_weight reads `bias` on every op
-    else:
-        attributes["_sw_relocated"] = entry.relocate
-    record = swap_class(module, cls, attributes, "stream" if entry.stream else "relocate")
-    if not entry.stream:
-        tree.relocating.append(module)
-    return record
+        record.undo()
 
 
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
@@ -209,14 +199,54 @@ def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role
     return record
 
 
-def _restore(record: _Record) -> None:
-    module = record.module
-    tree = module.__dict__.get("_sw_tree")
-    if tree is not None and any(m is module for m in tree.relocating):
-        tree.relocating = [m for m in tree.relocating if m is not module]
-    module.__class__ = record.original_class
-    for name, previous in record.replaced.items():
-        if previous is _ABSENT:
-            module.__dict__.pop(name, None)
-        else:
-            module.__dict__[name] = previous
+def _quantized(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, dict[str, Tensor]]]:
+    """The quantized tensors for the plan's int8-family layers, computed without changing the tree.
+
+    GGUF residents come from GGUF files (`streamwise.load`); a `gguf` rule on float weights keeps the floats.
+    """
+    from ..quant.formats import FORMATS
+
+    quantized = []
+    for entry in plan.modules:
+        handler = FORMATS.get(entry.quant or "")
+        if handler is None or not handler.quantizes_on_load:
+            continue
+        module = model.get_submodule(entry.path)
+        if not protocol.is_resident(module):
+            quantized.append((entry, module, handler.quantize(module.weight.detach(), entry.group_size)))
+    return quantized
+
+
+def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
+    """The module a plan entry names and the class it must end up with; checks everything first."""
+    try:
+        module = model.get_submodule(entry.path)
+    except AttributeError:
+        raise ConversionError(f"the plan names `{entry.path}`, which this model does not have") from None
+    if protocol.is_resident(module):
+        return module, type(module)  # a quantized resident already streams
+    original = protocol.original_class(module)
+    seen = f"{original.__module__}.{original.__qualname__}"
+    if seen != entry.class_name:
+        raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
+    if entry.stream and "forward" in module.__dict__:
+        raise ConversionError(f"`{entry.path}` has a forward of its own (a hook installs these), which would "
+                              "bypass streaming; remove the hook or exclude the module from the policy")
+    if entry.stream:
+        missing = COMPUTE_KINDS[entry.stream].missing(module)
+        if missing:
+            raise ConversionError(f"`{entry.path}` ({original.__name__}) cannot compute as `{entry.stream}`: "
+                                  f"it has no {', '.join(missing)}")
+        target = streaming_class(original, entry.stream)
+    else:
+        target = relocating_class(original)
+    if type(module) not in (original, target):
+        raise ConversionError(f"`{entry.path}` was already converted differently ({type(module).__name__})")
+    return module, target
+
+
+def _convert(journal: Journal, module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) -> _Record:
+    if entry.stream:
+        return journal.swap_class(module, cls, protocol.leaf_attributes(module, tree), "stream")
+    attributes = {protocol.TREE: tree, protocol.RELOCATED: entry.relocate}
+    return journal.swap_class(module, cls, attributes, "relocate")

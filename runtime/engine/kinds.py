@@ -1,32 +1,38 @@
 """Compute kinds: how a streamed leaf computes once its weights are on the compute device.
 
-Each kind named in `schemas.vocabulary.COMPUTE_KINDS` has one handler here, registered with
-`@compute_kind`. A handler receives the module, the input and the fetched `weight`/`bias` and
-must compute exactly what the original class computes from its own tensors, so that a streamed
-forward is bit-identical to the original one on the same device.
+Each kind named in `schemas.vocabulary.COMPUTE_KINDS` has one handler here, registered with `@compute_kind`
+(a test checks every word has one). A handler receives the module, the input and the fetched `weight`/`bias`
+and computes exactly what the original class computes from its own tensors, so a streamed forward is
+bit-identical to the original one on the same device.
 
-`dtype` says which dtype the weights are fetched in: `"input"` for ops that require the
-activation's dtype (linear, convolutions), `"stored"` where the original computes with the
-weight's own dtype (embeddings, norms that promote or upcast themselves).
+`dtype` says which dtype the weights are fetched in: `"input"` for ops that require the activation's dtype
+(linear, convolutions), `"stored"` where the original computes with the weight's own dtype (embeddings, norms
+that promote or upcast themselves).
+
+The leaf-kind contract (`streamed.streaming_class` drives it; quantized residents implement it too):
+`resident_forward(cls)` is the forward while the weights are resident, `fetch(fetcher, module, x)` brings them
+for one call, `compute(module, x, fetched, *args, **kwargs)` computes with them and `release(...)` lets them go.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..registry import Registry
+
 WeightDtype = Literal["input", "stored"]
-Compute = Callable[..., Tensor]
+Function = Callable[..., Tensor]
 
 
 @dataclass(frozen=True)
 class ComputeKind:
     name: str
-    compute: Compute
+    function: Function
     dtype: WeightDtype
     requires: tuple[str, ...]
 
@@ -34,22 +40,30 @@ class ComputeKind:
         """Attributes the handler needs that `module` lacks (checked before any conversion)."""
         return [name for name in self.requires if not hasattr(module, name)]
 
+    def resident_forward(self, cls: type[nn.Module]) -> Callable[..., Any]:
+        return cls.forward
 
-COMPUTE_KINDS: dict[str, ComputeKind] = {}
+    def fetch(self, fetcher: Any, module: nn.Module, x: Tensor) -> tuple:
+        return fetcher.fetch(module, x.device, x.dtype if self.dtype == "input" else None)
+
+    def compute(self, module: nn.Module, x: Tensor, fetched: tuple, *args, **kwargs) -> Tensor:
+        weight, bias, _ = fetched
+        return self.function(module, x, weight, bias, *args, **kwargs)
+
+    def release(self, fetcher: Any, module: nn.Module, fetched: tuple) -> None:
+        fetcher.release(module, *fetched)
+
+
+COMPUTE_KINDS: Registry[ComputeKind] = Registry("compute kind")
 
 
 def compute_kind(name: str, *, dtype: WeightDtype, requires: tuple[str, ...] = ("weight",)):
-    def register(compute: Compute) -> Compute:
-        if name in COMPUTE_KINDS:
-            raise ValueError(f"compute kind `{name}` is already registered")
-        COMPUTE_KINDS[name] = ComputeKind(name, compute, dtype, requires)
-        return compute
-
-    return register
+    return COMPUTE_KINDS.decorator(name, lambda name, function: ComputeKind(name, function, dtype, requires))
 
 
 _CONV = ("weight", "bias", "_conv_forward")
 _CONV_T = ("weight", "bias", "stride", "padding", "groups", "dilation", "_output_padding", "kernel_size")
+_EMBEDDING = ("weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
 
 @compute_kind("linear", dtype="input", requires=("weight", "bias"))
@@ -57,9 +71,11 @@ def _linear(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -
     return F.linear(x, weight, bias)
 
 
-@compute_kind("embedding", dtype="stored", requires=("weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"))
+@compute_kind("embedding", dtype="stored", requires=_EMBEDDING)
 def _embedding(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.embedding(x, weight, module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse)
+    return F.embedding(
+        x, weight, module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
+    )
 
 
 @compute_kind("conv1d", dtype="input", requires=_CONV)
@@ -69,14 +85,16 @@ def _conv(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> 
     return module._conv_forward(x, weight, bias)
 
 
-def _conv_transpose(functional: Callable[..., Tensor], spatial_dims: int) -> Compute:
+def _conv_transpose(functional: Callable[..., Tensor], spatial_dims: int) -> Function:
     def compute(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None, output_size=None) -> Tensor:
         if module.padding_mode != "zeros":
             raise ValueError(f"only `zeros` padding mode is supported for {type(module).__name__}")
         output_padding = module._output_padding(
             x, output_size, module.stride, module.padding, module.kernel_size, spatial_dims, module.dilation
         )
-        return functional(x, weight, bias, module.stride, module.padding, output_padding, module.groups, module.dilation)
+        return functional(
+            x, weight, bias, module.stride, module.padding, output_padding, module.groups, module.dilation
+        )
 
     return compute
 

@@ -1,52 +1,49 @@
-"""Streamed leaves: the original class, plus ComfyUI's low-VRAM protocol.
+"""Streamed leaves: the original class, plus the low-VRAM protocol (`protocol`), computing through a leaf kind.
 
-`streaming_class(cls, kind)` derives a subclass that carries `comfy_cast_weights`,
-`weight_function` and `bias_function`. While none of those is set (the weights are resident), its
-forward is the original forward: no copies, one flag check. Otherwise the tree's fetcher brings
-the weights to the activation's device and the compute kind computes with them.
+`streaming_class(cls, kind)` derives the one class every streamed leaf of `cls` shares. Its forward has one
+shape for every leaf, float or quantized:
+- resident (the protocol's flags clear): the kind's resident forward, for float kinds the original forward
+  itself (no copies, one flag check);
+- fetching: fetch the weights through the tree's fetcher onto the input's device, compute, release.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from torch import Tensor, nn
 
-from .classes import picklable
-from .kinds import COMPUTE_KINDS, ComputeKind
-
-_CLASSES: dict[tuple[type, str], type] = {}
+from . import protocol
+from .classes import derived_class
+from .kinds import COMPUTE_KINDS
 
 
 def streaming_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
-    """The streamed counterpart of `cls` computing as `kind` (one class per pair, cached)."""
-    key = (cls, kind)
-    if key not in _CLASSES:
-        _CLASSES[key] = _derive(cls, COMPUTE_KINDS[kind])
-    return _CLASSES[key]
+    """The streamed counterpart of `cls` computing as the compute kind `kind`."""
+    return derived_class(streaming_class, (cls, kind), f"Streamed{cls.__name__}", cls,
+                         lambda: leaf_namespace(cls, COMPUTE_KINDS[kind]))
 
 
-def _derive(cls: type[nn.Module], kind: ComputeKind) -> type[nn.Module]:
-    original_forward = cls.forward
-    input_name = _input_name(original_forward)
+def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:
+    """The class body of a streamed leaf of `cls` computing with `kind` (a compute kind or a resident's)."""
+    input_name = _input_name(cls.forward)
 
-    def forward(self, *args, **kwargs):
-        if self.comfy_cast_weights or self.weight_function or self.bias_function:
-            return _streamed_forward(self, kind, input_name, args, kwargs)
-        return original_forward(self, *args, **kwargs)
+    def streamed(self: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+        x, args = _input(self, input_name, args, kwargs)
+        tree = protocol.tree_of(self)
+        tree.compute_device = x.device  # the activations' device: the one signal that never lies
+        fetched = kind.fetch(tree.fetcher, self, x)
+        try:
+            return kind.compute(self, x, fetched, *args, **kwargs)
+        finally:
+            kind.release(tree.fetcher, self, fetched)
 
-    return type(
-        f"Streamed{cls.__name__}",
-        (cls,),
-        {
-            "forward": forward,
-            "__module__": __name__,
-            "__doc__": f"{cls.__qualname__}, streamed by Streamwise (compute kind `{kind.name}`).",
-            "_sw_original_class": cls,
-            "_sw_kind": kind.name,
-            **picklable(streaming_class, cls, kind.name),
-        },
-    )
+    return {
+        "forward": protocol.leaf_forward(kind.resident_forward(cls), streamed),
+        "__doc__": f"{cls.__qualname__}, streamed by Streamwise (compute kind `{kind.name}`).",
+        protocol.KIND: kind.name,
+    }
 
 
 def _input_name(forward) -> str | None:
@@ -56,16 +53,10 @@ def _input_name(forward) -> str | None:
     return first.name if first is not None and first.kind is not first.VAR_POSITIONAL else None
 
 
-def _streamed_forward(module: nn.Module, kind: ComputeKind, input_name: str | None, args: tuple, kwargs: dict) -> Tensor:
+def _input(module: nn.Module, input_name: str | None, args: tuple, kwargs: dict) -> tuple[Tensor, tuple]:
     if args:
-        x, args = args[0], args[1:]
-    else:  # called with the input by keyword (`layer(input=x)`)
-        x = kwargs.pop(input_name if input_name in kwargs else next(iter(kwargs)))
-    tree = module._sw_tree
-    tree.compute_device = x.device
-    dtype = x.dtype if kind.dtype == "input" else None
-    weight, bias, handle = tree.fetcher.fetch(module, x.device, dtype)
-    try:
-        return kind.compute(module, x, weight, bias, *args, **kwargs)
-    finally:
-        tree.fetcher.release(module, weight, bias, handle)
+        return args[0], args[1:]
+    if input_name in kwargs:
+        return kwargs.pop(input_name), args
+    raise TypeError(f"{type(module).__name__}.forward() got no input: pass it first"
+                    + (f" or as `{input_name}=`" if input_name else ""))

@@ -1,9 +1,11 @@
-"""Per-tree streaming state: where the tree computes, and how its streamed weights are fetched.
+"""Per-tree streaming state, and how streamed weights reach the compute device.
 
-Every converted module of one model tree points at the same `StreamTree`. Nothing here is
-process-global, so two trees on two devices in one process never disturb each other. The
-compute device is set by the host when it loads the tree and refreshed by every streamed forward
-from its activations, the one signal that never lies under partial offload.
+Invariants:
+- every converted module of one model tree points at the same `StreamTree`; nothing here is process-global, so
+  two trees on two devices in one process never disturb each other;
+- the compute device is set by the host when it loads the tree and refreshed by every streamed forward from its
+  activations, the one signal that never lies under partial offload;
+- a fetch never mutates a stored tensor: weight functions (LoRA) get a private copy.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from . import protocol
+
 
 class Fetcher(Protocol):
-    """Brings a streamed leaf's weight and bias to the compute device for one forward."""
+    """Brings a streamed leaf's weight and bias to the compute device for one forward (per call: keep it cheap)."""
 
-    def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> tuple[Tensor | None, Tensor | None, object]:
+    def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> tuple:
+        """(weight, bias, handle) on `device`, in `dtype` (None: as stored), with the weight functions applied."""
         ...
 
     def release(self, module: nn.Module, weight: Tensor | None, bias: Tensor | None, handle: object) -> None:
@@ -25,6 +30,10 @@ class Fetcher(Protocol):
 
     def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device) -> list[Tensor | None]:
         """Tensors of a quantized resident, moved as they are stored: never cast, no functions applied."""
+        ...
+
+    def inline_for_compile(self) -> None:
+        """Fetch inline from now on: a compiled graph cannot hold a fetcher's Python bookkeeping (prefetch)."""
         ...
 
 
@@ -35,20 +44,25 @@ class TorchFetcher:
     """Let host-to-device copies return early: only for a host that pins the offloaded weights."""
 
     def fetch_raw(self, module, names, device):
-        return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=self.non_blocking) for name in names]
+        return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=self.non_blocking)
+                for name in names]
 
     def fetch(self, module, device, dtype):
         return self.for_compute(module, module.weight, getattr(module, "bias", None), device, dtype)
 
-    def for_compute(self, module: nn.Module, weight: Tensor | None, bias: Tensor | None, device: torch.device, dtype: torch.dtype | None):
+    def for_compute(self, module: nn.Module, weight: Tensor | None, bias: Tensor | None, device: torch.device,
+                    dtype: torch.dtype | None) -> tuple:
         """`fetch`'s result from the leaf's weight and bias, wherever they were copied to so far."""
         return (
-            cast_for_compute(weight, device, dtype, module.weight_function, self.non_blocking),
-            cast_for_compute(bias, device, dtype, module.bias_function, self.non_blocking),
+            cast_for_compute(weight, device, dtype, protocol.weight_functions(module), self.non_blocking),
+            cast_for_compute(bias, device, dtype, protocol.bias_functions(module), self.non_blocking),
             None,
         )
 
     def release(self, module, weight, bias, handle) -> None:
+        pass
+
+    def inline_for_compile(self) -> None:
         pass
 
 
@@ -66,36 +80,25 @@ def cast_for_compute(
 
 
 class StreamTree:
+    """The state one converted tree shares: where it computes, and the host's fetcher."""
+
     def __init__(self) -> None:
         self.compute_device: torch.device | None = None
         self.fetcher: Fetcher = TorchFetcher()
-        self.relocating: list[nn.Module] = []
-
-    def follow(self, module: nn.Module, name: str, value: Tensor | None) -> Tensor | None:
-        """Move a relocated tensor of `module` to the compute device, in place, and return it."""
-        device = self.compute_device
-        if value is None or device is None or value.device == device:
-            return value
-        return _move(module, name, device)
-
-    def offload_relocated(self, device: torch.device) -> None:
-        """Send every relocated tensor back to `device` (on unload), so VRAM does not creep."""
-        for module in self.relocating:
-            for name in module._sw_relocated:
-                value = module._parameters.get(name, module._buffers.get(name))
-                if value is not None and value.device != device and not value.is_meta:  # meta holds no data to move
-                    _move(module, name, device)
 
 
-def _move(module: nn.Module, name: str, device: torch.device) -> Tensor:
+def move_in_place(module: nn.Module, name: str, device: torch.device, *, pin: bool = False) -> Tensor:
+    """Move the direct parameter or buffer `name` of `module` to `device`; a Parameter stays the same object
+    (and every alias of it, LoRA keys included, stays valid). `pin` pins the moved storage (CPU only)."""
     if name in module._parameters:
         parameter = module._parameters[name]
         moved = parameter.data.to(device)
+        moved = moved.pin_memory() if pin else moved
         try:
-            parameter.data = moved  # the Parameter object (and every alias of it) stays the same
+            parameter.data = moved
         except RuntimeError:  # some device pairs (to meta, say) cannot swap storage under a tensor
             torch.utils.swap_tensors(parameter, nn.Parameter(moved, requires_grad=parameter.requires_grad))
         return parameter
     moved = module._buffers[name].to(device)
-    module._buffers[name] = moved
-    return moved
+    module._buffers[name] = moved.pin_memory() if pin else moved
+    return module._buffers[name]

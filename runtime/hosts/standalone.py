@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
-from ..engine.apply import applied_state, apply_policy
-from ..engine.tree import TorchFetcher
+from ..engine import applied_state, apply_policy, protocol
+from ..engine.tree import TorchFetcher, move_in_place
 
 
 @dataclass(frozen=True)
@@ -55,29 +55,41 @@ def offload(
     leaves = [model.get_submodule(entry.path) for entry in plan.modules if entry.stream]
     streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
     resident_bytes = streamed_bytes = resident_count = 0
-    for group in _tied_groups(leaves):
-        size = sum(t.numel() * t.element_size() for t in {id(p): p for leaf in group for p in leaf.parameters(recurse=False)}.values())
-        resident = budget is None or resident_bytes + size <= budget
+    for group, size, resident in _residency(leaves, budget):
         for leaf in group:
-            _place(leaf, device if resident else offload_device, pin=streamer.pin and not resident)
-            leaf.comfy_cast_weights = not resident
+            _place(leaf, device if resident else offload_device, pin=streamer.non_blocking and not resident)
+            protocol.set_fetching(leaf, not resident)
         if resident:
             resident_bytes, resident_count = resident_bytes + size, resident_count + len(group)
         else:
             streamed_bytes += size
-    converted = {id(leaf) for leaf in leaves} | {id(m) for m in state.tree.relocating}
+    converted = {id(leaf) for leaf in leaves}
     for module in model.modules():
-        if id(module) not in converted:
+        if id(module) not in converted and not protocol.relocated_names(module):
             _place(module, device, pin=False)
     state.tree.compute_device = device
     state.tree.fetcher = streamer
-    from ..compile.arm import STATE_ATTRIBUTE as ARMED, lazy_compile
+    from ..compile import is_armed, lazy_compile
 
     if policy.compile.enabled:
         lazy_compile(model, policy)
-    elif ARMED in model.__dict__:  # armed before: its compiled blocks cannot trace prefetch bookkeeping
-        streamer.stop_prefetching()
-    return OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count, resident_bytes, streamed_bytes)
+    elif is_armed(model):  # armed before: its compiled blocks cannot trace prefetch bookkeeping
+        streamer.inline_for_compile()
+    return OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
+                         resident_bytes, streamed_bytes)
+
+
+def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[nn.Module], int, bool]]:
+    """(leaves, bytes, resident) per tied group, in registration order: greedily resident while within `budget`,
+    skipping groups that no longer fit (`budget=None`: everything resident)."""
+    placed, used = [], 0
+    for group in _tied_groups(leaves):
+        size = sum(_nbytes(t) for t in {id(p): p for leaf in group for p in leaf._parameters.values()
+                                        if p is not None}.values())
+        resident = budget is None or used + size <= budget
+        used += size if resident else 0
+        placed.append((group, size, resident))
+    return placed
 
 
 def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
@@ -96,14 +108,14 @@ def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
 
 
 def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
-    """Move a module's direct parameters and buffers, keeping every Parameter object."""
-    for parameter in module.parameters(recurse=False):
-        if parameter.device != device or (pin and not parameter.is_pinned()):
-            data = parameter.data.to(device)
-            parameter.data = data.pin_memory() if pin else data
-    for name, buffer in module.named_buffers(recurse=False):
-        if buffer.device != device:
-            module._buffers[name] = buffer.to(device)
+    """Move a module's direct parameters and buffers in place (pinned on the CPU when `pin`)."""
+    for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+        if tensor is not None and (tensor.device != device or (pin and not tensor.is_pinned())):
+            move_in_place(module, name, device, pin=pin)
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class _Streamer(TorchFetcher):
@@ -111,7 +123,7 @@ class _Streamer(TorchFetcher):
 
     def __init__(self, device: torch.device, *, pin: bool, prefetch: bool) -> None:
         self.device = device
-        self.pin = self.non_blocking = pin  # copies from pinned memory may overlap compute
+        self.non_blocking = pin  # copies from pinned memory may overlap compute
         self.side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         self.order: list[nn.Module] = []
         self.position: dict[int, int] = {}
@@ -131,7 +143,7 @@ class _Streamer(TorchFetcher):
             self._prefetch_after(key)
         return self.for_compute(module, weight, bias, device, dtype)
 
-    def stop_prefetching(self) -> None:
+    def inline_for_compile(self) -> None:
         """Copy on demand from now on (compiled blocks cannot trace the side-stream bookkeeping)."""
         self.side = None
         self.ready.clear()
@@ -153,7 +165,7 @@ class _Streamer(TorchFetcher):
         if following >= len(self.order):
             following = 0  # the next forward starts over
         module = self.order[following]
-        if id(module) in self.ready or not module.comfy_cast_weights:
+        if id(module) in self.ready or not protocol.is_fetching(module):
             return
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):

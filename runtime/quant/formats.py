@@ -1,9 +1,20 @@
 """Quant formats: how a resident stores its weight and computes with it.
 
-One handler per quant format of the policy vocabulary (`none` needs none), registered with
-`@quant_format`. A handler names the tensors a resident streams (`stored`, in their raw dtype),
-turns a float weight into them (`quantize`), turns them back (`dequantize`, used for LoRA and by
-ComfyUI's patcher), and computes a linear layer straight from them (`linear`).
+One handler per quant format of the policy vocabulary (`none` needs none), registered with `@quant_format`.
+A handler names the tensors a resident streams (`stored`, in their raw dtype), turns a float weight into them
+(`quantize`), turns them back (`dequantize`: the resident's forward does, to apply weight functions such as a
+LoRA), and computes a linear layer straight from them (`linear`).
+
+Adding a format, the whole contract:
+
+    @quant_format("my_int8")          # the word must be in schemas.vocabulary.QUANT_FORMATS
+    class MyInt8(QuantFormat):
+        stored = ("weight", "weight_scale")
+        def quantize(self, weight, group_size): ...        # float weight -> {"weight": ..., "weight_scale": ...}
+        def dequantize(self, module, stored, dtype): ...   # -> the float weight
+        def linear(self, module, x, stored, bias): ...     # optional: a fused kernel (default: dequantize + F.linear)
+
+A `[[quant.rule]]` selecting Linear layers with `format = "my_int8"` then quantizes them on apply or load.
 """
 
 from __future__ import annotations
@@ -16,19 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..registry import Registry
 from .gguf_dequant import STORED_FLOATS, dequantize as gguf_dequantize
 from .int4 import dequantize_int4, int4_linear, quantize_int4
 from .int8 import dequantize_int8, int8_linear, quantize_int8
 
-FORMATS: dict[str, "QuantFormat"] = {}
+FORMATS: Registry["QuantFormat"] = Registry("quant format")
 
 
 def quant_format(name: str):
-    def register(cls: type["QuantFormat"]) -> type["QuantFormat"]:
-        FORMATS[name] = cls(name)
-        return cls
-
-    return register
+    return FORMATS.decorator(name, lambda name, cls: cls(name))
 
 
 class QuantFormat(ABC):

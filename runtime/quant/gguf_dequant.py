@@ -21,12 +21,15 @@ import gguf
 import torch
 from torch import Tensor
 
+from ..registry import Registry
 from . import huge_pages
 
 QType = gguf.GGMLQuantizationType
 
 Kernel = Callable[[Tensor, Tensor], None]
-DEQUANTIZERS: dict[QType, Kernel] = {}
+#: A kernel per GGML type: (n_blocks, type_size) uint8 blocks -> fills a (n_blocks, block_size) float32 output.
+DEQUANTIZERS: Registry[Kernel] = Registry("GGUF dequantizer")
+dequantizer = DEQUANTIZERS.decorator
 # Types stored as plain floats: their bytes are reinterpreted, not dequantized.
 STORED_FLOATS: dict[QType, torch.dtype] = {
     QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16,
@@ -35,16 +38,6 @@ STORED_FLOATS: dict[QType, torch.dtype] = {
 
 class UnsupportedQuantType(ValueError):
     """A GGML type without a dequantizer here."""
-
-
-def dequantizer(qtype: QType) -> Callable[[Kernel], Kernel]:
-    """Register a kernel: (n_blocks, type_size) uint8 blocks -> fills a (n_blocks, block_size) float32 output."""
-
-    def register(kernel: Kernel) -> Kernel:
-        DEQUANTIZERS[qtype] = kernel
-        return kernel
-
-    return register
 
 
 def check_blocks(qtype: QType, shape: tuple[int, ...], nbytes: int) -> int:

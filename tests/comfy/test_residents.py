@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import streamwise
+from streamwise.runtime.engine import protocol
 
 from helpers import gguf_policy, make_policy, tiny_qwen2
 
@@ -35,10 +36,9 @@ def quantized_qwen(fmt: str, tmp_path) -> torch.nn.Module:
 
 
 def dequantized(module) -> torch.Tensor:
-    from streamwise.runtime.quant.formats import FORMATS
 
-    fmt = FORMATS[module._sw_format]
-    return fmt.dequantize(module, {name: getattr(module, name) for name in fmt.stored}, torch.float32)
+    handler = protocol.quant_handler(module)
+    return handler.dequantize(module, {name: getattr(module, name) for name in handler.stored}, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "int8", "convrot_int8"])
@@ -74,7 +74,7 @@ def test_partial_load_on_meta_moves_residents_in_their_storage_dtype(comfy_nodes
     model = quantized_qwen(fmt, tmp_path)
     patcher = streamwise.model_patcher(model, load_device=META, offload_device=CPU)
     patcher.load(META, lowvram_model_memory=60_000)
-    dtypes = {m.weight.dtype for m in model.modules() if hasattr(type(m), "_sw_format")}
+    dtypes = {m.weight.dtype for m in model.modules() if protocol.is_resident(m)}
     assert dtypes == {torch.uint8 if fmt == "gguf" else torch.int8}
     assert model(torch.randint(0, 128, (1, 6)).to(META)).logits.is_meta
 

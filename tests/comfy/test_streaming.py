@@ -161,10 +161,9 @@ def test_storage_dtypes_are_archived_where_the_core_reads_them(core):
 
 
 def test_unloads_send_relocated_tensors_back(core, monkeypatch):
-    from streamwise.runtime.engine.tree import StreamTree
-
     sent = []
-    monkeypatch.setattr(StreamTree, "offload_relocated", lambda self, device: sent.append(device))
+    monkeypatch.setattr("streamwise.runtime.hosts.comfyui.patcher.offload_relocated",
+                        lambda model, device: sent.append(device))
     model = tiny_qwen2()
     patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="decoder-llm")
     patcher.load(CPU, full_load=True)

@@ -1,5 +1,11 @@
-"""The ComfyUI host: the only place in `runtime/` that imports `comfy`, and only on first use."""
+"""The ComfyUI host: the only part of `runtime/` that imports `comfy`, and only on first use.
 
-from .patcher import ComfyFetcher, adopt, model_patcher
+- `fetcher`: streamed leaves fetch through core's `cast_bias_weight` (feature-detected across core versions);
+- `patcher`: `model_patcher` and `adopt`, core's `ModelPatcher` keeping a Streamwise tree in step;
+- `compile`: arming a MODEL for lazy compile through object patches.
+"""
+
+from .fetcher import ComfyFetcher
+from .patcher import adopt, model_patcher
 
 __all__ = ["ComfyFetcher", "adopt", "model_patcher"]

@@ -1,0 +1,114 @@
+"""The low-VRAM protocol every converted leaf speaks: ComfyUI's own attribute names, on purpose.
+
+ComfyUI core's `ModelPatcher` streams a module when it finds three instance attributes on it: the flag
+`comfy_cast_weights` (set while the weights live off the compute device) and the lists `weight_function` and
+`bias_function` (LoRA patches applied to a fetched weight). Streamwise leaves carry exactly these, so core drives
+them with no adapter; the standalone host sets the same flag. This module is the one place outside the ComfyUI
+host that spells those names, and the one place that spells Streamwise's own `_sw_*` markers.
+
+Invariants:
+- a leaf fetches its weights per forward exactly when `is_fetching` is true; otherwise its forward computes from
+  the tensors it holds (the original forward, for float leaves);
+- every converted module's class derives from its original class, named by `original_class`;
+- every converted module of one tree points at one `StreamTree` (`tree_of`), never at process-global state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+FETCH_FLAG = "comfy_cast_weights"
+WEIGHT_FUNCTIONS = "weight_function"
+BIAS_FUNCTIONS = "bias_function"
+#: Set by core on a module whose weights it counts as patched (a merged LoRA).
+PATCHED_FLAG = "comfy_patched_weights"
+#: Where a host keeps a patch it would have merged into a weight, were the storage float (quantized residents).
+MERGED_PATCH = "_sw_merged_patch"
+
+ORIGINAL_CLASS = "_sw_original_class"  # on derived classes: the class they were derived from
+KIND = "_sw_kind"  # on streamed classes: the name of the compute kind
+HANDLER = "_sw_handler"  # on resident classes: the quant format handler
+TREE = "_sw_tree"  # on converted instances: the tree's StreamTree
+RELOCATED = "_sw_relocated"  # on relocating instances: the names of the tensors that follow the compute device
+
+
+def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> Callable[..., Any]:
+    """The forward of every streamed leaf: `streamed(self, args, kwargs)` while fetching, else `resident`.
+
+    The hot path of the whole engine: three instance-dict reads and one branch before the original forward
+    (`benchmarks/bench_fast_path.py` holds it within 3% of an unconverted model).
+    """
+
+    def forward(self, *args, **kwargs):
+        if self.comfy_cast_weights or self.weight_function or self.bias_function:
+            return streamed(self, args, kwargs)
+        return resident(self, *args, **kwargs)
+
+    return forward
+
+
+def leaf_attributes(module: nn.Module, tree: object) -> dict[str, object]:
+    """The instance attributes a streamed leaf starts with: resident, unpatched, in `tree`."""
+    attributes: dict[str, object] = {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
+    if not hasattr(module, "bias"):
+        attributes["bias"] = None  # core's cast_bias_weight reads `bias` on every op
+    return attributes
+
+
+def is_fetching(module: nn.Module) -> bool:
+    return bool(module.comfy_cast_weights or module.weight_function or module.bias_function)
+
+
+def set_fetching(module: nn.Module, fetching: bool) -> None:
+    """Whether the leaf's weights live off the compute device (the standalone host's placement switch)."""
+    module.comfy_cast_weights = fetching
+
+
+def weight_functions(module: nn.Module) -> list:
+    """The functions to apply to a fetched weight: a patch the host kept aside (raw storage cannot take a merged
+    one) while core counts the weight as patched, then the weight functions."""
+    merged = module.__dict__.get(MERGED_PATCH)
+    if merged is not None and module.__dict__.get(PATCHED_FLAG, False):
+        return [merged, *module.weight_function]
+    return module.weight_function
+
+
+def bias_functions(module: nn.Module) -> list:
+    return module.bias_function
+
+
+def stored_dtype_attributes(tensors: dict[str, Any]) -> dict[str, object]:
+    """Attributes telling newer cores each tensor travels in its stored dtype (they cast any other weight)."""
+    return {f"{name}_comfy_model_dtype": tensor.dtype for name, tensor in tensors.items()}
+
+
+def original_class(module: nn.Module) -> type:
+    return getattr(type(module), ORIGINAL_CLASS, type(module))
+
+
+def is_converted(module: nn.Module) -> bool:
+    return hasattr(type(module), ORIGINAL_CLASS)
+
+
+def kind_of(module: nn.Module) -> str | None:
+    """The compute kind a streamed leaf computes with, or None for any other module."""
+    return getattr(type(module), KIND, None)
+
+
+def quant_handler(module: nn.Module) -> Any:
+    """The quant format handler of a quantized resident, or None for any other module."""
+    return getattr(type(module), HANDLER, None)
+
+
+def is_resident(module: nn.Module) -> bool:
+    return quant_handler(module) is not None
+
+
+def tree_of(module: nn.Module) -> Any:
+    return module.__dict__.get(TREE)
+
+
+def relocated_names(module: nn.Module) -> tuple[str, ...]:
+    return module.__dict__.get(RELOCATED, ())

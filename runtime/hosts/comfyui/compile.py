@@ -1,0 +1,81 @@
+"""The MODEL half of lazy compile: a ComfyUI MODEL is armed through object patches.
+
+Invariants:
+- core sets object patches while the MODEL is loaded and undoes them on unload, so the tree it shares with
+  other MODELs (the one it was cloned from) is left alone;
+- guards on core's per-call dictionaries are dropped (their contents change every call);
+- a dynamic-VRAM MODEL is demoted only when asked, when core can, and never once Streamwise converted it
+  (core demotes by rebuilding the model from its file, without the conversion).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+from torch import nn
+
+from ....schemas import CompileSettings
+from ...compile.arm import Armed, Target
+from ...compile.regions import Region, is_region_forward, log
+from ...engine import applied_state
+
+#: Per-call dictionaries whose contents change every call: guarding on them only forces recompiles.
+PER_CALL_DICTS = ("transformer_options", "model_options", "patches_replace")
+DYNAMIC_VRAM_MESSAGE = (
+    "Dynamic VRAM remains enabled for this MODEL; ComfyUI currently treats this combination as experimental "
+    "because VBAR operations cause graph breaks."
+)
+
+
+def is_model_patcher(value: Any) -> bool:
+    return isinstance(getattr(value, "model", None), nn.Module) and hasattr(value, "load_device")
+
+
+def model_patcher_target(patcher: Any) -> Target:
+    if not is_model_patcher(patcher):
+        raise TypeError(f"cannot compile a {type(patcher).__name__}: expected a torch module or a ComfyUI MODEL")
+    return _PatcherTarget(patcher)
+
+
+class _PatcherTarget(Target):
+    per_call_names = PER_CALL_DICTS
+
+    def __init__(self, patcher: Any) -> None:
+        super().__init__(patcher, patcher.model)
+
+    def prepared(self, settings: CompileSettings) -> Target:
+        demoted = _handle_dynamic_vram(self.holder, settings)
+        return self if demoted is self.holder else _PatcherTarget(demoted)
+
+    def install(self, path: str, unit: nn.Module, forward: Any, own: Any, armed: Armed) -> None:
+        self.holder.add_object_patch(f"{path}.forward" if path else "forward", forward)
+
+    def remove(self, armed: Armed) -> None:
+        patches = self.holder.object_patches
+        for key in [k for k, v in patches.items() if is_region_forward(v)]:
+            del patches[key]
+
+    def regions(self) -> list[Region]:
+        return [value.func for value in self.holder.object_patches.values() if is_region_forward(value)]
+
+
+def _handle_dynamic_vram(patcher: Any, settings: CompileSettings) -> Any:
+    is_dynamic = getattr(patcher, "is_dynamic", None)
+    if not (callable(is_dynamic) and is_dynamic()):
+        return patcher
+    if not settings.disable_dynamic_vram:
+        warnings.warn(DYNAMIC_VRAM_MESSAGE, stacklevel=4)
+        return patcher
+    if "disable_dynamic" not in inspect.signature(patcher.clone).parameters:
+        warnings.warn("this ComfyUI core cannot demote a dynamic-VRAM MODEL; " + DYNAMIC_VRAM_MESSAGE, stacklevel=4)
+        return patcher
+    if applied_state(patcher.model) is not None:
+        warnings.warn("a Streamwise-converted MODEL is not demoted: ComfyUI would rebuild it from its file without "
+                      "the conversion; " + DYNAMIC_VRAM_MESSAGE, stacklevel=4)
+        return patcher
+    demoted = patcher.clone(disable_dynamic=True)
+    if settings.verbose:
+        log.info("demoted the MODEL to a non-dynamic patcher (%s) before compiling", type(demoted).__name__)
+    return demoted
