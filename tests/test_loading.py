@@ -11,6 +11,7 @@ import pytest
 import streamwise
 from streamwise.runtime import check_policy, load_policy
 from streamwise.runtime.policy import migrations
+from streamwise.runtime.registry import Registry
 from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, find_policy, list_policies, policy_dirs
 from streamwise.runtime.policy.diagnostics import CODES
 
@@ -165,7 +166,7 @@ def test_newer_schema_version_is_refused(tmp_path):
 
 
 def test_migration_hook_upgrades_older_documents_with_located_deprecations(tmp_path, monkeypatch):
-    monkeypatch.setattr(migrations, "_MIGRATIONS", {})
+    monkeypatch.setattr(migrations, "_MIGRATIONS", Registry("migration"))
 
     @migrations.migration(0)
     def rename_title(document):
@@ -181,7 +182,7 @@ def test_migration_hook_upgrades_older_documents_with_located_deprecations(tmp_p
     assert (warning.code, warning.severity) == ("deprecated-key", "warning")
     assert warning.message == "'policy.title' -> 'policy.name'"
     assert (warning.location.line, warning.location.col) == (4, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="already registered; register yours under another name"):
         migrations.migration(0)(rename_title)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...schemas import SCHEMA_VERSION
+from ..registry import Registry
 from .spans import KeyPath
 
 
@@ -28,19 +29,13 @@ class KeyMove:
 
 
 Migration = Callable[[dict], "tuple[dict, list[KeyMove]]"]
-_MIGRATIONS: dict[int, Migration] = {}
+#: The step that turns a document of schema_version N (the key) into an N + 1 one.
+_MIGRATIONS: Registry[Migration] = Registry("migration from schema_version")
 
 
 def migration(from_version: int) -> Callable[[Migration], Migration]:
     """Register the step that turns a `from_version` document into a `from_version + 1` one."""
-
-    def register(step: Migration) -> Migration:
-        if from_version in _MIGRATIONS:
-            raise ValueError(f"a migration from schema_version {from_version} is already registered")
-        _MIGRATIONS[from_version] = step
-        return step
-
-    return register
+    return _MIGRATIONS.decorator(from_version)
 
 
 def oldest_readable_version() -> int:
