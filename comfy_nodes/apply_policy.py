@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import select_policy
-from ..runtime.hosts.comfyui.patcher import adopt
-from ..runtime.policy.load import load_policy
+from ..runtime.policy import load_policy
 from .folders import comfy_policy_dirs, policy_choices
 
 
 class ApplyStreamwisePolicy:
+    TITLE = "Apply Streamwise Policy"
     CATEGORY = "streamwise"
     DESCRIPTION = "Make a foreign model tree stream under ComfyUI's low-VRAM loading, by a Streamwise policy."
     FUNCTION = "apply"

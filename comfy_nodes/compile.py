@@ -1,17 +1,20 @@
-"""Quantized Lazy Torch Compile: arm regional torch.compile on a MODEL (see runtime/compile.py)."""
+"""Quantized Lazy Torch Compile: arm regional torch.compile on a MODEL (see runtime/compile/).
+
+Its node id stays `INT8LazyTorchCompile`, the name saved workflows use."""
 
 from __future__ import annotations
 
-from ..runtime.compile.arm import lazy_compile
+from ..runtime.compile import lazy_compile
 from ..schemas.vocabulary import COMPILE_MODES
 
 
-class INT8LazyTorchCompile:
+class QuantizedLazyTorchCompile:
+    TITLE = "Quantized Lazy Torch Compile"
     CATEGORY = "streamwise"
     DESCRIPTION = "Compile a MODEL's repeated blocks lazily (on the first run), quantization- and streaming-aware."
     FUNCTION = "compile"
     RETURN_TYPES = ("MODEL",)
-    RETURN_NAMES = ("model_patcher",)
+    RETURN_NAMES = ("model",)
 
     @classmethod
     def INPUT_TYPES(cls):

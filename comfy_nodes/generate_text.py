@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.engine import applied_state
+
 
 class StreamwiseGenerateText:
+    TITLE = "Streamwise Generate Text"
     CATEGORY = "streamwise"
     DESCRIPTION = "Generate text with a causal LM loaded by the Streamwise Model Loader (tokenizer from its folder)."
     FUNCTION = "generate"
@@ -29,7 +32,8 @@ class StreamwiseGenerateText:
         import comfy.model_management
         import transformers
 
-        source = getattr(model.model, "streamwise_source", None)
+        state = applied_state(model.model)
+        source = state.source if state is not None else None
         if source is None:
             raise ValueError("this MODEL has no tokenizer folder: load it with the Streamwise Model Loader")
         try:

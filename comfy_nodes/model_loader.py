@@ -6,16 +6,16 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.hosts.comfyui.patcher import model_patcher
-from ..runtime.checkpoint.skeleton import config_folder
-from .model_files import list_models, resolve_model
-from ..runtime.checkpoint.pretrained import load_pretrained
+from ..runtime.checkpoint import load_pretrained
+from ..runtime.hosts.comfyui import model_patcher
 from .folders import comfy_policy_dirs, model_roots, policy_choices
+from .model_files import list_models, resolve_model
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class StreamwiseModelLoader:
+    TITLE = "Streamwise Model Loader"
     CATEGORY = "streamwise"
     DESCRIPTION = "Load a transformers-style model (HF folder, .safetensors or .gguf) and convert it with a Streamwise policy."
     FUNCTION = "load"
@@ -42,7 +42,6 @@ class StreamwiseModelLoader:
         )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device())
-        tree.streamwise_source = str(config_folder(path))  # on the tree: patcher clones share it
         text = (f"{chosen}; {report.tensors} tensors from {Path(report.file).name}"
                 + (f"; residents {report.residents}" if report.residents else ""))
         return (patcher, text)

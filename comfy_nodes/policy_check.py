@@ -7,6 +7,7 @@ from .folders import comfy_policy_dirs, policy_choices
 
 
 class StreamwisePolicyCheck:
+    TITLE = "Streamwise Policy Check"
     CATEGORY = "streamwise"
     DESCRIPTION = "Validate a Streamwise policy (shipped or from your user folder) and show its diagnostics."
     FUNCTION = "check"

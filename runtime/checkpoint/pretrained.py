@@ -20,6 +20,7 @@ from ..plan.auto import select_policy
 from .skeleton import BUILD_DTYPES, build_skeleton, config_folder, model_type
 from .readers import Checkpoint, open_checkpoint
 from .fill import LoadReport, load
+from ..engine import applied_state
 from ..policy.load import as_policy
 
 
@@ -54,6 +55,7 @@ def load_pretrained(
         policy, chosen = select_policy(model, model_type=model_type(folder), keys=checkpoint.tensors, dirs=policy_dirs)
     policy = as_policy(policy, dirs=policy_dirs)
     report = load(model, path, policy, dtype=dtype, progress=progress)
+    applied_state(model).source = str(folder)
     return Pretrained(model, report, chosen or f"policy `{policy.name}`")
 
 

@@ -100,6 +100,7 @@ class AppliedState:
     tree: StreamTree = field(default_factory=StreamTree)
     records: list[_Record] = field(default_factory=list)
     plan: Plan | None = None
+    source: str | None = None  # the folder the tree was built from, when it was (its tokenizer lives there)
 
     def counts(self) -> ConversionCounts:
         streamed: dict[str, int] = {}
