@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamwise.runtime.plan.selectors import CompiledSelector, ModuleRef
+from streamwise.runtime.plan.selectors import CompiledSelector, ModuleRef, outermost, walk_modules
 from streamwise.schemas import Selector
 from streamwise.schemas.patterns import PatternError, compile_glob, glob_matches
 
@@ -106,3 +106,39 @@ def test_a_lone_string_is_a_one_item_list():
 def test_brackets_inside_a_character_class_are_literal():
     assert glob("a[!]]", "ab") and not glob("a[!]]", "a]")
     assert glob("a[]x]", "a]") and glob("a[]x]", "ax") and not glob("a[]x]", "ab")
+
+
+def test_a_module_ref_names_its_class_short_and_qualified():
+    import torch
+
+    module = ref("x", torch.nn.Linear(2, 2))
+    assert (module.name, module.qualname) == ("Linear", "torch.nn.modules.linear.Linear")
+
+
+def test_a_live_modules_class_verdict_is_the_refs():
+    import torch
+
+    selector = CompiledSelector(Selector(**{"class": "Linear", "subclasses": True}, path="head"))
+    for path, module in [("a", torch.nn.Linear(2, 2)), ("head", torch.nn.ReLU()), ("b", torch.nn.ReLU())]:
+        assert selector.matches_module(path, module) is selector.matches(ref(path, module))
+
+
+def test_walk_modules_is_named_modules():
+    import torch
+
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Sequential(shared, torch.nn.ReLU()), shared, torch.nn.Linear(2, 2))
+    model.add_module("empty", None)
+    assert walk_modules(model) == list(model.named_modules())
+
+
+def test_outermost_keeps_only_matches_inside_no_other():
+    import torch
+
+    def block():
+        return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+    model = torch.nn.Sequential(block(), torch.nn.Linear(2, 2), block())
+    units = outermost(CompiledSelector(Selector(path=["*", "*.1"])), model)
+    assert [path for path, _ in units] == ["0", "1", "2"]  # `0.1` and `2.1` lie inside units
+    assert units[0][1] is model[0]

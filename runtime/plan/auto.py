@@ -9,13 +9,13 @@ names both, rather than a silent pick.
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 from torch import nn
 
 from ...schemas.patterns import compile_glob, glob_matches
-from ..policy.folders import list_policies, policy_dirs
 from ..policy.diagnostics import Diagnostic, PolicyError
+from ..policy.folders import list_policies, policy_dirs
 from ..policy.load import check_policy
 from .selectors import ModuleRef
 
@@ -24,7 +24,8 @@ def select_policy(
     model: nn.Module, *, model_type: str | None = None, keys: Iterable[str] = (), dirs: Iterable[str | os.PathLike] = ()
 ) -> tuple[str, str]:
     """(policy name, why it was picked) for `model`; PolicyError when none or several fit."""
-    short, qualified = ModuleRef.of("", model).classes[0]
+    root = ModuleRef.of("", model)
+    short, qualified = root.name, root.qualname
     keys = list(keys)
     scored: dict[int, list[tuple[str, str]]] = {}
     for name, path in list_policies(policy_dirs(dirs)).items():
@@ -41,10 +42,14 @@ def select_policy(
         ):
             scored.setdefault(1, []).append((name, "its state-dict key patterns"))
     if not scored:
-        raise PolicyError([Diagnostic("unknown-policy", f"no policy's [match] recognizes `{short}`; choose a policy by name")])
+        raise PolicyError([Diagnostic(
+            "unknown-policy", f"no policy's [match] recognizes `{short}`; choose a policy by name",
+        )])
     best = scored[max(scored)]
     if len(best) > 1:
         names = ", ".join(f"`{n}`" for n, _ in best)
-        raise PolicyError([Diagnostic("rule-conflict", f"policies {names} all match `{short}` by {best[0][1]}; choose one by name")])
+        raise PolicyError([Diagnostic(
+            "rule-conflict", f"policies {names} all match `{short}` by {best[0][1]}; choose one by name",
+        )])
     name, reason = best[0]
     return name, f"`auto` picked `{name}` by {reason}"
