@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamwise.runtime.plan.precedence import RuleConflict, decide
+from streamwise.runtime.plan.precedence import RuleConflict, Section, decide
 from streamwise.runtime.plan.selectors import CompiledSelector, ModuleRef
 from streamwise.schemas import QuantRule, Selector, StreamRule
 
@@ -90,3 +90,26 @@ def test_stream_rules_disagree_on_kind():
 
 def test_no_rule_selects_the_module():
     assert winner([quant("a", "int8", path="layers.*")], "head") is None
+
+
+@pytest.mark.parametrize("path, cls", [("model.lm_head", Linear), ("a", Linear), ("a", FusedLinear), ("x.0", Linear)])
+def test_a_section_decides_as_decide_does(path, cls):
+    rules = [
+        quant("family", "int8", **{"class": "Linear", "subclasses": True}),
+        quant("head", "none", path="model.lm_head"),
+        quant("first", "int8", regex=[r".*\.0"]),
+    ]
+    exclude = CompiledSelector(Selector(path="a", **{"class": "FusedLinear"}))
+    for excluded in (None, exclude):
+        section = Section(rules, excluded)
+        expected = decide(rules, module(path, cls), excluded)
+        assert section.decide(path, cls()) == expected
+        assert section.decide(path, cls()) == expected  # and again, from the class's cached verdict
+
+
+def test_a_section_reports_a_class_tie_per_module():
+    section = Section([quant("a", "int8", **{"class": "Linear"}), quant("b", "none", **{"class": "Linear"})])
+    for path in ("x", "y"):
+        with pytest.raises(RuleConflict) as raised:
+            section.decide(path, Linear())
+        assert raised.value.module.path == path

@@ -3,14 +3,20 @@
 The section's `exclude` always wins. Otherwise the most specific match decides (exact path >
 path glob with more literal segments > regex > qualified class > short class > subclass). Rules
 that tie agree or the policy is ambiguous: `RuleConflict` names both.
+
+Every path or regex match outranks every class match, so a `Section` decides the class rules once
+per class and tries only the rules with path or regex entries per path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from .selectors import CompiledSelector, ModuleRef, Specificity
+from .selectors import ClassNames, CompiledSelector, ModuleRef, PerClass, Specificity, class_names
+
+Hits = Sequence[tuple[Specificity, Any]]  # (specificity, rule) in rule order
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,52 @@ class RuleConflict(ValueError):
         )
 
 
+@dataclass(frozen=True)
+class _ClassVerdict:
+    """What a section's class entries make of one class: excluded, and the decision of its class rules."""
+
+    names: ClassNames
+    excluded: bool
+    decision: Decision | None
+    rival: Any = None  # a rule that ties with the decision's and disagrees
+
+
+class Section:
+    """One section's rules (with their compiled selectors, in order) and its `exclude`, compiled once."""
+
+    def __init__(self, rules: Sequence[tuple[Any, CompiledSelector]], exclude: CompiledSelector | None = None) -> None:
+        self.rules = list(rules)
+        self.exclude = exclude
+        self.by_path = [(rule, selector) for rule, selector in self.rules if selector.by_path]
+        self._exclude_by_path = exclude is not None and exclude.by_path
+        self.of_class: PerClass[_ClassVerdict] = PerClass(lambda cls: self._verdict(class_names(cls)))
+        """The class part of every decision for instances of a class, worked out once: `of_class[cls]`."""
+
+    @property
+    def path_dependent(self) -> bool:
+        """Whether a decision of this section can depend on the path, not only on the class."""
+        return bool(self.by_path) or self._exclude_by_path
+
+    def decide(self, path: str, module: object) -> Decision | None:
+        """The rule that decides `module` at `path`, or None when no rule selects it or it is excluded."""
+        verdict = self.of_class[type(module)]
+        if verdict.excluded or (self._exclude_by_path and self.exclude.path_specificity(path) is not None):
+            return None
+        decision, rival = verdict.decision, verdict.rival
+        if self.by_path:
+            hits = [(spec, rule) for rule, selector in self.by_path if (spec := selector.path_specificity(path))]
+            if hits:
+                decision, rival = _pick(hits)
+        if rival is not None:
+            raise RuleConflict(ModuleRef(path, verdict.names), decision.rule, rival)
+        return decision
+
+    def _verdict(self, names: ClassNames) -> _ClassVerdict:
+        excluded = self.exclude is not None and self.exclude.class_specificity(names) is not None
+        hits = [(spec, rule) for rule, selector in self.rules if (spec := selector.class_specificity(names))]
+        return _ClassVerdict(names, excluded, *(_pick(hits) if hits else (None, None)))
+
+
 def decide(
     rules: Sequence[tuple[Any, CompiledSelector]], module: ModuleRef, exclude: CompiledSelector | None = None
 ) -> Decision | None:
@@ -37,9 +89,15 @@ def decide(
     hits = [(spec, rule) for rule, selector in rules if (spec := selector.specificity(module)) is not None]
     if not hits:
         return None
+    decision, rival = _pick(hits)
+    if rival is not None:
+        raise RuleConflict(module, decision.rule, rival)
+    return decision
+
+
+def _pick(hits: Hits) -> tuple[Decision, Any]:
+    """The most specific hit (the first in rule order among equals), and a tied rule that disagrees, if any."""
     best = max(spec for spec, _ in hits)
     tied = [rule for spec, rule in hits if spec == best]
-    for other in tied[1:]:
-        if other.decision != tied[0].decision:
-            raise RuleConflict(module, tied[0], other)
-    return Decision(tied[0], best)
+    rival = next((other for other in tied[1:] if other.decision != tied[0].decision), None)
+    return Decision(tied[0], best), rival
