@@ -8,14 +8,18 @@ in bytes, and the diagnostics found while resolving.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ...schemas import CompileSettings
 from ..policy.diagnostics import Diagnostic
 
 
-@dataclass(frozen=True)
-class ModulePlan:
-    """One module with something to do (or something missed)."""
+class ModulePlan(NamedTuple):
+    """One module with something to do (or something missed).
+
+    A named tuple rather than a frozen dataclass: resolve makes one per converted module, and a tuple
+    is built several times faster.
+    """
 
     path: str
     class_name: str

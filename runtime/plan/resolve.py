@@ -1,16 +1,21 @@
 """`resolve(policy, model)`: decide, for every module of a live tree, what the policy does to it.
 
-Pure and deterministic: it reads `named_modules()` and the tensors' sizes (meta tensors work),
+Pure and deterministic: it reads the module tree and the tensors' sizes (meta tensors work),
 changes nothing, and returns a `Plan` with the deciding rule of every role, a coverage census in
 bytes, and diagnostics: rules that match nothing, rules that tie and disagree, streamed
 "leaves" that hold parameter-holding children, modules that would both stream and relocate, and
 tensors that no rule handles (those would be stranded under partial offload).
+
+It is built to cost little more than a walk over the tree: the policy is compiled once, what
+depends on a module's class alone is decided once per class, and each module's tensors are read in
+one pass (`benchmarks/bench_resolve.py`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -18,10 +23,9 @@ from ...schemas import Policy
 from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from ..policy.load import as_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
-from .precedence import RuleConflict, decide
-from .selectors import CompiledSelector, ModuleRef, within
+from .precedence import RuleConflict, Section
+from .selectors import CompiledSelector, ModuleRef, class_names, outermost, walk_modules
 
-_SECTIONS = ("stream", "relocate", "quant")
 _LINEAR_ONLY = ("int8", "convrot_int8", "convrot_int4")
 _FETCHED = ("weight", "bias")  # what a streamed leaf's fetch brings; any other tensor of it stays behind
 _MAX_LISTED = 8
@@ -39,136 +43,271 @@ def plan_for(
 
 
 def resolve(policy: Policy, model: nn.Module) -> Plan:
-    sections = {
-        name: (
-            [(rule, CompiledSelector(rule.select)) for rule in getattr(policy, name).rule],
-            CompiledSelector(getattr(policy, name).exclude) if getattr(policy, name).exclude else None,
-        )
-        for name in _SECTIONS
-    }
+    """Every module's roles with their deciding rules, the coverage census and the diagnostics."""
+    decider = _Decider(policy)
+    walk = walk_modules(model)
     blocks = CompiledSelector(policy.compile.blocks) if policy.compile.blocks else None
-    matches = {f"{name}.{rule.id}": 0 for name in _SECTIONS for rule in getattr(policy, name).rule}
+    units = {path for path, _ in outermost(blocks, model, walk=walk)} if blocks else set()
     if blocks is not None:
-        matches["compile.blocks"] = 0
+        decider.matches["compile.blocks"] = len(units)
     problems: list[Diagnostic] = []
     plans: list[ModulePlan] = []
-    census = _Census()
-    units: list[str] = []
+    coverage = _CoverageCounter()
 
-    for path, module in model.named_modules():
-        ref = ModuleRef.of(path, module)
-        decided = {}
-        for name, (rules, exclude) in sections.items():
-            try:
-                decision = decide(rules, ref, exclude)
-            except RuleConflict as conflict:
-                problems.append(_conflict(name, conflict))
-                decision = None
-            decided[name] = decision.rule if decision else None
-            if decision:
-                matches[f"{name}.{decision.rule.id}"] += 1
-        stream, relocate, quant = decided["stream"], decided["relocate"], decided["quant"]
-        if stream is not None and _holds_parameters_below(module):
-            problems.append(_rule_problem(
-                "stream-container", stream,
-                f"stream rule `{stream.id}` selects `{path or '<root>'}` ({ref.classes[0][0]}), whose children hold "
-                "parameters; stream leaves, and relocate the direct tensors of containers",
-            ))
-            stream = None
-        if stream is not None and relocate is not None:
-            problems.append(_rule_problem(
-                "rule-conflict", relocate,
-                f"`{path or '<root>'}` would both stream (rule `{stream.id}`) and relocate (rule `{relocate.id}`)",
-                notes=(Note(f"`{stream.id}` is here", _rule_location(stream)),),
-            ))
-            relocate = None
-        weight = module._parameters.get("weight")
-        if quant is not None and (weight is None or weight.numel() < quant.min_weights):
-            quant = None  # nothing to quantize, or too small to be worth it
-        if quant is not None and quant.format in _LINEAR_ONLY and not isinstance(module, nn.Linear):
-            problems.append(_rule_problem(
-                "quant-unsupported", quant,
-                f"quant rule `{quant.id}`: `{quant.format}` applies to Linear layers, and `{path}` is a {ref.classes[0][0]}",
-                help="narrow the selector, or exclude these layers in [quant]",
-            ))
-            quant = None
-        if quant is not None and quant.effective_group_size and isinstance(module, nn.Linear):
-            if module.in_features % quant.effective_group_size:
-                problems.append(_rule_problem(
-                    "invalid-group-size", quant,
-                    f"quant rule `{quant.id}`: group size {quant.effective_group_size} does not divide "
-                    f"in_features {module.in_features} of `{path}`",
-                    help="pick a power of 4 that divides every selected layer's in_features, or exclude the layer",
-                ))
-                quant = None
-        unit = blocks is not None and blocks.matches(ref) and not any(within(path, u) for u in units)
-        if unit:
-            units.append(path)
-            matches["compile.blocks"] += 1
-        relocated = tuple(census.visit(path, module, stream is not None, relocate is not None))
-        if stream or relocate or quant or unit:
-            plans.append(ModulePlan(
-                path=path,
-                class_name=ref.classes[0][1],
-                stream=stream.kind if stream else None,
-                stream_rule=stream.id if stream else None,
-                relocate=relocated if relocate else (),
-                relocate_rule=relocate.id if relocate else None,
-                quant=quant.format if quant else None,
-                quant_rule=quant.id if quant else None,
-                group_size=quant.effective_group_size if quant else None,
-                gguf_type=quant.effective_gguf_type if quant else None,
-                compile_unit=unit,
-            ))
+    for path, module in walk:
+        decided = decider.decide(path, module, problems)
+        roles, entry = decided.roles, decided.entry
+        for check in decided.checks:
+            failed = check(path, module, roles)
+            if failed is not None:
+                roles, problem = failed
+                entry = _entry(entry.class_name, roles)
+                if problem is not None:
+                    problems.append(problem)
+        relocated = coverage.count(path, module, roles)
+        unit = path in units
+        if unit or roles.any:
+            plans.append(_placed(entry, path, relocated, unit))
 
-    problems += _unmatched(policy, sections, matches, model)
-    coverage = census.coverage()
-    if coverage.stranded:
-        problems.append(_stranded(coverage))
+    problems += _unmatched(decider, walk)
+    counted = coverage.coverage()
+    if counted.stranded:
+        problems.append(_stranded(counted))
     return Plan(
         policy=policy.name,
-        root_class=ModuleRef.of("", model).classes[0][1],
+        root_class=ModuleRef.of("", model).qualname,
         compile=policy.compile,
         modules=tuple(plans),
-        coverage=coverage,
-        rule_matches=matches,
+        coverage=counted,
+        rule_matches=decider.matches,
         diagnostics=tuple(problems),
     )
 
 
-class _Census:
-    """Bytes per role, counting every tensor once (tied parameters are one tensor)."""
+class _Roles(NamedTuple):
+    """The rule that decides each role of one module (None: the module has not that role)."""
+
+    stream: Any = None
+    relocate: Any = None
+    quant: Any = None
+
+    @property
+    def any(self) -> bool:
+        return self.stream is not None or self.relocate is not None or self.quant is not None
+
+
+# A check sees one module and its roles; it returns None when they stand, else the roles left and
+# the diagnostic (None for a silent fallback).
+Check = Callable[[str, nn.Module, _Roles], "tuple[_Roles, Diagnostic | None] | None"]
+
+
+class _Decided(NamedTuple):
+    roles: _Roles
+    keys: tuple[str, ...]  # the `rule_matches` keys of the deciding rules
+    checks: tuple[Check, ...]  # those of `_CHECKS` that apply to these roles
+    entry: ModulePlan  # the plan entry the roles make, to be placed at each module's path
+
+
+class _Decider:
+    """The policy's sections compiled once, and the rules that decide each module, counted per rule.
+
+    When no rule or exclude names paths, what decides one module decides every module of its class.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.sections: dict[str, Section] = {}
+        for name in Policy.RULE_SECTIONS:  # in the order the sections are decided
+            section = getattr(policy, name)
+            exclude = CompiledSelector(section.exclude) if section.exclude else None
+            self.sections[name] = Section([(rule, CompiledSelector(rule.select)) for rule in section.rule], exclude)
+        self.matches = {f"{name}.{rule.id}": 0 for name, section in self.sections.items() for rule, _ in section.rules}
+        self._per_class = not any(section.path_dependent for section in self.sections.values())
+        self._by_class: dict[type, _Decided] = {}
+
+    def decide(self, path: str, module: nn.Module, problems: list[Diagnostic]) -> _Decided:
+        """The rules that decide `module` and the checks they need; ties that disagree go to `problems`."""
+        decided = self._by_class.get(type(module)) or self._decide(path, module, problems)
+        for key in decided.keys:
+            self.matches[key] += 1
+        return decided
+
+    def _decide(self, path: str, module: nn.Module, problems: list[Diagnostic]) -> _Decided:
+        rules, keys, tied = {}, [], False
+        for name, section in self.sections.items():
+            try:
+                decision = section.decide(path, module)
+            except RuleConflict as conflict:
+                problems.append(_conflict(name, conflict))
+                decision, tied = None, True
+            if decision is not None:
+                rules[name] = decision.rule
+                keys.append(f"{name}.{decision.rule.id}")
+        checks = tuple(check for needs, check in _CHECKS if needs <= rules.keys())
+        roles = _Roles(**rules)  # the roles are named after the sections
+        decided = _Decided(roles, tuple(keys), checks, _entry(class_names(type(module))[0][1], roles))
+        if self._per_class and not tied:  # a tie is reported per module, so it is never cached
+            self._by_class[type(module)] = decided
+        return decided
+
+
+def _stream_leaf(path: str, module: nn.Module, roles: _Roles):
+    """A streamed module fetches only its own tensors: children holding parameters would be left out."""
+    rule = roles.stream
+    if rule is None or not _holds_parameters_below(module):
+        return None
+    return roles._replace(stream=None), _rule_problem(
+        "stream-container", rule,
+        f"stream rule `{rule.id}` selects `{path or '<root>'}` ({ModuleRef.of(path, module).name}), "
+        "whose children hold parameters; stream leaves, and relocate the direct tensors of containers",
+    )
+
+
+def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles):
+    """A streamed leaf's tensors come through the fetcher; they cannot also follow the compute device."""
+    stream, relocate = roles.stream, roles.relocate
+    if stream is None or relocate is None:
+        return None
+    return roles._replace(relocate=None), _rule_problem(
+        "rule-conflict", relocate,
+        f"`{path or '<root>'}` would both stream (rule `{stream.id}`) and relocate (rule `{relocate.id}`)",
+        notes=(Note(f"`{stream.id}` is here", _rule_location(stream)),),
+    )
+
+
+def _quant_worth_it(path: str, module: nn.Module, roles: _Roles):
+    """Nothing to quantize, or too few weights to be worth it: the layer stays float, silently."""
+    rule = roles.quant
+    if rule is None:
+        return None
+    weight = module._parameters.get("weight")
+    if weight is not None and weight.numel() >= rule.min_weights:
+        return None
+    return roles._replace(quant=None), None
+
+
+def _quant_linear_only(path: str, module: nn.Module, roles: _Roles):
+    rule = roles.quant
+    if rule is None or rule.format not in _LINEAR_ONLY or isinstance(module, nn.Linear):
+        return None
+    return roles._replace(quant=None), _rule_problem(
+        "quant-unsupported", rule,
+        f"quant rule `{rule.id}`: `{rule.format}` applies to Linear layers, and `{path}` is a "
+        f"{ModuleRef.of(path, module).name}",
+        help="narrow the selector, or exclude these layers in [quant]",
+    )
+
+
+def _quant_group_size(path: str, module: nn.Module, roles: _Roles):
+    rule = roles.quant
+    if rule is None or not rule.effective_group_size or not isinstance(module, nn.Linear):
+        return None
+    if not module.in_features % rule.effective_group_size:
+        return None
+    return roles._replace(quant=None), _rule_problem(
+        "invalid-group-size", rule,
+        f"quant rule `{rule.id}`: group size {rule.effective_group_size} does not divide "
+        f"in_features {module.in_features} of `{path}`",
+        help="pick a power of 4 that divides every selected layer's in_features, or exclude the layer",
+    )
+
+
+# In this order, each with the roles it needs: a check sees the roles the checks before it left.
+_CHECKS: tuple[tuple[set[str], Check], ...] = (
+    ({"stream"}, _stream_leaf),
+    ({"stream", "relocate"}, _stream_or_relocate),
+    ({"quant"}, _quant_worth_it),
+    ({"quant"}, _quant_linear_only),
+    ({"quant"}, _quant_group_size),
+)
+
+
+def _entry(class_name: str, roles: _Roles) -> ModulePlan:
+    """What `roles` make of a module of `class_name`, before it is placed (`_placed`)."""
+    stream, relocate, quant = roles
+    return ModulePlan(
+        path="",
+        class_name=class_name,
+        stream=stream.kind if stream else None,
+        stream_rule=stream.id if stream else None,
+        relocate_rule=relocate.id if relocate else None,
+        quant=quant.format if quant else None,
+        quant_rule=quant.id if quant else None,
+        group_size=quant.effective_group_size if quant else None,
+        gguf_type=quant.effective_gguf_type if quant else None,
+    )
+
+
+def _placed(entry: ModulePlan, path: str, relocated: tuple[str, ...], unit: bool) -> ModulePlan:
+    """`entry` for the module at `path`, with the tensors it relocates and whether it is a compile unit."""
+    return ModulePlan(path, entry.class_name, entry.stream, entry.stream_rule, relocated, entry.relocate_rule,
+                      entry.quant, entry.quant_rule, entry.group_size, entry.gguf_type, unit)
+
+
+class _CoverageCounter:
+    """Bytes per role, counting every tensor once (tied parameters are one tensor).
+
+    Names are kept as (module path, tensor name) and joined only for what is reported.
+    """
 
     def __init__(self) -> None:
         self.bytes = {"streamed": 0, "relocated": 0, "stranded": 0}
         self.stranded: list[TensorRef] = []
-        self.names: dict[int, list[str]] = {}
+        self._first: dict[int, tuple[str, str]] = {}  # by tensor id: where it was first seen
+        self._aliases: dict[int, list[tuple[str, str]]] = {}  # by tensor id: where else it was seen
 
-    def visit(self, path: str, module: nn.Module, streamed: bool, relocated: bool) -> Iterable[str]:
-        tensors = [(n, t, "parameter") for n, t in module.named_parameters(recurse=False)]
-        tensors += [(n, t, "buffer") for n, t in module.named_buffers(recurse=False)]
-        for name, tensor, kind in tensors:
-            full = f"{path}.{name}" if path else name
-            aliases = self.names.setdefault(id(tensor), [])
-            aliases.append(full)
-            if relocated:
-                yield name
-            if len(aliases) > 1:
-                continue
-            size = tensor.numel() * tensor.element_size()
-            fetched = streamed and kind == "parameter" and name in _FETCHED
-            role = "relocated" if relocated else "streamed" if fetched else "stranded"
-            self.bytes[role] += size
-            if role == "stranded":
-                self.stranded.append(TensorRef(full, kind, size))
+    def count(self, path: str, module: nn.Module, roles: _Roles) -> tuple[str, ...]:
+        """Count the module's direct tensors in one pass; returns their names if it relocates (what it moves)."""
+        parameters, buffers = module._parameters, module._buffers
+        if not parameters and not buffers:
+            return ()
+        relocated = roles.relocate is not None
+        fetched_parameters = _FETCHED if roles.stream is not None and not relocated else ()
+        first = self._first
+        moved = []
+        for kind, tensors, fetched in (("parameter", parameters, fetched_parameters), ("buffer", buffers, ())):
+            for name, tensor in tensors.items():
+                if tensor is None:
+                    continue
+                key = id(tensor)
+                if key in first:
+                    if _named_earlier(tensors, name, tensor):
+                        continue  # one tensor under two names of one module: `named_parameters` yields it once
+                    self._aliases.setdefault(key, []).append((path, name))
+                else:
+                    first[key] = (path, name)
+                    role = "relocated" if relocated else "streamed" if name in fetched else "stranded"
+                    self.bytes[role] += tensor.nbytes
+                    if role == "stranded":
+                        self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes))
+                if relocated:
+                    moved.append(name)
+        return tuple(moved)
 
     def coverage(self) -> Coverage:
-        tied = tuple(tuple(names) for names in self.names.values() if len(names) > 1)
+        """The census; tied groups in the order their tensors were first seen."""
+        tied = tuple(
+            tuple(_joined(*where) for where in (self._first[key], *self._aliases[key]))
+            for key in self._first if key in self._aliases
+        ) if self._aliases else ()
         return Coverage(dict(self.bytes), tuple(self.stranded), tied)
 
 
+def _named_earlier(tensors: dict, name: str, tensor: object) -> bool:
+    """Whether `tensor` is in `tensors` under a name before `name`."""
+    for other_name, other in tensors.items():
+        if other_name == name:
+            return False
+        if other is tensor:
+            return True
+    return False
+
+
+def _joined(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
 def _holds_parameters_below(module: nn.Module) -> bool:
-    return any(True for child in module.children() for _ in child.parameters())
+    return bool(module._modules) and any(True for child in module.children() for _ in child.parameters())
 
 
 def _rule_location(rule: Any):
@@ -194,23 +333,25 @@ def _conflict(section: str, conflict: RuleConflict) -> Diagnostic:
     )
 
 
-def _unmatched(policy: Policy, sections: dict, matches: dict[str, int], model: nn.Module) -> list[Diagnostic]:
+def _unmatched(decider: _Decider, walk: list) -> list[Diagnostic]:
     """Rules whose selector hits no module: not those outranked everywhere, nor those whose modules are excluded."""
-    classes = sorted({ModuleRef.of("", m).classes[0][0] for m in model.modules()})
+    unmatched = [
+        (name, rule) for name, section in decider.sections.items() for rule, selector in section.rules
+        if not rule.optional and not decider.matches[f"{name}.{rule.id}"]
+        and not any(selector.matches_module(path, module) for path, module in walk)  # selects some, decides none
+    ]
+    if not unmatched:
+        return []
+    classes = sorted({ModuleRef.of(path, module).name for path, module in walk})
+    root = ModuleRef.of("", walk[0][1]).name  # a walk starts at the root
     problems = []
-    for section in _SECTIONS:
-        for rule, selector in sections[section][0]:
-            if rule.optional or matches[f"{section}.{rule.id}"]:
-                continue
-            if any(selector.matches(ModuleRef.of(path, module)) for path, module in model.named_modules()):
-                continue  # it selects modules, but decides none
-            guess = next(filter(None, (did_you_mean(name.rsplit(".", 1)[-1], classes) for name in rule.select.class_)), None)
-            problems.append(_rule_problem(
-                "unmatched-rule", rule,
-                f"rule `{rule.id}` in [{section}] matches no module of `{ModuleRef.of('', model).classes[0][0]}`",
-                suggestion=guess,
-                help="fix the selector, or mark the rule `optional = true` if some models of the family lack these modules",
-            ))
+    for name, rule in unmatched:
+        guess = next(filter(None, (did_you_mean(c.rsplit(".", 1)[-1], classes) for c in rule.select.class_)), None)
+        problems.append(_rule_problem(
+            "unmatched-rule", rule, f"rule `{rule.id}` in [{name}] matches no module of `{root}`",
+            suggestion=guess,
+            help="fix the selector, or mark the rule `optional = true` if some models of the family lack these modules",
+        ))
     return problems
 
 
