@@ -175,7 +175,10 @@ def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, typ
         raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
             f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
         ))
-    return [(entry, *_target(entry, model)) for entry in plan.modules if entry.stream or entry.relocate]
+    from ..plan.selectors import class_names, walk_modules  # the plan's own view of paths and classes
+
+    modules = dict(walk_modules(model))
+    return [(entry, *_target(entry, modules, class_names)) for entry in plan.modules if entry.stream or entry.relocate]
 
 
 def revert(model: nn.Module) -> None:
@@ -195,7 +198,7 @@ def revert(model: nn.Module) -> None:
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
     """Give `module` the class `cls` and plain `attributes`, returning how to undo it."""
     record = _Record(module, type(module), {name: module.__dict__.get(name, _ABSENT) for name in attributes}, role)
-    module.__class__ = cls
+    object.__setattr__(module, "__class__", cls)  # past nn.Module.__setattr__, which only looks for tensors here
     module.__dict__.update(attributes)
     return record
 
@@ -218,16 +221,15 @@ def _quantized(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module
     return quantized
 
 
-def _target(entry: ModulePlan, model: nn.Module) -> tuple[nn.Module, type]:
+def _target(entry: ModulePlan, modules: dict[str, nn.Module], class_names: Callable) -> tuple[nn.Module, type]:
     """The module a plan entry names and the class it must end up with; checks everything first."""
-    try:
-        module = model.get_submodule(entry.path)
-    except AttributeError:
-        raise ConversionError(f"the plan names `{entry.path}`, which this model does not have") from None
+    module = modules.get(entry.path)
+    if module is None:
+        raise ConversionError(f"the plan names `{entry.path}`, which this model does not have")
     if protocol.is_resident(module):
         return module, type(module)  # a quantized resident already streams
     original = protocol.original_class(module)
-    seen = f"{original.__module__}.{original.__qualname__}"
+    seen = class_names(original)[0][1]
     if seen != entry.class_name:
         raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
     if entry.stream and "forward" in module.__dict__:

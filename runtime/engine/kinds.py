@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry import Registry
+from . import protocol
 
 WeightDtype = Literal["input", "stored"]
 Function = Callable[..., Tensor]
@@ -38,7 +39,7 @@ class ComputeKind:
 
     def missing(self, module: nn.Module) -> list[str]:
         """Attributes the handler needs that `module` lacks (checked before any conversion)."""
-        return [name for name in self.requires if not hasattr(module, name)]
+        return [name for name in self.requires if not protocol.has_attribute(module, name)]
 
     def resident_forward(self, cls: type[nn.Module]) -> Callable[..., Any]:
         return cls.forward

@@ -52,9 +52,15 @@ def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> 
 def leaf_attributes(module: nn.Module, tree: object) -> dict[str, object]:
     """The instance attributes a streamed leaf starts with: resident, unpatched, in `tree`."""
     attributes: dict[str, object] = {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
-    if not hasattr(module, "bias"):
+    if not has_attribute(module, "bias"):
         attributes["bias"] = None  # core's cast_bias_weight reads `bias` on every op
     return attributes
+
+
+def has_attribute(module: nn.Module, name: str) -> bool:
+    """`hasattr(module, name)` without a raised AttributeError per miss (conversion asks it for every leaf)."""
+    return (name in module.__dict__ or name in module._parameters or name in module._buffers
+            or name in module._modules or hasattr(type(module), name))
 
 
 def is_fetching(module: nn.Module) -> bool:

@@ -16,6 +16,7 @@ from weakref import WeakKeyDictionary
 
 from ...schemas import Selector
 from ...schemas.patterns import compile_glob, compile_regex, glob_literal_segments, glob_matches, is_exact_path
+from ..engine.protocol import ORIGINAL_CLASS
 
 # Specificity tiers, highest first (see the README's precedence table).
 EXACT_PATH, GLOB_PATH, REGEX, CLASS = 4, 3, 2, 1
@@ -29,7 +30,7 @@ Walk = Iterable[tuple[str, object]]  # (path, module) pairs in `named_modules()`
 
 def original_class(cls: type) -> type:
     """A converted module is seen as its original class, so a policy resolves alike before and after."""
-    return getattr(cls, "_sw_original_class", cls)
+    return getattr(cls, ORIGINAL_CLASS, cls)
 
 
 def class_names(cls: type) -> ClassNames:
