@@ -35,4 +35,6 @@ class QuantizedLazyTorchCompile:
         }}
 
     def compile(self, model, compile_transformer_blocks_only, **settings):
-        return (lazy_compile(model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only, **settings),)
+        return (
+            lazy_compile(model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only, **settings),
+        )

@@ -6,8 +6,8 @@ only inside the folders they were listed from.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 

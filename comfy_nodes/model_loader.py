@@ -17,7 +17,9 @@ DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": t
 class StreamwiseModelLoader:
     TITLE = "Streamwise Model Loader"
     CATEGORY = "streamwise"
-    DESCRIPTION = "Load a transformers-style model (HF folder, .safetensors or .gguf) and convert it with a Streamwise policy."
+    DESCRIPTION = (
+        "Load a transformers-style model (HF folder, .safetensors or .gguf) and convert it with a Streamwise policy."
+    )
     FUNCTION = "load"
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
@@ -25,7 +27,10 @@ class StreamwiseModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": (list(list_models(model_roots())) or ["(no models found)"], {"tooltip": "From models/streamwise, text_encoders or LLM."}),
+            "model": (
+                list(list_models(model_roots())) or ["(no models found)"],
+                {"tooltip": "From models/streamwise, text_encoders or LLM."},
+            ),
             "policy": (policy_choices(auto=True), {"tooltip": "`auto` picks by the policies' [match] tables."}),
             "dtype": (list(DTYPES), {"default": "auto"}),
         }}

@@ -13,7 +13,8 @@ Invariants:
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Annotated, Any, Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
@@ -111,7 +112,7 @@ class Selector(_Table):
     """Also match subclasses of the named classes (by walking each module's MRO)."""
 
     @model_validator(mode="after")
-    def _not_empty(self) -> "Selector":
+    def _not_empty(self) -> Selector:
         if not (self.class_ or self.path or self.regex):
             raise PydanticCustomError("empty-selector", "a selector needs at least one of `class`, `path` or `regex`")
         return self
@@ -153,15 +154,15 @@ class QuantRule(_Rule):
 
     format: QuantFormat
     """The storage format. `none` keeps float weights and beats any less specific rule."""
-    group_size: Optional[int] = None
+    group_size: int | None = None
     """ConvRot only: Hadamard group size, a power of 4 that divides in_features (default 256)."""
-    gguf_type: Optional[GGUFType] = None
+    gguf_type: GGUFType | None = None
     """`gguf` only: the GGML type `streamwise quantize` writes for these layers (default Q8_0)."""
     min_weights: int = Field(default=0, ge=0)
     """Leave layers with fewer weight elements than this in float (small layers gain little)."""
 
     @model_validator(mode="after")
-    def _gguf_type_fits_format(self) -> "QuantRule":
+    def _gguf_type_fits_format(self) -> QuantRule:
         if self.gguf_type is not None and self.format != "gguf":
             raise PydanticCustomError(
                 "invalid-value", "`gguf_type` applies only to the `gguf` format, not to `{format}`",
@@ -174,7 +175,7 @@ class QuantRule(_Rule):
         return (self.gguf_type or DEFAULT_GGUF_TYPE) if self.format == "gguf" else None
 
     @model_validator(mode="after")
-    def _group_size_fits_format(self) -> "QuantRule":
+    def _group_size_fits_format(self) -> QuantRule:
         size = self.group_size
         if size is None:
             return self
@@ -204,7 +205,7 @@ class QuantRule(_Rule):
 
 
 class RuleSection(_Table):
-    exclude: Optional[Selector] = None
+    exclude: Selector | None = None
     """Modules this section never touches; an exclusion always beats every rule."""
 
 
@@ -228,7 +229,7 @@ class PolicyInfo(_Table):
     """The policy's name; it must equal the file name without `.toml`."""
     description: str = ""
     """One or two sentences shown next to the policy in pickers and reports."""
-    extends: Optional[Name] = None
+    extends: Name | None = None
     """Name of a policy this one builds on (see the README for the merge rules)."""
 
 
@@ -256,7 +257,7 @@ class CompileSettings(_Table):
     """Fail instead of splitting a graph at unsupported code."""
     dynamic: bool = False
     """Trace shapes symbolically instead of specializing on the first shapes seen."""
-    blocks: Optional[Selector] = None
+    blocks: Selector | None = None
     """The repeated block classes to compile regionally; without it the whole model is compiled."""
     dynamo_cache_size_limit: int = Field(default=64, ge=1, le=65536)
     """How many compiled variants torch keeps per code object before falling back to eager."""
@@ -268,7 +269,7 @@ class CompileSettings(_Table):
     """Log compile preparation, graph-cache growth, timings and recompile reasons."""
 
     @model_validator(mode="after")
-    def _mode_fits_backend(self) -> "CompileSettings":
+    def _mode_fits_backend(self) -> CompileSettings:
         if self.mode != "default" and self.backend != "inductor":
             raise PydanticCustomError(
                 "invalid-value", "compile mode `{mode}` is an inductor setting; backend `{backend}` takes none",

@@ -12,9 +12,9 @@ float weights on load.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -22,13 +22,12 @@ from torch import Tensor, nn
 from ...schemas import Policy
 from ..engine import protocol
 from ..engine.apply import Journal, apply, check
-from . import comfy_quant
-from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
+from ..plan import plan_for
 from ..quant.convrot import check_group_size
 from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
-from ..plan import plan_for
-
+from . import comfy_quant
+from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 
 _GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
 
@@ -122,8 +121,11 @@ class _Filling:
             first = self.checkpoint.tensors[present[0]]
             for other in present[1:]:  # tied in the model, stored twice in the file: only one value can win
                 stored = self.checkpoint.tensors[other]
-                if stored.shape != first.shape or stored.dtype != first.dtype or not torch.equal(stored.read(), first.read()):
-                    self.problem(other, f"tied to `{present[0]}` in the model, but the file stores a different value for it")
+                same = stored.shape == first.shape and stored.dtype == first.dtype
+                if not same or not torch.equal(stored.read(), first.read()):
+                    self.problem(
+                        other, f"tied to `{present[0]}` in the model, but the file stores a different value for it",
+                    )
             self._take(names, expected[names[0]], first)
         for name in sorted(set(self.checkpoint.tensors) - consumed):
             self.problem(name, "not in the model (an extra tensor)")
@@ -151,20 +153,25 @@ class _Filling:
                 self.problem(name, str(exc))
                 return
             if self._keeps_gguf_storage(module_path, attribute):
-                self.residents[module_path] = ("gguf", {"weight": blocks}, {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape})
+                attributes = {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape}
+                self.residents[module_path] = ("gguf", {"weight": blocks}, attributes)
                 return
             tensor = dequantize(blocks, stored.qtype, stored.shape, target)
             self.dequantized += 1
         else:
             tensor = stored.read()
-            if tensor.dtype != target and tensor.dtype in _GGUF_HALVES and self._keeps_gguf_storage(module_path, attribute):
+            if (tensor.dtype != target and tensor.dtype in _GGUF_HALVES
+                    and self._keeps_gguf_storage(module_path, attribute)):
                 # a GGUF F16/BF16 weight under a `gguf` rule stays in the file's storage, like a quantized one
                 attributes = {"gguf_qtype": _GGUF_HALVES[tensor.dtype], "gguf_shape": stored.shape}
                 self.residents[module_path] = ("gguf", {"weight": tensor.view(torch.uint8).reshape(-1)}, attributes)
                 return
             if tensor.dtype != target:
                 if not (self.dtype is not None and tensor.is_floating_point() and current.is_floating_point()):
-                    self.problem(name, f"dtype {tensor.dtype} in the file, {current.dtype} in the model (pass dtype= to convert)")
+                    self.problem(
+                        name,
+                        f"dtype {tensor.dtype} in the file, {current.dtype} in the model (pass dtype= to convert)",
+                    )
                     return
                 tensor = tensor.to(target)
         self.tensors[name] = tensor
@@ -189,13 +196,19 @@ class _Filling:
             except ValueError as exc:
                 self.problem(key, str(exc))
                 continue
-            weight, scale = self.checkpoint.tensors.get(f"{prefix}.weight"), self.checkpoint.tensors.get(f"{prefix}.weight_scale")
+            weight = self.checkpoint.tensors.get(f"{prefix}.weight")
+            scale = self.checkpoint.tensors.get(f"{prefix}.weight_scale")
             current = expected.get(f"{prefix}.weight")
             if weight is None or scale is None or current is None:
                 self.problem(key, "needs `.weight` and `.weight_scale` in the file and a Linear `.weight` in the model")
                 continue
-            if weight.dtype != torch.int8 or weight.shape != tuple(current.shape) or scale.shape not in ((current.shape[0],), (current.shape[0], 1)):
-                self.problem(f"{prefix}.weight", f"an int8_tensorwise layer needs int8{list(current.shape)} and one scale per row")
+            rows = current.shape[0]
+            if (weight.dtype != torch.int8 or weight.shape != tuple(current.shape)
+                    or scale.shape not in ((rows,), (rows, 1))):
+                self.problem(
+                    f"{prefix}.weight",
+                    f"an int8_tensorwise layer needs int8{list(current.shape)} and one scale per row",
+                )
                 continue
             if not isinstance(self.model.get_submodule(prefix), nn.Linear):
                 self.problem(key, f"`{prefix}` is not a Linear layer")
@@ -218,7 +231,10 @@ class _Filling:
             if progress is not None:
                 progress(done, total)
             current = expected[name]
-            value = nn.Parameter(tensor, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else tensor
+            if isinstance(current, nn.Parameter):
+                value = nn.Parameter(tensor, requires_grad=current.requires_grad)
+            else:
+                value = tensor
             for alias in self.aliases[name]:
                 module_path, _, attribute = alias.rpartition(".")
                 journal.set_tensor(self.model.get_submodule(module_path), attribute, value)

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
-from .readers import CheckpointError, StoredTensor, open_checkpoint
-from ..quant.gguf_dequant import dequantize
 from ..plan import plan_for
+from ..quant.gguf_dequant import dequantize
+from .readers import CheckpointError, StoredTensor, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,10 @@ def quantize_to_gguf(
     except BaseException:
         Path(partial).unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
         raise
-    return QuantizeReport(os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in, os.path.getsize(destination))
+    return QuantizeReport(
+        os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in,
+        os.path.getsize(destination),
+    )
 
 
 def _umask_mode() -> int:
@@ -88,7 +91,9 @@ def _check_destination(destination: Path, sources: set[Path]) -> None:
         raise CheckpointError([f"{destination}: is the source checkpoint; write the GGUF to a new file"])
 
 
-def _convert(name: str, stored: StoredTensor, gguf_type: str | None) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None, int]:
+def _convert(
+    name: str, stored: StoredTensor, gguf_type: str | None,
+) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None, int]:
     """The array to write, its GGML type, and the size of the source tensor it comes from.
 
     A source that is already quantized (a GGUF) keeps its blocks unless a rule asks for another
@@ -107,7 +112,9 @@ def _convert(name: str, stored: StoredTensor, gguf_type: str | None) -> tuple[np
     return (*_encode(name, values, gguf_type), size)
 
 
-def _encode(name: str, tensor: torch.Tensor, gguf_type: str | None) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+def _encode(
+    name: str, tensor: torch.Tensor, gguf_type: str | None,
+) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
     """The array to write and its GGML type (None: the array's own numpy type)."""
     if gguf_type is not None:
         qtype = gguf.GGMLQuantizationType[gguf_type]
@@ -118,7 +125,8 @@ def _encode(name: str, tensor: torch.Tensor, gguf_type: str | None) -> tuple[np.
             return gguf.quants.quantize(tensor.float().numpy(), qtype), qtype
     # Not quantized (or rows that do not fill whole blocks): the tensor's own type, unchanged.
     if tensor.dtype == torch.bfloat16:
-        return gguf.quants.quantize(tensor.float().numpy(), gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+        bf16 = gguf.GGMLQuantizationType.BF16
+        return gguf.quants.quantize(tensor.float().numpy(), bf16), bf16
     if tensor.dtype not in _NUMPY_TYPES:
         raise CheckpointError([f"tensor `{name}`: GGUF cannot store {tensor.dtype}"])
     return tensor.numpy(), None

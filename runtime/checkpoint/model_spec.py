@@ -49,7 +49,9 @@ def auto_model(config) -> nn.Module:
 def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
     source, _, name = spec.partition(":")
     if not source or not name:
-        raise ModelSpecError(f"`{spec}` is not a model spec: use `transformers:<Class or model_type>` or `module:factory`")
+        raise ModelSpecError(
+            f"`{spec}` is not a model spec: use `transformers:<Class or model_type>` or `module:factory`"
+        )
     if overrides is not None and not isinstance(overrides, dict):
         raise ModelSpecError(f"the config overrides must be a JSON object, not {type(overrides).__name__}")
     with torch.device("meta"):
@@ -77,7 +79,9 @@ def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
     except ModelSpecError:
         raise
     except Exception as exc:
-        raise ModelSpecError(f"transformers cannot build `{name}` with this config: {type(exc).__name__}: {exc}") from None
+        raise ModelSpecError(
+            f"transformers cannot build `{name}` with this config: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None) -> nn.Module:
@@ -88,4 +92,6 @@ def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None)
     try:
         return factory(**overrides) if overrides else factory()
     except Exception as exc:  # the overrides do not fit the factory, or the factory itself fails
-        raise ModelSpecError(f"cannot call `{module_name}:{attribute}` with this config: {type(exc).__name__}: {exc}") from None
+        raise ModelSpecError(
+            f"cannot call `{module_name}:{attribute}` with this config: {type(exc).__name__}: {exc}"
+        ) from None

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ...schemas import Policy
-from ..plan.auto import select_policy
-from .skeleton import BUILD_DTYPES, build_skeleton, config_folder, model_type
-from .readers import Checkpoint, open_checkpoint
-from .fill import LoadReport, load
 from ..engine import applied_state
+from ..plan.auto import select_policy
 from ..policy.load import as_policy
+from .fill import LoadReport, load
+from .readers import Checkpoint, open_checkpoint
+from .skeleton import BUILD_DTYPES, build_skeleton, config_folder, model_type
 
 
 class Pretrained(NamedTuple):

@@ -13,9 +13,9 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -65,7 +65,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             return _sharded(index)
         singles = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))
         if len(singles) != 1:
-            raise CheckpointError([f"{path}: expected `{SHARD_INDEX}`, or one .safetensors or .gguf file, in the folder"])
+            raise CheckpointError(
+                [f"{path}: expected `{SHARD_INDEX}`, or one .safetensors or .gguf file, in the folder"]
+            )
         path = singles[0]
     if path.name.endswith(".index.json"):
         return _sharded(path)
@@ -134,12 +136,17 @@ def _safetensors(path: Path) -> dict[str, StoredTensor]:
             count = 1
             for d in shape:
                 count *= d
-            if min(shape, default=0) < 0 or end - begin != count * dtype.itemsize or begin < 0 or data_start + end > size:
-                raise ValueError(f"its {end - begin} bytes at {begin} do not hold {info['dtype']}{list(shape)} inside the file")
+            if (min(shape, default=0) < 0 or end - begin != count * dtype.itemsize
+                    or begin < 0 or data_start + end > size):
+                raise ValueError(
+                    f"its {end - begin} bytes at {begin} do not hold {info['dtype']}{list(shape)} inside the file"
+                )
         except (KeyError, TypeError, ValueError) as exc:
-            problems.append(f"{path}: tensor `{name}`: {exc if isinstance(exc, ValueError) else f'malformed entry {info!r}'}")
+            detail = exc if isinstance(exc, ValueError) else f"malformed entry {info!r}"
+            problems.append(f"{path}: tensor `{name}`: {detail}")
             continue
-        tensors[name] = StoredTensor(name, str(path), shape, dtype, _view(mapped, dtype, count, data_start + begin, shape))
+        view = _view(mapped, dtype, count, data_start + begin, shape)
+        tensors[name] = StoredTensor(name, str(path), shape, dtype, view)
     if problems:
         raise CheckpointError(problems)
     return tensors
@@ -178,9 +185,13 @@ def _gguf(path: Path) -> dict[str, StoredTensor]:
         shape = tuple(int(d) for d in reversed(entry.shape.tolist()))
         data = entry.data
         if qtype in plain:
-            read = (lambda data=data, shape=shape, dtype=plain[qtype]: torch.from_numpy(data).view(dtype).reshape(shape))
+            def read(data=data, shape=shape, dtype=plain[qtype]):
+                return torch.from_numpy(data).view(dtype).reshape(shape)
+
             tensors[entry.name] = StoredTensor(entry.name, str(path), shape, plain[qtype], read)
         else:
-            read = (lambda data=data: torch.from_numpy(data).view(torch.uint8).reshape(-1))
+            def read(data=data):
+                return torch.from_numpy(data).view(torch.uint8).reshape(-1)
+
             tensors[entry.name] = StoredTensor(entry.name, str(path), shape, torch.uint8, read, qtype)
     return tensors

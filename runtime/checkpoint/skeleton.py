@@ -9,9 +9,9 @@ the first that recognizes the folder wins.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn

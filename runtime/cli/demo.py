@@ -15,27 +15,31 @@ from pathlib import Path
 import torch
 
 from ...schemas import Policy, QuantRule, QuantSection, Selector
-from ..checkpoint.gguf_writer import quantize_to_gguf
-from ..hosts.standalone import offload
 from ..checkpoint.fill import load
+from ..checkpoint.gguf_writer import quantize_to_gguf
 from ..checkpoint.skeleton import skeleton
-from ..policy.load import load_policy
+from ..hosts.standalone import offload
 from ..plan.resolve import resolve
+from ..policy.load import load_policy
 
 
 def _qwen2():
     import transformers
 
-    config = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=512)
+    config = transformers.Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512,
+    )
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
 def _tokenizer():
     import transformers
 
-    config = transformers.VibeVoiceAcousticTokenizerConfig(hidden_size=16, num_filters=8, downsampling_ratios=[2, 4],
-                                                           depths=[1, 1, 1], kernel_size=3, layer_scale_init_value=0.5)
+    config = transformers.VibeVoiceAcousticTokenizerConfig(
+        hidden_size=16, num_filters=8, downsampling_ratios=[2, 4], depths=[1, 1, 1], kernel_size=3,
+        layer_scale_init_value=0.5,
+    )
     return transformers.VibeVoiceAcousticTokenizerModel(config).eval()
 
 
@@ -55,8 +59,14 @@ def with_q8_0(policy: Policy) -> Policy:
 
 
 CASES = {
-    "qwen2": (_qwen2, "decoder-llm", lambda: torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)), _run_qwen),
-    "vibevoice-tokenizer": (_tokenizer, "vibevoice", lambda: torch.randn(1, 1, 512, generator=torch.Generator().manual_seed(0)), _run_tokenizer),
+    "qwen2": (
+        _qwen2, "decoder-llm",
+        lambda: torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)), _run_qwen,
+    ),
+    "vibevoice-tokenizer": (
+        _tokenizer, "vibevoice",
+        lambda: torch.randn(1, 1, 512, generator=torch.Generator().manual_seed(0)), _run_tokenizer,
+    ),
 }
 
 
@@ -84,7 +94,10 @@ def run_demo(print=print, budget_fraction: float = 0.25) -> dict:
             print(f"   coverage {plan.coverage.fraction:.0%}: streamed {summary['bytes']['streamed']} B, "
                   f"relocated {summary['bytes']['relocated']} B, stranded {summary['bytes']['stranded']} B")
             total = summary["bytes"]["streamed"]
-            for label, path, used in (("safetensors", directory / "model.safetensors", policy), ("gguf q8_0", gguf_path, quantized)):
+            for label, path, used in (
+                ("safetensors", directory / "model.safetensors", policy),
+                ("gguf q8_0", gguf_path, quantized),
+            ):
                 with skeleton():
                     model = build()
                 loaded = load(model, path, used)
@@ -93,7 +106,10 @@ def run_demo(print=print, budget_fraction: float = 0.25) -> dict:
                 output = run(model, inputs)
                 seconds = time.perf_counter() - start
                 identical = bool(torch.equal(output, expected))
-                error = 0.0 if identical else float((output.float() - expected.float()).norm() / expected.float().norm())
+                if identical:
+                    error = 0.0
+                else:
+                    error = float((output.float() - expected.float()).norm() / expected.float().norm())
                 results[f"{name}/{label}"] = {"identical": identical, "relative_error": error, "seconds": seconds}
                 print(f"   {label:<12} {path.stat().st_size:>9} B  residents {loaded.residents or '-'}  "
                       f"resident/streamed leaves {report.resident_modules}/{report.streamed_modules}  "

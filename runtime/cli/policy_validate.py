@@ -14,8 +14,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..policy.diagnostics import Diagnostic, errors_in, json_report, render_json, render_text
 from ..policy.folders import policy_dirs, policy_files

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..checkpoint.readers import CheckpointError
 from ..policy.diagnostics import PolicyError
@@ -19,7 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantize = commands.add_parser("quantize", help="write a .safetensors checkpoint as GGUF, types per the policy")
     quantize.add_argument("source", help="a .safetensors file, a shard index, or a Hugging Face folder")
     quantize.add_argument("destination", help="the .gguf file to write")
-    quantize.add_argument("--policy", required=True, help="a policy name or file whose `gguf` quant rules pick the types")
+    quantize.add_argument(
+        "--policy", required=True, help="a policy name or file whose `gguf` quant rules pick the types",
+    )
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
     commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
@@ -28,14 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         results = run_demo()
-        return 0 if all(r["identical"] or r["relative_error"] < 0.05 for k, r in results.items() if k != "peak_rss_mib") else 1
+        close = all(r["identical"] or r["relative_error"] < 0.05 for k, r in results.items() if k != "peak_rss_mib")
+        return 0 if close else 1
     return _quantize(parser, args)
 
 
 def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ..checkpoint.gguf_writer import quantize_to_gguf
-    from ..checkpoint.skeleton import build_skeleton, config_folder
     from ..checkpoint.model_spec import ModelSpecError, build_model
+    from ..checkpoint.skeleton import build_skeleton, config_folder
 
     try:
         policy = load_policy(args.policy)

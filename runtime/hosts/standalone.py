@@ -127,7 +127,8 @@ class _Streamer(TorchFetcher):
         self.side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
         self.order: list[nn.Module] = []
         self.position: dict[int, int] = {}
-        self.ready: dict[int, tuple[Tensor | None, Tensor | None, object, tuple[int, ...]]] = {}  # weight, bias, event, versions
+        # weight, bias, event, versions
+        self.ready: dict[int, tuple[Tensor | None, Tensor | None, object, tuple[int, ...]]] = {}
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
         """Copy in the stored dtype and cast on the device: a host-to-device copy that also casts

@@ -10,8 +10,8 @@ Invariants:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ...schemas.patterns import is_policy_name
 

@@ -13,8 +13,8 @@ Nothing here imports torch or any module a policy names: a policy is data (a tes
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ...schemas import SCHEMA_VERSION, Policy
 from .diagnostics import Diagnostic, Location, Note, PolicyError, did_you_mean, errors_in, format_key_path

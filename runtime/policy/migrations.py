@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ...schemas import SCHEMA_VERSION
 from ..registry import Registry

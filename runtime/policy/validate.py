@@ -12,8 +12,9 @@ import dataclasses
 import datetime
 import re
 import types
+from collections.abc import Iterator
 from itertools import combinations
-from typing import Annotated, Any, Iterator, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 

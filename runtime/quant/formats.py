@@ -20,7 +20,8 @@ A `[[quant.rule]]` selecting Linear layers with `format = "my_int8"` then quanti
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import gguf
 import torch
@@ -28,11 +29,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry import Registry
-from .gguf_dequant import STORED_FLOATS, dequantize as gguf_dequantize
+from .gguf_dequant import STORED_FLOATS
+from .gguf_dequant import dequantize as gguf_dequantize
 from .int4 import dequantize_int4, int4_linear, quantize_int4
 from .int8 import dequantize_int8, int8_linear, quantize_int8
 
-FORMATS: Registry["QuantFormat"] = Registry("quant format")
+FORMATS: Registry[QuantFormat] = Registry("quant format")
 
 
 def quant_format(name: str):

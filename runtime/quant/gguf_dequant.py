@@ -15,7 +15,7 @@ has them (see `huge_pages`).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import gguf
 import torch

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

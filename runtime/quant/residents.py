@@ -42,7 +42,7 @@ class ResidentKind:
 
     def compute(self, module: nn.Module, x: Tensor, fetched: list[Tensor | None]) -> Tensor:
         *tensors, bias = fetched
-        stored = dict(zip(self.handler.stored, tensors))
+        stored = dict(zip(self.handler.stored, tensors, strict=True))
         functions, bias_functions = protocol.weight_functions(module), protocol.bias_functions(module)
         if not functions and not bias_functions:
             return self.handler.linear(module, x, stored, bias)
