@@ -65,7 +65,7 @@ def boot(root: Path, user_dir: Path):
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = True  # before comfy.model_management reads it
-    import comfy.model_management  # noqa: F401
+    import comfy.model_management
     import folder_paths
     import nodes
 

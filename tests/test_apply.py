@@ -14,7 +14,8 @@ from streamwise.runtime.engine.relocating import offload_relocated
 
 from helpers import force_streaming, make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2
 
-apply_module = importlib.import_module("streamwise.runtime.engine.apply")  # the module: the package exports the function
+# the module: the package exports the function
+apply_module = importlib.import_module("streamwise.runtime.engine.apply")
 
 DECODER = streamwise.load_policy("decoder-llm")
 
@@ -95,7 +96,8 @@ def test_converted_trees_pickle_and_keep_their_classes():
 
     torch.manual_seed(0)
     model = tiny_qwen2()
-    quant = make_policy(quant={"rule": [{"id": "q", "select": {"path": "model.layers.0.mlp.*"}, "format": "int8"}]}).quant
+    rule = {"id": "q", "select": {"path": "model.layers.0.mlp.*"}, "format": "int8"}
+    quant = make_policy(quant={"rule": [rule]}).quant
     convert(model, DECODER.model_copy(update={"quant": quant}))
     ids = torch.tensor([[1, 2, 3]])
     buffer = io.BytesIO()
@@ -166,7 +168,9 @@ def test_conversion_works_on_the_meta_device_at_full_size():
     with torch.device("meta"):
         model = transformers.VibeVoiceForConditionalGeneration(transformers.VibeVoiceConfig())
     census = convert(model, streamwise.load_policy("vibevoice"))
-    assert census.streamed == {"conv1d": 96, "conv_transpose1d": 6, "embedding": 1, "linear": 407, "llama_rms_norm": 227}
+    assert census.streamed == {
+        "conv1d": 96, "conv_transpose1d": 6, "embedding": 1, "linear": 407, "llama_rms_norm": 227,
+    }
     assert census.relocating == 81
     assert all(p.is_meta for p in model.parameters())
 

@@ -144,7 +144,9 @@ def report():
 def test_full_size_community_model_is_covered_completely(report, snapshot):
     plan = report["plan"]
     assert plan["complete"] and plan["stranded"] == [] and plan["diagnostics"] == []
-    assert plan["root_class"] == "vibevoice.modular.modeling_vibevoice_inference.VibeVoiceForConditionalGenerationInference"
+    assert plan["root_class"] == (
+        "vibevoice.modular.modeling_vibevoice_inference.VibeVoiceForConditionalGenerationInference"
+    )
     assert plan["modules"]["relocate"]["Block1D"] == 78  # layer-scale gammas
     assert plan["modules"]["stream:conv_rms_norm"] == {"ConvRMSNorm": 156}
     assert plan == snapshot

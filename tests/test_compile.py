@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 import streamwise
-from streamwise.runtime.compile import disarm, regions
-from streamwise.runtime.compile import INT4_MESSAGE, compile_stats
+from streamwise.runtime.compile import INT4_MESSAGE, compile_stats, disarm, regions
 from streamwise.runtime.hosts.comfyui.compile import DYNAMIC_VRAM_MESSAGE, PER_CALL_DICTS
 
 from helpers import force_streaming, make_policy, stream_rule
@@ -42,7 +41,10 @@ class Net(nn.Module):
 
 
 POLICY = make_policy(
-    stream={"rule": [stream_rule("linear", "linear", **{"class": "Linear"}), stream_rule("norm", "layer_norm", **{"class": "LayerNorm"})]},
+    stream={"rule": [
+        stream_rule("linear", "linear", **{"class": "Linear"}),
+        stream_rule("norm", "layer_norm", **{"class": "LayerNorm"}),
+    ]},
     compile={"blocks": {"class": "Block"}},
 )
 
@@ -98,7 +100,10 @@ def test_a_streaming_tree_still_compiles_into_one_graph():
 @pytest.mark.parametrize("fmt", ["int8", "convrot_int8"])
 def test_int8_residents_compile(fmt):
     model = Net()
-    rule = {"id": "q", "select": {"path": "blocks.*.up"}, "format": fmt, **({"group_size": 16} if "convrot" in fmt else {})}
+    rule = {
+        "id": "q", "select": {"path": "blocks.*.up"}, "format": fmt,
+        **({"group_size": 16} if "convrot" in fmt else {}),
+    }
     policy = POLICY.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
     streamwise.apply(streamwise.resolve(policy, model), model)
     x = torch.randn(2, 32)
@@ -383,7 +388,8 @@ def test_offloading_an_armed_model_keeps_prefetch_off(monkeypatch):
 
 
 def test_a_policy_with_compile_enabled_arms_the_standalone_host():
-    policy = POLICY.model_copy(update={"compile": POLICY.compile.model_copy(update={"enabled": True, "backend": "aot_eager"})})
+    settings = POLICY.compile.model_copy(update={"enabled": True, "backend": "aot_eager"})
+    policy = POLICY.model_copy(update={"compile": settings})
     model = Net(blocks=2)
     streamwise.offload(model, policy, device="cpu", budget=0)
     run(model, torch.randn(2, 32))

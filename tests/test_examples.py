@@ -16,7 +16,9 @@ from helpers import REPO
     ("compile_lazily.py", "6 decoder layers share 1 compiled region(s): 1 graph(s), 0 graph breaks"),
 ])
 def test_example_runs(script, expected):
-    result = subprocess.run([sys.executable, str(REPO / "examples" / script)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script)], capture_output=True, text=True, timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert expected in result.stdout
 

@@ -18,15 +18,16 @@ torch.manual_seed(0)
 
 
 def rms_class(cls_name: str):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
     from transformers.models.vibevoice.modeling_vibevoice import VibeVoiceRMSNorm
     from transformers.models.vibevoice_acoustic_tokenizer.modeling_vibevoice_acoustic_tokenizer import (
         VibeVoiceAcousticTokenizerRMSNorm,
     )
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    return {c.__name__: c for c in (VibeVoiceRMSNorm, VibeVoiceAcousticTokenizerRMSNorm, LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)}[cls_name]
+    classes = (VibeVoiceRMSNorm, VibeVoiceAcousticTokenizerRMSNorm, LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)
+    return {c.__name__: c for c in classes}[cls_name]
 
 
 def with_random_weights(module: nn.Module) -> nn.Module:
@@ -43,14 +44,20 @@ CASES = {
     "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1, padding_mode="reflect"), lambda: torch.randn(2, 3, 9), {}),
     "conv2d": (lambda: nn.Conv2d(4, 6, 3, stride=2, dilation=2, groups=2), lambda: torch.randn(1, 4, 11, 11), {}),
     "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), lambda: torch.randn(1, 2, 4, 4, 4), {}),
-    "conv_transpose1d": (lambda: nn.ConvTranspose1d(4, 2, 4, stride=2, padding=1), lambda: torch.randn(1, 4, 7), {"output_size": [15]}),
-    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 2, 3, stride=2, output_padding=1), lambda: torch.randn(1, 3, 5, 5), {}),
+    "conv_transpose1d": (
+        lambda: nn.ConvTranspose1d(4, 2, 4, stride=2, padding=1), lambda: torch.randn(1, 4, 7), {"output_size": [15]},
+    ),
+    "conv_transpose2d": (
+        lambda: nn.ConvTranspose2d(3, 2, 3, stride=2, output_padding=1), lambda: torch.randn(1, 3, 5, 5), {},
+    ),
     "layer_norm": (lambda: nn.LayerNorm(6), lambda: torch.randn(2, 5, 6), {}),
     "group_norm": (lambda: nn.GroupNorm(2, 4), lambda: torch.randn(2, 4, 5), {}),
     "rms_norm": (lambda: nn.RMSNorm(6), lambda: torch.randn(2, 5, 6), {}),
 }
 KIND_OF = {name: name.split("-")[0] for name in CASES}
-RMS_CLASSES = ["Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "VibeVoiceRMSNorm", "VibeVoiceAcousticTokenizerRMSNorm"]
+RMS_CLASSES = [
+    "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "VibeVoiceRMSNorm", "VibeVoiceAcousticTokenizerRMSNorm",
+]
 
 
 def convert(module: nn.Module, kind: str) -> nn.Sequential:

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import streamwise
 from streamwise.runtime.checkpoint import comfy_quant
+from streamwise.runtime.checkpoint.model_spec import ModelSpecError
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.cli.streamwise import main as streamwise_main
-from streamwise.runtime.checkpoint.model_spec import ModelSpecError
 
 from helpers import gguf_policy, make_policy, tiny_qwen2, write_policy
 
@@ -47,7 +47,10 @@ def logits(model):
 
 
 def fingerprint(model):
-    return [(name, type(m), sorted(m.__dict__), [(n, id(t)) for n, t in m._parameters.items()]) for name, m in model.named_modules()]
+    return [
+        (name, type(m), sorted(m.__dict__), [(n, id(t)) for n, t in m._parameters.items()])
+        for name, m in model.named_modules()
+    ]
 
 
 def test_skeleton_puts_parameters_on_meta_and_keeps_buffers():
@@ -76,7 +79,8 @@ def test_sharded_folder_with_an_index(saved, tmp_path):
     with streamwise.skeleton():
         narrower = tiny_qwen2(intermediate_size=96)
     message = failing_load(narrower, tmp_path)
-    shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]["model.layers.0.mlp.up_proj.weight"]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.0.mlp.up_proj.weight"]
     assert f"{tmp_path / shard}: tensor `model.layers.0.mlp.up_proj.weight`: shape [128, 64]" in message
 
 
@@ -119,8 +123,12 @@ def test_gguf_written_by_streamwise_quantize_loads_as_residents(saved, tmp_path,
 
 def test_comfy_quant_round_trip(saved, tmp_path):
     folder, _, _ = saved
-    policy = make_policy(stream={"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
-                         quant={"rule": [{"id": "q", "select": {"path": "model.layers.*.mlp.*"}, "format": "convrot_int8", "group_size": 16}]})
+    policy = make_policy(
+        stream={"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
+        quant={"rule": [
+            {"id": "q", "select": {"path": "model.layers.*.mlp.*"}, "format": "convrot_int8", "group_size": 16},
+        ]},
+    )
     quantized = skeleton_model()
     streamwise.load(quantized, folder, streamwise.load_policy("decoder-llm").model_copy(update={"quant": policy.quant}))
     path = tmp_path / "int8.safetensors"
@@ -272,7 +280,8 @@ def test_a_tied_partner_stored_as_a_comfy_quant_layer_unties(saved, tmp_path):
     assert torch.equal(logits(reloaded), logits(quantized))
     del tensors["model.embed_tokens.weight"]
     safetensors.torch.save_file(tensors, path)
-    assert "tensor `model.embed_tokens.weight`: missing from the file" in failing_load(skeleton_model(tie_word_embeddings=True), path)
+    message = failing_load(skeleton_model(tie_word_embeddings=True), path)
+    assert "tensor `model.embed_tokens.weight`: missing from the file" in message
 
 
 def test_a_tied_weight_stored_twice_must_agree(tmp_path):
@@ -288,21 +297,29 @@ def test_a_tied_weight_stored_twice_must_agree(tmp_path):
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
     safetensors.torch.save_file(tensors, path)
     message = failing_load(skeleton_model(tie_word_embeddings=True), path)
-    assert "tensor `lm_head.weight`: tied to `model.embed_tokens.weight` in the model, but the file stores a different value" in message
+    assert (
+        "tensor `lm_head.weight`: tied to `model.embed_tokens.weight` in the model, "
+        "but the file stores a different value"
+    ) in message
 
 
 def test_each_tensor_comes_from_the_shard_the_index_names(saved, tmp_path):
     _, original, _ = saved
     tensors = {k: v.contiguous() for k, v in original.state_dict().items()}
     safetensors.torch.save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, tmp_path / "a.safetensors")
-    safetensors.torch.save_file({"lm_head.weight": tensors["lm_head.weight"], "model.norm.weight": torch.full((64,), 42.0),
-                                 "stray": torch.zeros(1)}, tmp_path / "b.safetensors")
+    safetensors.torch.save_file(
+        {"lm_head.weight": tensors["lm_head.weight"], "model.norm.weight": torch.full((64,), 42.0),
+         "stray": torch.zeros(1)},
+        tmp_path / "b.safetensors",
+    )
     weight_map = {k: "a.safetensors" for k in tensors} | {"lm_head.weight": "b.safetensors"}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     message = failing_load(skeleton_model(), tmp_path)
     assert message == f"{tmp_path / 'b.safetensors'}: tensor `stray` is not listed in the index"
-    safetensors.torch.save_file({"lm_head.weight": tensors["lm_head.weight"], "model.norm.weight": torch.full((64,), 42.0)},
-                                tmp_path / "b.safetensors")
+    safetensors.torch.save_file(
+        {"lm_head.weight": tensors["lm_head.weight"], "model.norm.weight": torch.full((64,), 42.0)},
+        tmp_path / "b.safetensors",
+    )
     model = skeleton_model()
     streamwise.load(model, tmp_path, "decoder-llm")
     assert torch.equal(model.model.norm.weight, tensors["model.norm.weight"])  # a.safetensors's, as the index says
@@ -327,11 +344,13 @@ def test_a_deeply_nested_safetensors_header_is_named(tmp_path):
     assert f"{path}: not a readable safetensors file" in failing_load(skeleton_model(), path)
 
 
-def write_gguf(path, tensors: dict, quantized: dict = {}):
+def write_gguf(path, tensors: dict, quantized: dict | None = None):
+    quantized = quantized or {}
     writer = gguf.GGUFWriter(str(path), arch="test")
     for name, tensor in tensors.items():
         if name in quantized:
-            writer.add_tensor(name, gguf.quants.quantize(tensor.float().numpy(), quantized[name]), raw_dtype=quantized[name])
+            blocks = gguf.quants.quantize(tensor.float().numpy(), quantized[name])
+            writer.add_tensor(name, blocks, raw_dtype=quantized[name])
         else:
             writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
@@ -347,7 +366,8 @@ def test_a_quantized_tensor_for_an_integer_buffer_is_refused(tmp_path):
     write_gguf(path, {"steps": torch.linspace(0, 100.7, 32)}, {"steps": gguf.GGMLQuantizationType.Q8_0})
     with streamwise.skeleton():
         model = Counter()
-    assert "tensor `steps`: a quantized Q8_0 tensor in the file, torch.int64 in the model" in failing_load(model, path, make_policy())
+    message = failing_load(model, path, make_policy())
+    assert "tensor `steps`: a quantized Q8_0 tensor in the file, torch.int64 in the model" in message
 
 
 @pytest.mark.parametrize("gguf_type", ["F16", "BF16"])
@@ -398,8 +418,13 @@ def small_files(tmp_path_factory, saved):
     return {"safetensors": (folder / "model.safetensors").read_bytes(), "gguf": target.read_bytes()}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(kind=st.sampled_from(["safetensors", "gguf"]), cuts=st.lists(st.tuples(st.integers(0, 2**20), st.binary(max_size=16)), min_size=1, max_size=4))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    kind=st.sampled_from(["safetensors", "gguf"]),
+    cuts=st.lists(st.tuples(st.integers(0, 2**20), st.binary(max_size=16)), min_size=1, max_size=4),
+)
 def test_mutated_files_give_clean_errors(small_files, tmp_path, kind, cuts):
     data = bytearray(small_files[kind])
     for offset, patch in cuts:
@@ -440,7 +465,8 @@ def test_quantize_keeps_bf16_and_integer_tensors_loadable(tmp_path):
     source = Tiny().to(torch.bfloat16)
     with torch.no_grad():
         source.proj.bias.fill_(70000.0)  # beyond float16's range: must not be forced to F16
-    safetensors.torch.save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "tiny.safetensors")
+    tensors = {k: v.contiguous() for k, v in source.state_dict().items()}
+    safetensors.torch.save_file(tensors, tmp_path / "tiny.safetensors")
     policy = make_policy(stream={"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
                          quant={"rule": [{"id": "q", "select": {"class": "Linear"}, "format": "gguf"}]})
     from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
@@ -460,7 +486,10 @@ def test_a_gguf_source_keeps_its_blocks_or_is_requantized(saved, tmp_path):
     assert streamwise_main(["quantize", str(folder), str(first), "--policy", str(q8)]) == 0
     spec = ["--model", "transformers:Qwen2ForCausalLM", "--model-config", (folder / "config.json").read_text()]
     assert streamwise_main(["quantize", str(first), str(second), "--policy", "decoder-llm", *spec]) == 0
-    blocks = lambda path: {t.name: (t.tensor_type, t.data.tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+    def blocks(path):
+        return {t.name: (t.tensor_type, t.data.tobytes()) for t in gguf.GGUFReader(path).tensors}
+
     assert blocks(second) == blocks(first)  # no rule asks for another type: the Q8_0 blocks are copied as they are
     q4 = gguf_policy(tmp_path, "Q4_0")
     third = tmp_path / "q4.gguf"
@@ -514,9 +543,9 @@ def test_comfy_quant_group_sizes_must_be_positive_integers(saved, tmp_path, grou
     folder, original, _ = saved
     tensors = {k: v.contiguous() for k, v in original.state_dict().items()}
     q, scale = streamwise.runtime.quant.int8.quantize_int8(tensors["lm_head.weight"], 16)
+    header = json.dumps({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}).encode()
     tensors |= {"lm_head.weight": q, "lm_head.weight_scale": scale,
-                "lm_head.comfy_quant": torch.tensor(list(json.dumps(
-                    {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}).encode()), dtype=torch.uint8)}
+                "lm_head.comfy_quant": torch.tensor(list(header), dtype=torch.uint8)}
     path = tmp_path / "groups.safetensors"
     safetensors.torch.save_file(tensors, path)
     assert f"`convrot_groupsize` must be a positive integer, got {group!r}" in failing_load(skeleton_model(), path)
@@ -524,7 +553,9 @@ def test_comfy_quant_group_sizes_must_be_positive_integers(saved, tmp_path, grou
 
 def test_load_pretrained_builds_in_the_dtype_most_values_are_stored_in(saved, tmp_path):
     _, original, _ = saved
-    tensors = {k: v.to(torch.bfloat16 if v.ndim == 2 else torch.float32).contiguous() for k, v in original.state_dict().items()}
+    tensors = {
+        k: v.to(torch.bfloat16 if v.ndim == 2 else torch.float32).contiguous() for k, v in original.state_dict().items()
+    }
     original.config.save_pretrained(tmp_path)
     safetensors.torch.save_file(tensors, tmp_path / "model.safetensors")
     model, _, _ = streamwise.load_pretrained(tmp_path, "decoder-llm")

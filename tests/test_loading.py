@@ -11,9 +11,9 @@ import pytest
 import streamwise
 from streamwise.runtime import check_policy, load_policy
 from streamwise.runtime.policy import migrations
-from streamwise.runtime.registry import Registry
-from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, find_policy, list_policies, policy_dirs
 from streamwise.runtime.policy.diagnostics import CODES
+from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, find_policy, list_policies, policy_dirs
+from streamwise.runtime.registry import Registry
 
 from helpers import REPO, write_policy
 
@@ -52,7 +52,7 @@ def test_top_level_api_is_small_and_deliberate():
     assert isinstance(streamwise.load_policy("decoder-llm"), streamwise.Policy)
     assert callable(streamwise.resolve) and callable(streamwise.model_patcher)
     with pytest.raises(AttributeError):
-        streamwise.no_such_thing
+        streamwise.no_such_thing  # noqa: B018 (the attribute access is what must raise)
 
 
 def test_shipped_policy_by_name_and_by_path_are_the_same():

@@ -103,7 +103,12 @@ def test_residents_stream_their_raw_storage_and_match_resident_compute(fmt, grou
     fetched = []
     fetcher = streamwise.runtime.engine.applied_state(model).tree.fetcher
     original_fetch = fetcher.fetch_raw
-    fetcher.fetch_raw = lambda module, names, device: fetched.append([getattr(module, n).dtype for n in names if getattr(module, n) is not None]) or original_fetch(module, names, device)
+
+    def fetch_raw(module, names, device):
+        fetched.append([getattr(module, n).dtype for n in names if getattr(module, n) is not None])
+        return original_fetch(module, names, device)
+
+    fetcher.fetch_raw = fetch_raw
     force_streaming(model)
     assert torch.equal(model(x), resident)
     assert fetched[0][0] == storage  # never cast on the way
@@ -150,7 +155,8 @@ def test_quantized_trees_cannot_be_reverted():
 
 
 def test_a_group_size_that_does_not_divide_in_features_is_a_plan_error():
-    policy = make_policy(**POLICY, quant={"rule": [{"id": "q", "select": {"class": "Linear"}, "format": "convrot_int8", "group_size": 64}]})
+    rule = {"id": "q", "select": {"class": "Linear"}, "format": "convrot_int8", "group_size": 64}
+    policy = make_policy(**POLICY, quant={"rule": [rule]})
     plan = streamwise.resolve(policy, two_layers())  # in_features 64 and 32
     (problem,) = [d for d in plan.diagnostics if d.code == "invalid-group-size"]
     assert "group size 64 does not divide in_features 32 of `1`" in problem.message
@@ -267,7 +273,8 @@ def test_a_float_gguf_resident_gives_in_place_weight_functions_a_copy():
     streamwise.apply(streamwise.resolve(make_policy(**POLICY), model), model)
     layer = model[0]
     stored = layer.weight.detach().clone().view(torch.uint8).reshape(-1)
-    make_resident(layer, "gguf", {"weight": stored}, {"gguf_qtype": gguf.GGMLQuantizationType.F32, "gguf_shape": (4, 8)})
+    attributes = {"gguf_qtype": gguf.GGMLQuantizationType.F32, "gguf_shape": (4, 8)}
+    make_resident(layer, "gguf", {"weight": stored}, attributes)
     before = layer.weight.detach().clone()
     layer.weight_function = [lambda w: w.add_(1)]
     x = torch.randn(2, 8)

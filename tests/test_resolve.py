@@ -18,12 +18,21 @@ def on_meta(build):
 
 
 REAL_TREES = {
-    "vibevoice-full-meta": ("vibevoice", lambda: on_meta(lambda: transformers.VibeVoiceForConditionalGeneration(transformers.VibeVoiceConfig()))),
+    "vibevoice-full-meta": (
+        "vibevoice",
+        lambda: on_meta(lambda: transformers.VibeVoiceForConditionalGeneration(transformers.VibeVoiceConfig())),
+    ),
     "vibevoice-tokenizer-tiny": ("vibevoice", tiny_acoustic_tokenizer),
-    "qwen2-full-meta": ("decoder-llm", lambda: on_meta(lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config()))),
+    "qwen2-full-meta": (
+        "decoder-llm", lambda: on_meta(lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config())),
+    ),
     "qwen2-tiny": ("decoder-llm", tiny_qwen2),
-    "llama-full-meta": ("decoder-llm", lambda: on_meta(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig()))),
-    "mistral-full-meta": ("decoder-llm", lambda: on_meta(lambda: transformers.MistralForCausalLM(transformers.MistralConfig()))),
+    "llama-full-meta": (
+        "decoder-llm", lambda: on_meta(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig())),
+    ),
+    "mistral-full-meta": (
+        "decoder-llm", lambda: on_meta(lambda: transformers.MistralForCausalLM(transformers.MistralConfig())),
+    ),
 }
 
 
@@ -53,7 +62,10 @@ def test_plan_names_the_deciding_rule_and_compile_units():
 
 
 def test_unmatched_rule_is_a_located_error_with_a_suggestion(tmp_path):
-    path = write_policy(tmp_path, "typo", '\n[[stream.rule]]\nid = "norms"\nkind = "llama_rms_norm"\nselect = { class = "Qwen2RMSNorn" }\n')
+    path = write_policy(
+        tmp_path, "typo",
+        '\n[[stream.rule]]\nid = "norms"\nkind = "llama_rms_norm"\nselect = { class = "Qwen2RMSNorn" }\n',
+    )
     plan = streamwise.resolve(streamwise.load_policy(path), tiny_qwen2())
     (problem, stranded) = plan.diagnostics
     assert (problem.code, problem.suggestion, problem.location.line) == ("unmatched-rule", "Qwen2RMSNorm", 9)
@@ -76,7 +88,9 @@ def test_a_rule_that_selects_modules_but_never_decides_one_is_not_unmatched():
 
 def test_a_rule_whose_modules_are_all_excluded_is_not_unmatched():
     policy = make_policy(stream={
-        "rule": [stream_rule("linear", "linear", **{"class": "Linear"}), stream_rule("head", "linear", path=["lm_head"])],
+        "rule": [
+            stream_rule("linear", "linear", **{"class": "Linear"}), stream_rule("head", "linear", path=["lm_head"]),
+        ],
         "exclude": {"path": ["lm_head"]},
     })
     assert all(d.code != "unmatched-rule" for d in streamwise.resolve(policy, tiny_qwen2()).diagnostics)
@@ -132,11 +146,15 @@ def test_a_module_cannot_both_stream_and_relocate():
         relocate={"rule": [{"id": "head", "select": {"path": "lm_head"}}]},
     )
     problems = [d for d in streamwise.resolve(policy, tiny_qwen2()).diagnostics if d.code == "rule-conflict"]
-    assert len(problems) == 1 and "`lm_head` would both stream (rule `linear`) and relocate (rule `head`)" in problems[0].message
+    assert len(problems) == 1 and (
+        "`lm_head` would both stream (rule `linear`) and relocate (rule `head`)" in problems[0].message
+    )
 
 
 def test_exclusions_and_gaps_show_up_as_stranded_tensors():
-    policy = make_policy(stream={"exclude": {"path": "lm_head"}, "rule": [stream_rule("linear", "linear", **{"class": "Linear"})]})
+    policy = make_policy(
+        stream={"exclude": {"path": "lm_head"}, "rule": [stream_rule("linear", "linear", **{"class": "Linear"})]},
+    )
     plan = streamwise.resolve(policy, tiny_qwen2())
     stranded = {t.name for t in plan.coverage.stranded}
     assert "lm_head.weight" in stranded and "model.rotary_emb.inv_freq" in stranded and "model.norm.weight" in stranded

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, find_policy
 from streamwise.schemas import Policy, QuantRule
 from streamwise.schemas.patterns import is_policy_name
 from streamwise.schemas.policy import RuleSection
 from streamwise.schemas.vocabulary import is_power_of_4
-from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, find_policy
 
 
 def quant_rule(group_size):

@@ -26,7 +26,9 @@ def tiny_tokenizer():
     words = "a cat sat on the mat the quick brown fox jumps over lazy dog".split()
     filler = [f"w{i}" for i in range(125 - len(set(words)))]
     tokenizer.train_from_iterator([" ".join(words), " ".join(filler)], trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +180,8 @@ def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
     assert len(converted.get_all_callbacks("on_load")) == 1
     converted.load(torch.device("cpu"), lowvram_model_memory=1)
     x = torch.randn(2, 8)
-    expected = torch.nn.functional.layer_norm(x @ (tree[0].weight + 1).T + tree[0].bias, (8,), tree[1].weight, tree[1].bias)
+    linear = x @ (tree[0].weight + 1).T + tree[0].bias
+    expected = torch.nn.functional.layer_norm(linear, (8,), tree[1].weight, tree[1].bias)
     assert torch.allclose(tree(x), expected, atol=1e-5)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from comfy_harness import load_custom_node
 
+from comfy_harness import load_custom_node
 from helpers import REPO, tiny_qwen2, write_policy
 
 

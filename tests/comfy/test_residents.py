@@ -91,7 +91,9 @@ def test_lora_on_residents_applies_once_through_load_and_unload_cycles(comfy_nod
     def times_applied() -> int:
         with torch.no_grad():
             y = layer(x)
-        return min(range(3), key=lambda k: (y - torch.nn.functional.linear(x, weight + k * diff, layer.bias)).abs().max())
+        return min(
+            range(3), key=lambda k: (y - torch.nn.functional.linear(x, weight + k * diff, layer.bias)).abs().max(),
+        )
 
     patcher.load(CPU, full_load=True)
     assert times_applied() == 1

@@ -30,7 +30,8 @@ def core(comfy_nodes):
 def plain_patcher(core, model, load_device):
     """The unconverted tree in a ModelPatcher (only `device` made assignable, nothing else)."""
     cls = type(model)
-    model.__class__ = type(cls.__name__, (cls,), {"device": property(lambda self: self.__dict__.get("_d"), lambda self, v: self.__dict__.__setitem__("_d", v))})
+    device = property(lambda self: self.__dict__.get("_d"), lambda self, v: self.__dict__.__setitem__("_d", v))
+    model.__class__ = type(cls.__name__, (cls,), {"device": device})
     return core.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=CPU)
 
 
