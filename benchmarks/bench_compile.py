@@ -23,7 +23,9 @@ sys.path.insert(0, sys.argv[4])
 from toy_blocks import Net
 
 mode, backend, iters = sys.argv[1], sys.argv[2], int(sys.argv[3])
-policy = Policy.model_validate({"schema_version": 1, "policy": {"name": "bench"}, "compile": {"blocks": {"class": "Block"}}})
+policy = Policy.model_validate(
+    {"schema_version": 1, "policy": {"name": "bench"}, "compile": {"blocks": {"class": "Block"}}}
+)
 torch.manual_seed(0)
 model, x = Net().eval(), torch.randn(8, 256)
 
@@ -62,7 +64,8 @@ def main() -> None:
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     results = {}
     for mode in ("eager", "blocks", "whole"):
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, args.backend, str(args.iters), os.path.dirname(os.path.abspath(__file__))],
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run([sys.executable, "-c", CHILD, mode, args.backend, str(args.iters), here],
                              check=True, capture_output=True, text=True, env=env).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
     eager = results["eager"]["forward_ms"]

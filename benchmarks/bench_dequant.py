@@ -14,6 +14,7 @@ Goal: the torch kernels at least 5x faster than the reference. Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -44,7 +45,7 @@ def median_seconds(*fns, runs: int, warmup: int) -> list[float]:
     """The median time of each of `fns`, called in turn `runs` times after `warmup` rounds."""
     times = [[] for _ in fns]
     for index in range(warmup + runs):
-        for fn, samples in zip(fns, times):
+        for fn, samples in zip(fns, times, strict=True):
             start = time.perf_counter()
             fn()
             if index >= warmup:
@@ -76,7 +77,7 @@ def main() -> None:
         blocks = torch.from_numpy(raw)
         same = torch.equal(dequantize(blocks, qtype, shape), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
         ref_s, ours_s = median_seconds(
-            lambda: gguf.quants.dequantize(raw, qtype), lambda: dequantize(blocks, qtype, shape),
+            functools.partial(gguf.quants.dequantize, raw, qtype), functools.partial(dequantize, blocks, qtype, shape),
             runs=args.runs, warmup=args.warmup,
         )
         speedups.append(ref_s / ours_s)

@@ -21,7 +21,10 @@ from streamwise.schemas import Policy
 
 
 def policy(fmt: str) -> Policy:
-    rule = {"id": "q", "select": {"class": "Linear"}, "format": fmt, **({"group_size": 256} if "convrot" in fmt else {})}
+    rule = {
+        "id": "q", "select": {"class": "Linear"}, "format": fmt,
+        **({"group_size": 256} if "convrot" in fmt else {}),
+    }
     return Policy.model_validate({
         "schema_version": 1, "policy": {"name": "bench"},
         "stream": {"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]},
@@ -59,7 +62,9 @@ def main() -> None:
         for name, layer in variants.items():
             seconds = timed(layer, x, args.repeats)
             print(f"  rows {rows:>2}  {name:<13} {seconds * 1e3:8.2f} ms   x{reference / seconds:5.2f} vs float32")
-    weight_bytes = {name: sum(t.numel() * t.element_size() for t in layer.parameters()) for name, layer in variants.items()}
+    weight_bytes = {
+        name: sum(t.numel() * t.element_size() for t in layer.parameters()) for name, layer in variants.items()
+    }
     print("  weight bytes: " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in weight_bytes.items()))
 
 

@@ -56,7 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
-    results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    results: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
 
     host = decoder(args.layers, args.hidden, dtype)
     total = sum(p.numel() * p.element_size() for p in host.parameters())
@@ -84,7 +87,9 @@ def main() -> None:
             "host_to_device_GBps": report.streamed_bytes / seconds / 1e9,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
             "weights_pinned": all(
-                p.is_pinned() for m in model.modules() if getattr(m, "comfy_cast_weights", False) for p in m.parameters(recurse=False)
+                p.is_pinned()
+                for m in model.modules() if getattr(m, "comfy_cast_weights", False)
+                for p in m.parameters(recurse=False)
             ) if device.type == "cuda" else None,
         }
         rotary = model.model.rotary_emb
@@ -101,10 +106,16 @@ def main() -> None:
     streamwise.offload(small_gpu, "decoder-llm", device=device, budget=0)
     streamwise.offload(small_cpu, "decoder-llm", device="cpu", budget=0)
     with torch.inference_mode():
-        outputs = [small_gpu(tokens.to(device)).logits.cpu(), small_cpu(tokens).logits, small_gpu(tokens.to(device)).logits.cpu()]
+        outputs = [
+            small_gpu(tokens.to(device)).logits.cpu(),
+            small_cpu(tokens).logits,
+            small_gpu(tokens.to(device)).logits.cpu(),
+        ]
     results["two_trees"] = {
         "cpu_tree_identical": bool(torch.equal(outputs[1], reference)),
-        "gpu_tree_close": bool(torch.allclose(outputs[0], reference, atol=1e-4) and torch.equal(outputs[0], outputs[2])),
+        "gpu_tree_close": bool(
+            torch.allclose(outputs[0], reference, atol=1e-4) and torch.equal(outputs[0], outputs[2])
+        ),
         "gpu_tree_inv_freq": small_gpu.model.rotary_emb.inv_freq.device.type,
         "cpu_tree_inv_freq": small_cpu.model.rotary_emb.inv_freq.device.type,
     }

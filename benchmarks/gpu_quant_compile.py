@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import time
 import warnings
@@ -24,6 +25,7 @@ import streamwise
 from streamwise.runtime.quant import int8 as int8_math
 from streamwise.runtime.quant.gguf_dequant import dequantize
 from streamwise.schemas import Policy
+
 from toy_blocks import Net
 
 
@@ -49,10 +51,13 @@ def quant_checks() -> dict:
         q, scale = int8_math.quantize_int8(weight, group)
         out = int8_math.int8_linear(x, q, scale, None, group)
         error = ((out.float() - reference).norm(dim=1) / reference.norm(dim=1)).max().item()
-        results[name] = {"w8a8_per_row_error": error, "ms": cuda_ms(lambda: int8_math.int8_linear(x, q, scale, None, group))}
+        linear = functools.partial(int8_math.int8_linear, x, q, scale, None, group)
+        results[name] = {"w8a8_per_row_error": error, "ms": cuda_ms(linear)}
     blocks = gguf.quants.quantize(weight.cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)
     raw = torch.from_numpy(blocks).to(device).reshape(-1)
-    results["gguf_q8_0"] = {"dequant_ms": cuda_ms(lambda: dequantize(raw, gguf.GGMLQuantizationType.Q8_0, (4096, 4096), torch.bfloat16))}
+    results["gguf_q8_0"] = {
+        "dequant_ms": cuda_ms(lambda: dequantize(raw, gguf.GGMLQuantizationType.Q8_0, (4096, 4096), torch.bfloat16)),
+    }
     dense = weight.bfloat16()
     results["bf16_linear_ms"] = cuda_ms(lambda: torch.nn.functional.linear(x, dense))
     return results
@@ -77,7 +82,7 @@ def compile_checks() -> dict:
         streamwise.offload(eager, POLICY, device="cuda", budget=budget)
         with torch.inference_mode():
             expected = eager(x)
-            eager_ms = cuda_ms(lambda: eager(x), 20)
+            eager_ms = cuda_ms(functools.partial(eager, x), 20)
         compiled = eager
         torch._dynamo.reset()
         with warnings.catch_warnings():
@@ -88,7 +93,7 @@ def compile_checks() -> dict:
             out = compiled(x)
             torch.cuda.synchronize()
             first = time.perf_counter() - start
-            compiled_ms = cuda_ms(lambda: compiled(x), 20)
+            compiled_ms = cuda_ms(functools.partial(compiled, x), 20)
         stats = streamwise.compile_stats(compiled)
         results[name] = {
             "graphs": stats.graphs, "graph_breaks": stats.graph_breaks, "fallbacks": stats.fallbacks,

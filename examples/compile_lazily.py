@@ -17,8 +17,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="aot_eager")
     args = parser.parse_args()
-    config = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=512)
+    config = transformers.Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).eval()
     policy = streamwise.load_policy("decoder-llm")

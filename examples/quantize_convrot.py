@@ -27,8 +27,12 @@ def convrot_policy(group_size: int) -> Policy:
     base = streamwise.load_policy("decoder-llm")
     quant = Policy.model_validate({
         "schema_version": 1, "policy": {"name": "convrot"},
-        "quant": {"exclude": {"path": "lm_head"},
-                  "rule": [{"id": "linears", "select": {"class": "Linear"}, "format": "convrot_int8", "group_size": group_size}]},
+        "quant": {
+            "exclude": {"path": "lm_head"},
+            "rule": [
+                {"id": "linears", "select": {"class": "Linear"}, "format": "convrot_int8", "group_size": group_size},
+            ],
+        },
     }).quant
     return base.model_copy(update={"quant": quant})
 
