@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import streamwise
-from streamwise.runtime.engine.apply import applied_state
+from streamwise.runtime.engine.relocating import offload_relocated
 
 
 def decoder(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -94,7 +94,7 @@ def main() -> None:
         }
         rotary = model.model.rotary_emb
         results[key]["inv_freq_follows"] = rotary.inv_freq.device.type
-        applied_state(model).tree.offload_relocated(torch.device("cpu"))
+        offload_relocated(model, torch.device("cpu"))
         results[key]["inv_freq_after_unload"] = rotary._buffers["inv_freq"].device.type
         del model
 

@@ -8,7 +8,8 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Hashable, Iterator, Literal, TypeVar
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, Literal, TypeVar
 
 T = TypeVar("T")
 

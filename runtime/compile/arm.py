@@ -51,7 +51,7 @@ class Target:
     def __init__(self, holder: Any, module: nn.Module) -> None:
         self.holder, self.module = holder, module
 
-    def prepared(self, settings: CompileSettings) -> "Target":
+    def prepared(self, settings: CompileSettings) -> Target:
         """The target to arm under `settings` (a host may swap in a copy of its model)."""
         return self
 
@@ -94,7 +94,8 @@ def lazy_compile(
         return target.holder
     _inline_fetchers(target.module, settings)
     set_cache_limits(settings.dynamo_cache_size_limit)
-    units = _units(target.module, settings if compile_transformer_blocks_only else settings.model_copy(update={"blocks": None}))
+    whole_model = settings.model_copy(update={"blocks": None})
+    units = _units(target.module, settings if compile_transformer_blocks_only else whole_model)
     regions: dict[Any, Region] = {}
     for path, unit in units:
         own = unit.__dict__.get("forward")  # a per-instance forward (hooks install these) is the one that runs

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Callable
 
 import torch
 from torch import nn

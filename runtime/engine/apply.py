@@ -14,8 +14,9 @@ Invariants:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
@@ -156,8 +157,8 @@ def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> Co
 
 
 def apply_policy(
-    model: nn.Module, policy: "Policy | str | os.PathLike[str]", *, dirs: Iterable[str | os.PathLike] = ()
-) -> tuple["Policy", Plan]:
+    model: nn.Module, policy: Policy | str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()
+) -> tuple[Policy, Plan]:
     """Resolve `policy` (a Policy, or a name or file to load) against `model` and convert it.
 
     Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit.

@@ -9,7 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .protocol import ORIGINAL_CLASS
 

@@ -16,8 +16,9 @@ for one call, `compute(module, x, fetched, *args, **kwargs)` computes with them 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F

@@ -15,7 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
