@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import select_policy
-from ..runtime.policy import load_policy
+from ..runtime.policy.load import as_policy
 from .folders import comfy_policy_dirs, policy_choices
 
 
@@ -23,4 +23,4 @@ class ApplyStreamwisePolicy:
         dirs = comfy_policy_dirs()
         if policy == "auto":
             policy, _ = select_policy(model.model, dirs=dirs)
-        return (adopt(model, load_policy(policy, dirs=dirs)),)
+        return (adopt(model, as_policy(policy, dirs=dirs)),)

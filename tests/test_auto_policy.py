@@ -15,9 +15,8 @@ class Unknown(torch.nn.Module):
 
 def test_key_patterns_pick_a_policy_when_class_and_model_type_do_not():
     keys = ["model.acoustic_tokenizer.encoder.stem.weight", "model.language_model.embed_tokens.weight"]
-    assert select_policy(Unknown(), keys=keys) == (
-        "vibevoice", "`auto` picked `vibevoice` by its state-dict key patterns",
-    )
+    policy, reason = select_policy(Unknown(), keys=keys)
+    assert (policy.name, reason) == ("vibevoice", "`auto` picked `vibevoice` by its state-dict key patterns")
 
 
 def test_nothing_recognized_is_an_error_not_a_guess():

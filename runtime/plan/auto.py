@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from ...schemas import Policy
 from ...schemas.patterns import compile_glob, glob_matches
 from ..policy.diagnostics import Diagnostic, PolicyError
 from ..policy.folders import list_policies, policy_dirs
@@ -22,34 +23,37 @@ from .selectors import ModuleRef
 
 def select_policy(
     model: nn.Module, *, model_type: str | None = None, keys: Iterable[str] = (), dirs: Iterable[str | os.PathLike] = ()
-) -> tuple[str, str]:
-    """(policy name, why it was picked) for `model`; PolicyError when none or several fit."""
+) -> tuple[Policy, str]:
+    """(the loaded policy, why it was picked) for `model`; PolicyError when none or several fit.
+
+    Every candidate is loaded to read its `[match]`; the winner is returned loaded, not loaded again.
+    """
     root = ModuleRef.of("", model)
     short, qualified = root.name, root.qualname
     keys = list(keys)
-    scored: dict[int, list[tuple[str, str]]] = {}
-    for name, path in list_policies(policy_dirs(dirs)).items():
+    scored: dict[int, list[tuple[Policy, str]]] = {}
+    for path in list_policies(policy_dirs(dirs)).values():
         policy, _ = check_policy(path, dirs=dirs)
         if policy is None:
             continue
         match = policy.match
         if short in match.classes or qualified in match.classes:
-            scored.setdefault(3, []).append((name, f"root class `{short}`"))
+            scored.setdefault(3, []).append((policy, f"root class `{short}`"))
         elif model_type is not None and model_type in match.model_types:
-            scored.setdefault(2, []).append((name, f"model_type `{model_type}`"))
+            scored.setdefault(2, []).append((policy, f"model_type `{model_type}`"))
         elif match.state_dict_keys and keys and all(
             any(glob_matches(pattern, k) for k in keys) for pattern in map(compile_glob, match.state_dict_keys)
         ):
-            scored.setdefault(1, []).append((name, "its state-dict key patterns"))
+            scored.setdefault(1, []).append((policy, "its state-dict key patterns"))
     if not scored:
         raise PolicyError([Diagnostic(
             "unknown-policy", f"no policy's [match] recognizes `{short}`; choose a policy by name",
         )])
     best = scored[max(scored)]
     if len(best) > 1:
-        names = ", ".join(f"`{n}`" for n, _ in best)
+        names = ", ".join(f"`{p.name}`" for p, _ in best)
         raise PolicyError([Diagnostic(
             "rule-conflict", f"policies {names} all match `{short}` by {best[0][1]}; choose one by name",
         )])
-    name, reason = best[0]
-    return name, f"`auto` picked `{name}` by {reason}"
+    policy, reason = best[0]
+    return policy, f"`auto` picked `{policy.name}` by {reason}"

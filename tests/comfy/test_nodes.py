@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import streamwise
+from streamwise.runtime.engine import applied_state
 
 from comfy_harness import load_custom_node
 from helpers import REPO, tiny_qwen2
@@ -191,3 +192,14 @@ def test_errors_reach_the_ui_as_rendered_diagnostics(nodes):
         mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "vibevoice", "auto")
     assert type(raised.value).__name__ == "PolicyError"
     assert str(raised.value).startswith("error[unmatched-rule]") and "vibevoice.toml:46:1" in str(raised.value)
+
+
+def test_apply_policy_node_picks_the_policy_by_auto(nodes):
+    import comfy.model_patcher
+
+    mappings, _ = nodes
+    model = tiny_qwen2()
+    plain = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    (converted,) = mappings["ApplyStreamwisePolicy"]().apply(plain, "auto")
+    assert applied_state(model).plan.policy == "decoder-llm"
+    assert type(model.lm_head).__name__ == "StreamedLinear" and converted.model is model
