@@ -41,6 +41,8 @@ DEFAULT_GGUF_TYPE = "Q8_0"
 
 #: Formats whose rules take a `group_size`.
 GROUPED_QUANT_FORMATS: frozenset[str] = frozenset({"convrot_int8", "convrot_int4"})
+#: Formats whose kernels take a Linear's weight (a rule selecting anything else is `quant-unsupported`).
+LINEAR_ONLY_QUANT_FORMATS: frozenset[str] = frozenset({"int8", "convrot_int8", "convrot_int4"})
 DEFAULT_GROUP_SIZE = 256
 
 

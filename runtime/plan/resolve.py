@@ -20,13 +20,13 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from ...schemas import Policy
+from ...schemas.vocabulary import LINEAR_ONLY_QUANT_FORMATS
 from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from ..policy.load import as_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
 from .selectors import CompiledSelector, ModuleRef, class_names, outermost, walk_modules
 
-_LINEAR_ONLY = ("int8", "convrot_int8", "convrot_int4")
 _FETCHED = ("weight", "bias")  # what a streamed leaf's fetch brings; any other tensor of it stays behind
 _MAX_LISTED = 8
 
@@ -187,7 +187,7 @@ def _quant_worth_it(path: str, module: nn.Module, roles: _Roles):
 
 def _quant_linear_only(path: str, module: nn.Module, roles: _Roles):
     rule = roles.quant
-    if rule is None or rule.format not in _LINEAR_ONLY or isinstance(module, nn.Linear):
+    if rule is None or rule.format not in LINEAR_ONLY_QUANT_FORMATS or isinstance(module, nn.Linear):
         return None
     return roles._replace(quant=None), _rule_problem(
         "quant-unsupported", rule,
