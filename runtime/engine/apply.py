@@ -229,7 +229,7 @@ def _target(entry: ModulePlan, modules: dict[str, nn.Module], class_names: Calla
         raise ConversionError(f"the plan names `{entry.path}`, which this model does not have")
     if protocol.is_resident(module):
         return module, type(module)  # a quantized resident already streams
-    original = protocol.original_class(module)
+    original = protocol.original_class(type(module))
     seen = class_names(original)[0][1]
     if seen != entry.class_name:
         raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")

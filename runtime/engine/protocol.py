@@ -91,12 +91,9 @@ def stored_dtype_attributes(tensors: dict[str, Any]) -> dict[str, object]:
     return {f"{name}_comfy_model_dtype": tensor.dtype for name, tensor in tensors.items()}
 
 
-def original_class(module: nn.Module) -> type:
-    return getattr(type(module), ORIGINAL_CLASS, type(module))
-
-
-def is_converted(module: nn.Module) -> bool:
-    return hasattr(type(module), ORIGINAL_CLASS)
+def original_class(cls: type) -> type:
+    """The class a derived class was made from (`cls` itself when it is not one)."""
+    return getattr(cls, ORIGINAL_CLASS, cls)
 
 
 def kind_of(module: nn.Module) -> str | None:

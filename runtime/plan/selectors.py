@@ -16,7 +16,7 @@ from weakref import WeakKeyDictionary
 
 from ...schemas import Selector
 from ...schemas.patterns import compile_glob, compile_regex, glob_literal_segments, glob_matches, is_exact_path
-from ..engine.protocol import ORIGINAL_CLASS
+from ..engine.protocol import original_class  # a converted module is seen as its original class
 
 # Specificity tiers, highest first (see the README's precedence table).
 EXACT_PATH, GLOB_PATH, REGEX, CLASS = 4, 3, 2, 1
@@ -26,11 +26,6 @@ Specificity = tuple[int, int]
 ClassNames = tuple[tuple[str, str], ...]  # (short name, `module.Qualname`) per class of an MRO
 T = TypeVar("T")
 Walk = Iterable[tuple[str, object]]  # (path, module) pairs in `named_modules()` order
-
-
-def original_class(cls: type) -> type:
-    """A converted module is seen as its original class, so a policy resolves alike before and after."""
-    return getattr(cls, ORIGINAL_CLASS, cls)
 
 
 def class_names(cls: type) -> ClassNames:

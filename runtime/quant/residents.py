@@ -58,7 +58,7 @@ class ResidentKind:
 
 
 def resident_class(cls: type[nn.Module], format_name: str) -> type[nn.Module]:
-    original = getattr(cls, protocol.ORIGINAL_CLASS, cls)
+    original = protocol.original_class(cls)
     handler = FORMATS[format_name]
 
     def namespace() -> dict[str, object]:

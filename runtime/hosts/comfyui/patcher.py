@@ -47,7 +47,7 @@ def adopt(patcher: Any, policy: Policy | str) -> Any:
     """
     policy = _host(patcher.model, policy)
     adopted = patcher.clone()
-    adopted.__class__ = patcher_class(protocol.original_class(patcher))
+    adopted.__class__ = patcher_class(protocol.original_class(type(patcher)))
     return _armed(adopted, policy)
 
 
