@@ -20,6 +20,7 @@ __all__: list[str] = []
 _ENGINE = {
     "resolve": ".runtime.plan",
     "apply": ".runtime.engine",
+    "apply_policy": ".runtime.engine",
     "revert": ".runtime.engine",
     "offload": ".runtime.hosts.standalone",
     "model_patcher": ".runtime.hosts.comfyui",

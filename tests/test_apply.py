@@ -91,6 +91,25 @@ def test_a_leaf_with_a_forward_of_its_own_is_refused():
     assert snapshot_tree(model) == before
 
 
+def test_apply_policy_converts_as_resolve_then_apply_does_and_checks_the_same():
+    import types
+
+    one, other = tiny_qwen2(), tiny_qwen2()
+    convert(one)
+    policy, plan = streamwise.apply_policy(other, DECODER)  # one walk serves resolve and apply
+    assert policy is DECODER and plan == streamwise.resolve(DECODER, other)
+    assert [(n, type(m), sorted(m.__dict__)) for n, m in other.named_modules()] == snapshot_tree(one)
+    assert applied_state(other).counts() == applied_state(one).counts()
+
+    hooked = tiny_qwen2()
+    leaf = hooked.model.layers[1].self_attn.o_proj
+    leaf.forward = types.MethodType(torch.nn.Linear.forward, leaf)
+    before = snapshot_tree(hooked)
+    with pytest.raises(ConversionError, match="`model.layers.1.self_attn.o_proj` has a forward of its own"):
+        streamwise.apply_policy(hooked, DECODER)
+    assert snapshot_tree(hooked) == before
+
+
 def test_converted_trees_pickle_and_keep_their_classes():
     import io
 

@@ -46,8 +46,8 @@ def ids(section):
 
 def test_top_level_api_is_small_and_deliberate():
     assert set(streamwise.__all__) == {
-        "Policy", "PolicyError", "load_policy", "resolve", "apply", "revert", "offload", "model_patcher",
-        "load", "skeleton", "load_pretrained", "lazy_compile", "compile_stats",
+        "Policy", "PolicyError", "load_policy", "resolve", "apply", "apply_policy", "revert", "offload",
+        "model_patcher", "load", "skeleton", "load_pretrained", "lazy_compile", "compile_stats",
     }
     assert isinstance(streamwise.load_policy("decoder-llm"), streamwise.Policy)
     assert callable(streamwise.resolve) and callable(streamwise.model_patcher)

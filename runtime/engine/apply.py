@@ -48,17 +48,19 @@ class ConversionCounts:
 _ABSENT = object()
 
 
-@dataclass
 class _Record:
     """One module's conversion: the class it had and each instance attribute set (with what it held before)."""
 
-    module: nn.Module
-    original_class: type
-    replaced: dict[str, object]  # _ABSENT: the instance held nothing under that name
-    role: str  # "stream", "relocate" or "host" (a host's adaptation of the root, see hosts/)
+    __slots__ = ("module", "original_class", "replaced", "role")
+
+    def __init__(self, module: nn.Module, original_class: type, replaced: dict[str, object], role: str) -> None:
+        self.module = module
+        self.original_class = original_class
+        self.replaced = replaced  # _ABSENT: the instance held nothing under that name
+        self.role = role  # "stream", "relocate", "resident" or "host" (a host's adaptation of the root, see hosts/)
 
     def undo(self) -> None:
-        self.module.__class__ = self.original_class
+        object.__setattr__(self.module, "__class__", self.original_class)
         for name, previous in self.replaced.items():
             if previous is _ABSENT:
                 self.module.__dict__.pop(name, None)
@@ -124,9 +126,45 @@ def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> Co
     With a `journal` (a caller's operation in progress, as `load` has), a failure also undoes what the
     caller journaled before.
     """
-    targets = check(plan, model)
+    return _apply(plan, model, check(plan, model), journal or Journal())
+
+
+def apply_policy(
+    model: nn.Module, policy: Policy | str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()
+) -> tuple[Policy, Plan]:
+    """Resolve `policy` (a Policy, or a name or file to load) against `model` and convert it.
+
+    Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit. One walk over the
+    tree serves both steps: resolve hands over the modules its plan names.
+    """
+    from ..plan.resolve import plan_and_modules
+
+    policy, plan, modules = plan_and_modules(policy, model, dirs=dirs)
+    _apply(plan, model, _targets(plan, zip(plan.modules, modules, strict=True)), Journal())
+    return policy, plan
+
+
+def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, type]]:
+    """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
+    if not plan.ok:
+        raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
+            f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
+        ))
+    from ..plan.selectors import walk_modules  # the plan's own view of paths
+
+    modules = dict(walk_modules(model))
+    located = []
+    for entry in plan.modules:
+        module = modules.get(entry.path)
+        if module is None:
+            raise ConversionError(f"the plan names `{entry.path}`, which this model does not have")
+        located.append((entry, module))
+    return _targets(plan, located)
+
+
+def _apply(plan: Plan, model: nn.Module, targets: list, journal: Journal) -> ConversionCounts:
     state = applied_state(model) or AppliedState()
-    journal = journal or Journal()
+    tree = state.tree
     step = "quantizing"
     try:
         quantized = _quantized(plan, model)  # the heavy part, before anything changes
@@ -134,16 +172,18 @@ def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> Co
         for entry, module, cls in targets:
             if type(module) is not cls:
                 step = f"converting `{entry.path}`"
-                records.append(_convert(journal, module, cls, entry, state.tree))
+                attributes = (protocol.leaf_attributes(module, tree) if entry.stream
+                              else {protocol.TREE: tree, protocol.RELOCATED: entry.relocate})
+                records.append(journal.swap_class(module, cls, attributes, "stream" if entry.stream else "relocate"))
         step = "making quantized residents"
         from ..quant.residents import make_resident
 
         for entry, module, stored in quantized:
-            make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, state.tree)
+            make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, tree)
         for entry in plan.modules:  # residents a checkpoint load made before the tree existed
             module = model.get_submodule(entry.path) if entry.quant else None
             if module is not None and protocol.is_resident(module) and protocol.tree_of(module) is None:
-                journal.set_attributes(module, {protocol.TREE: state.tree})
+                journal.set_attributes(module, {protocol.TREE: tree})
     except Exception as exc:
         journal.rollback()
         raise ConversionError(f"{step} failed ({exc!r}); the tree was restored unchanged") from exc
@@ -154,32 +194,6 @@ def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> Co
     state.plan = plan
     model.__dict__[STATE_ATTRIBUTE] = state
     return state.counts()
-
-
-def apply_policy(
-    model: nn.Module, policy: Policy | str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()
-) -> tuple[Policy, Plan]:
-    """Resolve `policy` (a Policy, or a name or file to load) against `model` and convert it.
-
-    Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit.
-    """
-    from ..plan import plan_for
-
-    policy, plan = plan_for(policy, model, dirs=dirs)
-    apply(plan, model)
-    return policy, plan
-
-
-def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, type]]:
-    """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
-    if not plan.ok:
-        raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
-            f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
-        ))
-    from ..plan.selectors import class_names, walk_modules  # the plan's own view of paths and classes
-
-    modules = dict(walk_modules(model))
-    return [(entry, *_target(entry, modules, class_names)) for entry in plan.modules if entry.stream or entry.relocate]
 
 
 def revert(model: nn.Module) -> None:
@@ -198,9 +212,12 @@ def revert(model: nn.Module) -> None:
 
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
     """Give `module` the class `cls` and plain `attributes`, returning how to undo it."""
-    record = _Record(module, type(module), {name: module.__dict__.get(name, _ABSENT) for name in attributes}, role)
+    held = module.__dict__
+    replaced = (dict.fromkeys(attributes, _ABSENT) if held.keys().isdisjoint(attributes)  # a first conversion
+                else {name: held.get(name, _ABSENT) for name in attributes})
+    record = _Record(module, type(module), replaced, role)
     object.__setattr__(module, "__class__", cls)  # past nn.Module.__setattr__, which only looks for tensors here
-    module.__dict__.update(attributes)
+    held.update(attributes)
     return record
 
 
@@ -222,35 +239,54 @@ def _quantized(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module
     return quantized
 
 
-def _target(entry: ModulePlan, modules: dict[str, nn.Module], class_names: Callable) -> tuple[nn.Module, type]:
-    """The module a plan entry names and the class it must end up with; checks everything first."""
-    module = modules.get(entry.path)
-    if module is None:
-        raise ConversionError(f"the plan names `{entry.path}`, which this model does not have")
-    if protocol.is_resident(module):
-        return module, type(module)  # a quantized resident already streams
-    original = protocol.original_class(type(module))
+def _targets(plan: Plan, located: Iterable[tuple[ModulePlan, nn.Module]]) -> list[tuple[ModulePlan, nn.Module, type]]:
+    """Each module an ok plan converts, with the class it must end up with; checks everything first.
+
+    What depends on the class alone (which class the plan expects, the derived class) is decided once per class.
+    """
+    by_class: dict[tuple, tuple[type, frozenset | None]] = {}
+    targets = []
+    for entry, module in located:
+        if not (entry.stream or entry.relocate):
+            continue
+        key = (type(module), entry.class_name, entry.stream)
+        decided = by_class.get(key)
+        if decided is None:
+            decided = by_class[key] = _target_class(entry, type(module))
+        target, needs = decided
+        if needs is not None and ("forward" in module.__dict__ or not needs <= module._parameters.keys()):
+            _check_leaf(entry, module)  # the rare case, explained
+        targets.append((entry, module, target))
+    return targets
+
+
+def _target_class(entry: ModulePlan, cls: type) -> tuple[type, frozenset[str] | None]:
+    """The class a module of class `cls` must end up with under `entry`, and what a streamed leaf of that class must
+    hold as parameters to be known fine without a closer look (None: nothing to check per module)."""
+    if protocol.quant_handler(cls) is not None:
+        return cls, None  # a quantized resident already streams
+    original = protocol.original_class(cls)
+    from ..plan.selectors import class_names  # the plan's own view of classes
+
     seen = class_names(original)[0][1]
     if seen != entry.class_name:
         raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
-    if entry.stream and "forward" in module.__dict__:
+    target = streaming_class(original, entry.stream) if entry.stream else relocating_class(original)
+    if cls is target:
+        return target, None  # converted before: applying again changes nothing
+    if cls is not original:
+        raise ConversionError(f"`{entry.path}` was already converted differently ({cls.__name__})")
+    if not entry.stream:
+        return target, None
+    return target, frozenset(name for name in COMPUTE_KINDS[entry.stream].requires if not hasattr(original, name))
+
+
+def _check_leaf(entry: ModulePlan, module: nn.Module) -> None:
+    """What a streamed leaf needs of its instance: no forward of its own, the attributes its kind reads."""
+    if "forward" in module.__dict__:
         raise ConversionError(f"`{entry.path}` has a forward of its own (a hook installs these), which would "
                               "bypass streaming; remove the hook or exclude the module from the policy")
-    if entry.stream:
-        missing = COMPUTE_KINDS[entry.stream].missing(module)
-        if missing:
-            raise ConversionError(f"`{entry.path}` ({original.__name__}) cannot compute as `{entry.stream}`: "
-                                  f"it has no {', '.join(missing)}")
-        target = streaming_class(original, entry.stream)
-    else:
-        target = relocating_class(original)
-    if type(module) not in (original, target):
-        raise ConversionError(f"`{entry.path}` was already converted differently ({type(module).__name__})")
-    return module, target
-
-
-def _convert(journal: Journal, module: nn.Module, cls: type, entry: ModulePlan, tree: StreamTree) -> _Record:
-    if entry.stream:
-        return journal.swap_class(module, cls, protocol.leaf_attributes(module, tree), "stream")
-    attributes = {protocol.TREE: tree, protocol.RELOCATED: entry.relocate}
-    return journal.swap_class(module, cls, attributes, "relocate")
+    missing = COMPUTE_KINDS[entry.stream].missing(module)
+    if missing:
+        raise ConversionError(f"`{entry.path}` ({protocol.original_class(type(module)).__name__}) cannot compute "
+                              f"as `{entry.stream}`: it has no {', '.join(missing)}")

@@ -52,15 +52,14 @@ def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> 
 
 def leaf_attributes(module: nn.Module, tree: object) -> dict[str, object]:
     """The instance attributes a streamed leaf starts with: resident, unpatched, in `tree`."""
-    attributes: dict[str, object] = {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
-    if not has_attribute(module, "bias"):
-        attributes["bias"] = None  # core's cast_bias_weight reads `bias` on every op
-    return attributes
+    if has_attribute(module, "bias"):
+        return {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
+    return {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: [], "bias": None}  # core reads it
 
 
 def has_attribute(module: nn.Module, name: str) -> bool:
     """`hasattr(module, name)` without a raised AttributeError per miss (conversion asks it for every leaf)."""
-    return (name in module.__dict__ or name in module._parameters or name in module._buffers
+    return (name in module._parameters or name in module.__dict__ or name in module._buffers
             or name in module._modules or hasattr(type(module), name))
 
 
@@ -101,9 +100,9 @@ def kind_of(module: nn.Module) -> str | None:
     return getattr(type(module), KIND, None)
 
 
-def quant_handler(module: nn.Module) -> Any:
-    """The quant format handler of a quantized resident, or None for any other module."""
-    return getattr(type(module), HANDLER, None)
+def quant_handler(module: nn.Module | type) -> Any:
+    """The quant format handler of a quantized resident (or of its class), or None for any other module."""
+    return getattr(module if isinstance(module, type) else type(module), HANDLER, None)
 
 
 def is_resident(module: nn.Module) -> bool:

@@ -14,6 +14,7 @@ one pass (`benchmarks/bench_resolve.py`).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from ..policy.load import as_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
-from .selectors import CompiledSelector, ModuleRef, class_names, outermost, walk_modules
+from .selectors import CompiledSelector, ModuleRef, class_names, walk_modules, within
 
 _FETCHED = ("weight", "bias")  # what a streamed leaf's fetch brings; any other tensor of it stays behind
 _MAX_LISTED = 8
@@ -35,53 +36,78 @@ def plan_for(
     policy: Policy | str | os.PathLike[str], model: nn.Module, *, dirs: Iterable[str | os.PathLike] = ()
 ) -> tuple[Policy, Plan]:
     """The policy (loaded when given a name or path) and its plan for `model`; PolicyError unless the plan is ok."""
+    policy, plan, _ = plan_and_modules(policy, model, dirs=dirs)
+    return policy, plan
+
+
+def plan_and_modules(
+    policy: Policy | str | os.PathLike[str], model: nn.Module, *, dirs: Iterable[str | os.PathLike] = ()
+) -> tuple[Policy, Plan, list[nn.Module]]:
+    """`plan_for`, and the module each plan entry names, in order: an apply that follows at once needs no walk."""
     policy = as_policy(policy, dirs=dirs)
-    plan = resolve(policy, model)
+    plan, modules = _resolve(policy, model)
     if not plan.ok:
         raise PolicyError(plan.diagnostics)
-    return policy, plan
+    return policy, plan, modules
 
 
 def resolve(policy: Policy, model: nn.Module) -> Plan:
     """Every module's roles with their deciding rules, the coverage census and the diagnostics."""
-    decider = _Decider(policy)
+    return _resolve(policy, model)[0]
+
+
+def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
+    matcher = _matcher(policy)
     walk = walk_modules(model)
-    blocks = CompiledSelector(policy.compile.blocks) if policy.compile.blocks else None
-    units = {path for path, _ in outermost(blocks, model, walk=walk)} if blocks else set()
-    if blocks is not None:
-        decider.matches["compile.blocks"] = len(units)
     problems: list[Diagnostic] = []
     plans: list[ModulePlan] = []
+    modules: list[nn.Module] = []  # the module of each plan entry
     coverage = _CoverageCounter()
+    count, decide, by_class, blocks = coverage.count, matcher.decide, matcher.by_class, matcher.blocks
+    blocks_by_path = blocks is not None and blocks.by_path
+    seen: dict[_Decided, int] = {}  # how many modules each decision decided: the rule match counts
+    unit_path: str | None = None  # the last compile unit: a pre-order walk meets what lies in it next
 
     for path, module in walk:
-        decided = decider.decide(path, module, problems)
-        roles, entry = decided.roles, decided.entry
-        for check in decided.checks:
+        decided = by_class.get(type(module)) or decide(path, module, problems)
+        seen[decided] = seen.get(decided, 0) + 1
+        roles, template = decided.roles, decided.template
+        for check in decided.checks if module._modules else decided.leaf_checks:
             failed = check(path, module, roles)
             if failed is not None:
                 roles, problem = failed
-                entry = _entry(entry.class_name, roles)
+                template = _template(template[0][0], roles)
                 if problem is not None:
                     problems.append(problem)
-        relocated = coverage.count(path, module, roles)
-        unit = path in units
+        relocated = count(path, module, roles) if module._parameters or module._buffers else ()
+        unit = (decided.block or blocks_by_path and blocks.path_specificity(path) is not None) and not (
+            unit_path is not None and within(path, unit_path))
+        if unit:
+            unit_path = path
         if unit or roles.any:
-            plans.append(_placed(entry, path, relocated, unit))
+            plans.append(tuple.__new__(ModulePlan, (path, *template[0], relocated, *template[1], unit)))
+            modules.append(module)
 
-    problems += _unmatched(decider, walk)
+    matches = dict.fromkeys(matcher.rule_keys, 0)
+    for decided, decided_modules in seen.items():
+        for key in decided.keys:
+            matches[key] += decided_modules
+    if blocks is not None:
+        matches["compile.blocks"] = sum(1 for entry in plans if entry.compile_unit)
+    problems += _unmatched(matcher, matches, walk)
     counted = coverage.coverage()
     if counted.stranded:
         problems.append(_stranded(counted))
-    return Plan(
+    plan = Plan(
         policy=policy.name,
         root_class=ModuleRef.of("", model).qualname,
         compile=policy.compile,
         modules=tuple(plans),
         coverage=counted,
-        rule_matches=decider.matches,
+        rule_matches=matches,
         diagnostics=tuple(problems),
     )
+    return plan, modules
 
 
 class _Roles(NamedTuple):
@@ -95,22 +121,40 @@ class _Roles(NamedTuple):
     def any(self) -> bool:
         return self.stream is not None or self.relocate is not None or self.quant is not None
 
+    @property
+    def decided(self) -> set[str]:
+        """The names of the roles some rule decides."""
+        return {role for role, rule in zip(self._fields, self, strict=True) if rule is not None}
+
 
 # A check sees one module and its roles; it returns None when they stand, else the roles left and
 # the diagnostic (None for a silent fallback).
 Check = Callable[[str, nn.Module, _Roles], "tuple[_Roles, Diagnostic | None] | None"]
+# A plan entry without its per-module fields: (class_name, stream, stream_rule) and what follows `relocate`.
+Template = tuple[tuple[str, str | None, str | None], tuple]
 
 
-class _Decided(NamedTuple):
-    roles: _Roles
-    keys: tuple[str, ...]  # the `rule_matches` keys of the deciding rules
-    checks: tuple[Check, ...]  # those of `_CHECKS` that apply to these roles
-    entry: ModulePlan  # the plan entry the roles make, to be placed at each module's path
+class _Decided:
+    """What the rules make of one module (of every module of its class, when no rule names paths).
+
+    Compared by identity: resolve counts the modules each one decides.
+    """
+
+    __slots__ = ("roles", "keys", "checks", "leaf_checks", "template", "block")
+
+    def __init__(self, roles: _Roles, keys: tuple[str, ...], class_name: str, block: bool) -> None:
+        self.roles = roles
+        self.keys = keys  # the `rule_matches` keys of the deciding rules
+        self.checks = tuple(check for needs, check in _CHECKS if needs <= roles.decided)  # those that apply
+        self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)  # for a module
+        self.template = _template(class_name, roles)  # without children, which no parameters can hide in
+        self.block = block  # whether the compile blocks select the class
 
 
-class _Decider:
-    """The policy's sections compiled once, and the rules that decide each module, counted per rule.
+class _Matcher:
+    """A policy's sections and compile blocks compiled once, with what they decide per class.
 
+    Made once per Policy object (`_matcher`): a second resolve of the same policy decides no class again.
     When no rule or exclude names paths, what decides one module decides every module of its class.
     """
 
@@ -120,18 +164,13 @@ class _Decider:
             section = getattr(policy, name)
             exclude = CompiledSelector(section.exclude) if section.exclude else None
             self.sections[name] = Section([(rule, CompiledSelector(rule.select)) for rule in section.rule], exclude)
-        self.matches = {f"{name}.{rule.id}": 0 for name, section in self.sections.items() for rule, _ in section.rules}
+        self.rule_keys = [f"{name}.{rule.id}" for name, section in self.sections.items() for rule, _ in section.rules]
+        self.blocks = CompiledSelector(policy.compile.blocks) if policy.compile.blocks else None
         self._per_class = not any(section.path_dependent for section in self.sections.values())
-        self._by_class: dict[type, _Decided] = {}
+        self.by_class: dict[type, _Decided] = {}  # stays empty when decisions depend on paths
 
     def decide(self, path: str, module: nn.Module, problems: list[Diagnostic]) -> _Decided:
         """The rules that decide `module` and the checks they need; ties that disagree go to `problems`."""
-        decided = self._by_class.get(type(module)) or self._decide(path, module, problems)
-        for key in decided.keys:
-            self.matches[key] += 1
-        return decided
-
-    def _decide(self, path: str, module: nn.Module, problems: list[Diagnostic]) -> _Decided:
         rules, keys, tied = {}, [], False
         for name, section in self.sections.items():
             try:
@@ -142,12 +181,24 @@ class _Decider:
             if decision is not None:
                 rules[name] = decision.rule
                 keys.append(f"{name}.{decision.rule.id}")
-        checks = tuple(check for needs, check in _CHECKS if needs <= rules.keys())
-        roles = _Roles(**rules)  # the roles are named after the sections
-        decided = _Decided(roles, tuple(keys), checks, _entry(class_names(type(module))[0][1], roles))
+        blocks = self.blocks is not None and self.blocks.of_class[type(module)] is not None
+        decided = _Decided(_Roles(**rules), tuple(keys), class_names(type(module))[0][1], blocks)
         if self._per_class and not tied:  # a tie is reported per module, so it is never cached
-            self._by_class[type(module)] = decided
+            self.by_class[type(module)] = decided
         return decided
+
+
+def _matcher(policy: Policy) -> _Matcher:
+    """The policy's matcher, compiled on first use and kept while the Policy object lives."""
+    held = _MATCHERS.get(id(policy))
+    if held is not None and held[0]() is policy:
+        return held[1]
+    key = id(policy)
+    matcher = _MATCHERS[key] = (weakref.ref(policy, lambda _: _MATCHERS.pop(key, None)), _Matcher(policy))
+    return matcher[1]
+
+
+_MATCHERS: dict[int, tuple[weakref.ref, _Matcher]] = {}
 
 
 def _stream_leaf(path: str, module: nn.Module, roles: _Roles):
@@ -221,26 +272,13 @@ _CHECKS: tuple[tuple[set[str], Check], ...] = (
 )
 
 
-def _entry(class_name: str, roles: _Roles) -> ModulePlan:
-    """What `roles` make of a module of `class_name`, before it is placed (`_placed`)."""
+def _template(class_name: str, roles: _Roles) -> Template:
+    """The plan entry `roles` make of a module of `class_name`, less its path, relocated tensors and unit flag."""
     stream, relocate, quant = roles
-    return ModulePlan(
-        path="",
-        class_name=class_name,
-        stream=stream.kind if stream else None,
-        stream_rule=stream.id if stream else None,
-        relocate_rule=relocate.id if relocate else None,
-        quant=quant.format if quant else None,
-        quant_rule=quant.id if quant else None,
-        group_size=quant.effective_group_size if quant else None,
-        gguf_type=quant.effective_gguf_type if quant else None,
-    )
-
-
-def _placed(entry: ModulePlan, path: str, relocated: tuple[str, ...], unit: bool) -> ModulePlan:
-    """`entry` for the module at `path`, with the tensors it relocates and whether it is a compile unit."""
-    return ModulePlan(path, entry.class_name, entry.stream, entry.stream_rule, relocated, entry.relocate_rule,
-                      entry.quant, entry.quant_rule, entry.group_size, entry.gguf_type, unit)
+    head = (class_name, stream.kind if stream else None, stream.id if stream else None)
+    tail = (relocate.id if relocate else None, quant.format if quant else None, quant.id if quant else None,
+            quant.effective_group_size if quant else None, quant.effective_gguf_type if quant else None)
+    return head, tail
 
 
 class _CoverageCounter:
@@ -250,38 +288,46 @@ class _CoverageCounter:
     """
 
     def __init__(self) -> None:
-        self.bytes = {"streamed": 0, "relocated": 0, "stranded": 0}
+        self.streamed = self.relocated = self.stranded_bytes = 0
         self.stranded: list[TensorRef] = []
         self._first: dict[int, tuple[str, str]] = {}  # by tensor id: where it was first seen
         self._aliases: dict[int, list[tuple[str, str]]] = {}  # by tensor id: where else it was seen
 
     def count(self, path: str, module: nn.Module, roles: _Roles) -> tuple[str, ...]:
         """Count the module's direct tensors in one pass; returns their names if it relocates (what it moves)."""
-        parameters, buffers = module._parameters, module._buffers
-        if not parameters and not buffers:
-            return ()
-        relocated = roles.relocate is not None
-        fetched_parameters = _FETCHED if roles.stream is not None and not relocated else ()
         first = self._first
-        moved = []
-        for kind, tensors, fetched in (("parameter", parameters, fetched_parameters), ("buffer", buffers, ())):
+        relocated = roles.relocate is not None
+        fetching = roles.stream is not None and not relocated  # a streamed leaf fetches its weight and bias
+        streamed = moved = 0
+        for tensors, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
             for name, tensor in tensors.items():
                 if tensor is None:
                     continue
                 key = id(tensor)
                 if key in first:
-                    if _named_earlier(tensors, name, tensor):
-                        continue  # one tensor under two names of one module: `named_parameters` yields it once
-                    self._aliases.setdefault(key, []).append((path, name))
+                    self._seen_again(key, path, name, tensors, tensor)
+                elif relocated:
+                    first[key] = (path, name)
+                    moved += tensor.nbytes
+                elif fetching and name in _FETCHED:
+                    first[key] = (path, name)
+                    streamed += tensor.nbytes
                 else:
                     first[key] = (path, name)
-                    role = "relocated" if relocated else "streamed" if name in fetched else "stranded"
-                    self.bytes[role] += tensor.nbytes
-                    if role == "stranded":
-                        self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes))
-                if relocated:
-                    moved.append(name)
-        return tuple(moved)
+                    self.stranded_bytes += tensor.nbytes
+                    self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes))
+            fetching = False  # buffers never come through the fetch
+        self.streamed += streamed
+        self.relocated += moved
+        if not relocated:
+            return ()
+        return tuple(name for tensors in (module._parameters, module._buffers) for name, tensor in tensors.items()
+                     if tensor is not None and not _named_earlier(tensors, name, tensor))
+
+    def _seen_again(self, key: int, path: str, name: str, tensors: dict, tensor: object) -> None:
+        """A tensor met before: tied elsewhere, unless this module holds it under an earlier name too."""
+        if not _named_earlier(tensors, name, tensor):  # one tensor under two names of one module: torch yields it once
+            self._aliases.setdefault(key, []).append((path, name))
 
     def coverage(self) -> Coverage:
         """The census; tied groups in the order their tensors were first seen."""
@@ -289,7 +335,8 @@ class _CoverageCounter:
             tuple(_joined(*where) for where in (self._first[key], *self._aliases[key]))
             for key in self._first if key in self._aliases
         ) if self._aliases else ()
-        return Coverage(dict(self.bytes), tuple(self.stranded), tied)
+        counted = {"streamed": self.streamed, "relocated": self.relocated, "stranded": self.stranded_bytes}
+        return Coverage(counted, tuple(self.stranded), tied)
 
 
 def _named_earlier(tensors: dict, name: str, tensor: object) -> bool:
@@ -333,11 +380,11 @@ def _conflict(section: str, conflict: RuleConflict) -> Diagnostic:
     )
 
 
-def _unmatched(decider: _Decider, walk: list) -> list[Diagnostic]:
+def _unmatched(matcher: _Matcher, matches: dict[str, int], walk: list) -> list[Diagnostic]:
     """Rules whose selector hits no module: not those outranked everywhere, nor those whose modules are excluded."""
     unmatched = [
-        (name, rule) for name, section in decider.sections.items() for rule, selector in section.rules
-        if not rule.optional and not decider.matches[f"{name}.{rule.id}"]
+        (name, rule) for name, section in matcher.sections.items() for rule, selector in section.rules
+        if not rule.optional and not matches[f"{name}.{rule.id}"]
         and not any(selector.matches_module(path, module) for path, module in walk)  # selects some, decides none
     ]
     if not unmatched:
