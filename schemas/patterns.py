@@ -1,4 +1,4 @@
-"""Syntax of policy names and of the three selector entry kinds: class names, path globs and regexes.
+"""Syntax of policy names and of the selector entry kinds: class names (and class globs), path globs and regexes.
 
 A policy name (also an `extends` target or a rule id) is a file stem, `POLICY_NAME` without `..`, so a name
 never reaches outside a policy folder.
@@ -36,11 +36,20 @@ def is_policy_name(text: str) -> bool:
 
 
 def check_class_name(name: str) -> None:
-    if not _CLASS_NAME.fullmatch(name):
-        bad = next((i for i, ch in enumerate(name) if not (ch.isalnum() or ch in "_.")), None)
+    """A class entry: `Name`, `package.module.Name`, or a glob of either (`*RMSNorm`, `transformers.**.*Norm`)."""
+    if not _CLASS_NAME.fullmatch(name.replace("*", "_").replace("?", "_")):
+        bad = next((i for i, ch in enumerate(name) if not (ch.isalnum() or ch in "_.*?")), None)
         raise PatternError(
-            f"`{name}` is not a class name: use `Name` or `package.module.Name`", bad
+            f"`{name}` is not a class name: use `Name` or `package.module.Name` (`*` and `?` make a glob)", bad
         )
+    if is_class_glob(name):
+        compile_glob(name)
+
+
+def is_class_glob(name: str) -> bool:
+    """Whether a class entry is a glob: matched like a path glob against the short name, or against the
+    qualified name when it has a `.`."""
+    return "*" in name or "?" in name
 
 
 def compile_glob(glob: str) -> re.Pattern[str]:

@@ -21,19 +21,22 @@ from pydantic_core import PydanticCustomError
 
 from .patterns import PatternError, check_class_name, compile_glob, compile_regex, is_policy_name
 from .vocabulary import (
+    AUTO_KIND,
     COMPILE_MODES,
     COMPUTE_KINDS,
     DEFAULT_GGUF_TYPE,
     DEFAULT_GROUP_SIZE,
     GGUF_WRITE_TYPES,
     GROUPED_QUANT_FORMATS,
+    HOLDS,
     QUANT_FORMATS,
     is_power_of_4,
 )
 
 SCHEMA_VERSION = 1
 
-ComputeKind = Literal[tuple(COMPUTE_KINDS)]
+ComputeKind = Literal[(*COMPUTE_KINDS, AUTO_KIND)]
+Holds = Literal[tuple(HOLDS)]
 QuantFormat = Literal[tuple(QUANT_FORMATS)]
 CompileMode = Literal[tuple(COMPILE_MODES)]
 GGUFType = Literal[GGUF_WRITE_TYPES]
@@ -103,19 +106,45 @@ class Selector(_Table):
     """Which modules a rule addresses. Entries are OR-ed; at least one is required."""
 
     class_: ClassNames = Field(default=(), alias="class")
-    """Exact class names (`Linear`), or `package.module.Qualname` to tell apart equal short names."""
+    """Class names (`Linear`), `package.module.Qualname` to tell apart equal short names, or globs of either
+    (`*RMSNorm`)."""
     path: PathGlobs = ()
     """Dotted module-path globs, matched segment by segment against the whole path (`*`, `**`, `?`, `[...]`)."""
     regex: Regexes = ()
     """Python regexes, full-matched against the dotted module path. Prefer TOML literal strings: '...'."""
     subclasses: bool = False
     """Also match subclasses of the named classes (by walking each module's MRO)."""
+    holds: Holds | None = None
+    """The catch-all, least specific of all: `parameters` (any module with direct parameters) or `buffers-only`
+    (direct buffers and no direct parameters)."""
+
+    _ENTRIES: ClassVar[str] = "`class`, `path`, `regex` or `holds`"
 
     @model_validator(mode="after")
     def _not_empty(self) -> Selector:
-        if not (self.class_ or self.path or self.regex):
-            raise PydanticCustomError("empty-selector", "a selector needs at least one of `class`, `path` or `regex`")
+        if not self.entries:
+            raise PydanticCustomError("empty-selector", "a selector needs at least one of {entries}",
+                                      {"entries": self._ENTRIES})
         return self
+
+    @property
+    def entries(self) -> bool:
+        """Whether the selector names anything to match."""
+        return bool(self.class_ or self.path or self.regex or self.holds)
+
+
+class BlockSelector(Selector):
+    """The compile blocks: a selector, or the model's own declaration of its repeated blocks."""
+
+    no_split: bool = False
+    """The classes the model declares as its repeated blocks (transformers' `_no_split_modules`, read from the live
+    classes as data)."""
+
+    _ENTRIES: ClassVar[str] = "`class`, `path`, `regex`, `holds` or `no_split`"
+
+    @property
+    def entries(self) -> bool:
+        return super().entries or self.no_split
 
 
 class _Rule(_Table):
@@ -135,10 +164,11 @@ class _Rule(_Table):
 
 
 class StreamRule(_Rule):
-    """Leaf modules whose weights stream under low VRAM, computed as `kind`."""
+    """Modules whose weights stream under low VRAM, computed as `kind`."""
 
     kind: ComputeKind
-    """How the streamed leaf computes its forward."""
+    """How the streamed module computes its forward: a specific kind (a leaf of the class it was made for),
+    `generic` (any module, through its own forward) or `auto` (per class, the best that is provably right)."""
 
     @property
     def decision(self) -> Any:
@@ -257,7 +287,7 @@ class CompileSettings(_Table):
     """Fail instead of splitting a graph at unsupported code."""
     dynamic: bool = False
     """Trace shapes symbolically instead of specializing on the first shapes seen."""
-    blocks: Selector | None = None
+    blocks: BlockSelector | None = None
     """The repeated block classes to compile regionally; without it the whole model is compiled."""
     dynamo_cache_size_limit: int = Field(default=64, ge=1, le=65536)
     """How many compiled variants torch keeps per code object before falling back to eager."""

@@ -25,6 +25,21 @@ COMPUTE_KINDS: dict[str, str] = {
         "Channels-first LayerNorm (VibeVoice ConvLayerNorm): transpose, fp32 layer norm, transpose back."
     ),
     "conv_rms_norm": "Channels-first RMSNorm (VibeVoice ConvRMSNorm): transpose, llama-style RMS norm, transpose back.",
+    "generic": (
+        "Any module with parameters, leaf or container: its direct parameters are fetched for the call and its own "
+        "forward runs, so the result is the unconverted module's by construction."
+    ),
+}
+
+#: The stream-rule kind that picks, per class, a specific kind where one provably reproduces the class, else
+#: `generic` (the plan says which and why).
+AUTO_KIND = "auto"
+AUTO_KIND_DESCRIPTION = "Per class: a specific kind where it provably reproduces the class, else `generic`."
+
+#: What `holds` selects: modules with direct parameters, or with direct buffers and no direct parameters.
+HOLDS: dict[str, str] = {
+    "parameters": "Modules holding direct parameters (any class): the catch-all of a stream section.",
+    "buffers-only": "Modules holding direct buffers and no direct parameters: the catch-all of a relocate section.",
 }
 
 QUANT_FORMATS: dict[str, str] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -171,8 +172,16 @@ def test_problems_are_found_before_anything_changes():
     assert snapshot_tree(other) == before
 
     wrong_kind = make_policy(stream={"rule": [stream_rule("norms", "layer_norm", **{"class": "Qwen2RMSNorm"})]})
+    plan = streamwise.resolve(wrong_kind, other)  # caught when resolving: `policy-validate --model` shows it
+    assert [d.code for d in plan.diagnostics if d.is_error] == ["kind-mismatch"]
+    assert "`Qwen2RMSNorm` has no bias, normalized_shape, eps, which kind `layer_norm` reads (3 modules: " in (
+        plan.diagnostics[0].message)
+    # and by apply itself, for a plan that was edited after resolving
+    fine = streamwise.resolve(DECODER, other)
+    edited = dataclasses.replace(fine, modules=tuple(
+        entry._replace(stream="layer_norm") if entry.stream == "llama_rms_norm" else entry for entry in fine.modules))
     with pytest.raises(ConversionError, match="cannot compute as `layer_norm`: it has no bias, normalized_shape, eps"):
-        convert(other, wrong_kind)
+        streamwise.apply(edited, other)
     assert snapshot_tree(other) == before
 
 

@@ -127,7 +127,7 @@ select = { path = "model.layers.0.mlp.*" }
 def test_a_more_specific_rule_wins():
     policy = make_policy(stream={"rule": [
         stream_rule("linear", "linear", **{"class": "Linear"}),
-        stream_rule("head", "embedding", path="lm_head"),  # nonsense kind, but it shows who decides
+        stream_rule("head", "generic", path="lm_head"),  # another kind, to show who decides
     ]})
     plan = streamwise.resolve(policy, tiny_qwen2())
     assert plan.module("lm_head").stream_rule == "head"

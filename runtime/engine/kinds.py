@@ -10,20 +10,27 @@ bit-identical to the original one on the same device.
 that promote or upcast themselves).
 
 The leaf-kind contract (`streamed.streaming_class` drives it; quantized residents implement it too):
-`resident_forward(cls)` is the forward while the weights are resident, `fetch(fetcher, module, x)` brings them
-for one call, `compute(module, x, fetched, *args, **kwargs)` computes with them and `release(...)` lets them go.
+`resident_forward(cls)` is the forward while the weights are resident, `split(module, input_name, args, kwargs)`
+finds the activation the fetch follows, `fetch(fetcher, module, x)` brings the weights for one call,
+`compute(module, x, fetched, *args, **kwargs)` computes with them and `release(...)` lets them go.
+
+`generic` is the kind that needs no knowledge of the class: its direct parameters shadow the stored ones for the
+call (in the instance dictionary, where attribute lookup finds them first) and the class's own forward runs, so it
+is right by construction; it serves containers too. A specific kind is the fast path for the classes it was made
+for; `fit(kind, cls)` says whether it provably reproduces a class (what `kind = "auto"` and the checks use).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...schemas.vocabulary import AUTO_KIND
 from ..registry import Registry
 from . import protocol
 
@@ -37,6 +44,15 @@ class ComputeKind:
     function: Function
     dtype: WeightDtype
     requires: tuple[str, ...]
+    made_for: tuple[type, ...] = ()
+    """The classes whose forward the kind reproduces (a subclass that overrides none of `computes` is one too)."""
+    computes: tuple[str, ...] = ("forward",)
+    """The methods of a made-for class the computation stands for."""
+    reference: Callable[..., Any] | None = None
+    """A verbatim copy of a forward the kind reproduces: a class whose forward compiles to the same code is proven
+    (transformers' many copies of LlamaRMSNorm)."""
+    probe: Callable[[nn.Module], Tensor | None] | None = None
+    """A small input for the class's own forward, shaped from the module's weight, for the numerical check."""
 
     def missing(self, module: nn.Module) -> list[str]:
         """Attributes the handler needs that `module` lacks (checked before any conversion)."""
@@ -44,6 +60,15 @@ class ComputeKind:
 
     def resident_forward(self, cls: type[nn.Module]) -> Callable[..., Any]:
         return cls.forward
+
+    def split(self, module: nn.Module, input_name: str | None, args: tuple, kwargs: dict) -> tuple[Tensor, tuple]:
+        """The input (first positional, or by its keyword) and the other positional arguments."""
+        if args:
+            return args[0], args[1:]
+        if input_name in kwargs:
+            return kwargs.pop(input_name), args
+        raise TypeError(f"{type(module).__name__}.forward() got no input: pass it first"
+                        + (f" or as `{input_name}=`" if input_name else ""))
 
     def fetch(self, fetcher: Any, module: nn.Module, x: Tensor) -> tuple:
         return fetcher.fetch(module, x.device, x.dtype if self.dtype == "input" else None)
@@ -56,11 +81,65 @@ class ComputeKind:
         fetcher.release(module, *fetched)
 
 
+class GenericKind(ComputeKind):
+    """Any module with parameters, through its own forward: right by construction, for leaves and containers.
+
+    Fetch: `weight` and `bias` the host's way (its weight functions, LoRA, applied), every other direct parameter
+    raw; all in the stored dtype. Compute: the fetched tensors shadow the stored ones in the instance dictionary
+    for the call (attribute lookup finds them before `nn.Module.__getattr__`), the original forward runs, and they
+    are taken away again. Buffers are not fetched: a module that holds some also relocates them (`apply`).
+    """
+
+    def split(self, module: nn.Module, input_name: str | None, args: tuple, kwargs: dict) -> tuple[Tensor, tuple]:
+        """The first tensor argument, for the device; every argument stays where it is."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, Tensor):
+                return value, args
+        raise TypeError(f"{type(module).__name__}.forward() got no tensor argument, so the device to fetch its "
+                        "weights to is unknown; stream it with a specific kind or relocate it instead")
+
+    def fetch(self, fetcher: Any, module: nn.Module, x: Tensor) -> tuple:
+        parameters = module._parameters
+        fetched: dict[str, Tensor] = {}
+        through_host = None
+        if parameters.get("weight") is not None:
+            through_host = fetcher.fetch(module, x.device, None)
+            fetched["weight"] = through_host[0]
+            if parameters.get("bias") is not None:
+                fetched["bias"] = through_host[1]
+        raw = tuple(name for name, tensor in parameters.items() if tensor is not None and name not in fetched)
+        if raw:
+            fetched.update(zip(raw, fetcher.fetch_raw(module, raw, x.device), strict=True))
+        return fetched, through_host
+
+    def compute(self, module: nn.Module, x: Tensor, fetched: tuple, *args, **kwargs) -> Tensor:
+        tensors, _ = fetched
+        held = module.__dict__
+        held.update(tensors)
+        try:
+            return protocol.original_class(type(module)).forward(module, *args, **kwargs)
+        finally:
+            for name in tensors:
+                del held[name]
+
+    def release(self, fetcher: Any, module: nn.Module, fetched: tuple) -> None:
+        _, through_host = fetched
+        if through_host is not None:
+            fetcher.release(module, *through_host)
+
+
 COMPUTE_KINDS: Registry[ComputeKind] = Registry("compute kind")
+GENERIC = "generic"
+COMPUTE_KINDS.register(GENERIC, GenericKind(GENERIC, None, "stored", ()))
 
 
-def compute_kind(name: str, *, dtype: WeightDtype, requires: tuple[str, ...] = ("weight",)):
-    return COMPUTE_KINDS.decorator(name, lambda name, function: ComputeKind(name, function, dtype, requires))
+def compute_kind(
+    name: str, *, dtype: WeightDtype, requires: tuple[str, ...] = ("weight",), made_for: tuple[type, ...] = (),
+    computes: tuple[str, ...] = ("forward",), reference: Callable[..., Any] | None = None,
+    probe: Callable[[nn.Module], Tensor | None] | None = None,
+):
+    return COMPUTE_KINDS.decorator(name, lambda name, function: ComputeKind(
+        name, function, dtype, requires, made_for, computes, reference, probe))
 
 
 _CONV = ("weight", "bias", "_conv_forward")
@@ -68,21 +147,55 @@ _CONV_T = ("weight", "bias", "stride", "padding", "groups", "dilation", "_output
 _EMBEDDING = ("weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
 
-@compute_kind("linear", dtype="input", requires=("weight", "bias"))
+def _like(module: nn.Module, *shape: int) -> Tensor:
+    weight = module.weight
+    return torch.randn(*shape, dtype=weight.dtype, device=weight.device)
+
+
+def _features(module: nn.Module) -> Tensor:
+    """(2, in): what a Linear-shaped or 1-D-weight module takes."""
+    return _like(module, 2, module.weight.shape[-1])
+
+
+def _channels_first(module: nn.Module, spatial: int, channels: int | None = None) -> Tensor:
+    kernel = module.weight.shape[2:] or (1,)
+    size = 4 * max(kernel) + 8
+    return _like(module, 1, channels if channels is not None else module.weight.shape[0], *(size,) * spatial)
+
+
+def _conv_probe(spatial: int):
+    return lambda module: _channels_first(module, spatial, module.weight.shape[1] * getattr(module, "groups", 1))
+
+
+def _normalized(module: nn.Module) -> Tensor:
+    return _like(module, 2, *getattr(module, "normalized_shape", module.weight.shape))
+
+
+@compute_kind("linear", dtype="input", requires=("weight", "bias"), made_for=(nn.Linear,), probe=_features)
 def _linear(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-@compute_kind("embedding", dtype="stored", requires=_EMBEDDING)
+def _embedding_probe(module: nn.Module) -> Tensor:
+    return torch.randint(0, module.weight.shape[0], (2, 3), device=module.weight.device)
+
+
+@compute_kind("embedding", dtype="stored", requires=_EMBEDDING, made_for=(nn.Embedding,), probe=_embedding_probe)
 def _embedding(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.embedding(
         x, weight, module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
     )
 
 
-@compute_kind("conv1d", dtype="input", requires=_CONV)
-@compute_kind("conv2d", dtype="input", requires=_CONV)
-@compute_kind("conv3d", dtype="input", requires=_CONV)
+_CONV_COMPUTES = ("forward", "_conv_forward")
+
+
+@compute_kind("conv1d", dtype="input", requires=_CONV, made_for=(nn.Conv1d,), computes=_CONV_COMPUTES,
+              probe=_conv_probe(1))
+@compute_kind("conv2d", dtype="input", requires=_CONV, made_for=(nn.Conv2d,), computes=_CONV_COMPUTES,
+              probe=_conv_probe(2))
+@compute_kind("conv3d", dtype="input", requires=_CONV, made_for=(nn.Conv3d,), computes=_CONV_COMPUTES,
+              probe=_conv_probe(3))
 def _conv(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return module._conv_forward(x, weight, bias)
 
@@ -101,21 +214,26 @@ def _conv_transpose(functional: Callable[..., Tensor], spatial_dims: int) -> Fun
     return compute
 
 
-compute_kind("conv_transpose1d", dtype="input", requires=_CONV_T)(_conv_transpose(F.conv_transpose1d, 1))
-compute_kind("conv_transpose2d", dtype="input", requires=_CONV_T)(_conv_transpose(F.conv_transpose2d, 2))
+for _name, _class, _functional, _dims in (("conv_transpose1d", nn.ConvTranspose1d, F.conv_transpose1d, 1),
+                                          ("conv_transpose2d", nn.ConvTranspose2d, F.conv_transpose2d, 2)):
+    compute_kind(_name, dtype="input", requires=_CONV_T, made_for=(_class,), computes=("forward", "_output_padding"),
+                 probe=lambda module, dims=_dims: _channels_first(module, dims))(_conv_transpose(_functional, _dims))
 
 
-@compute_kind("layer_norm", dtype="stored", requires=("weight", "bias", "normalized_shape", "eps"))
+@compute_kind("layer_norm", dtype="stored", requires=("weight", "bias", "normalized_shape", "eps"),
+              made_for=(nn.LayerNorm,), probe=_normalized)
 def _layer_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
 
 
-@compute_kind("group_norm", dtype="stored", requires=("weight", "bias", "num_groups", "eps"))
+@compute_kind("group_norm", dtype="stored", requires=("weight", "bias", "num_groups", "eps"),
+              made_for=(nn.GroupNorm,), probe=lambda module: _channels_first(module, 1))
 def _group_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return F.group_norm(x, module.num_groups, weight, bias, module.eps)
 
 
-@compute_kind("rms_norm", dtype="stored", requires=("weight", "normalized_shape", "eps"))
+@compute_kind("rms_norm", dtype="stored", requires=("weight", "normalized_shape", "eps"), made_for=(nn.RMSNorm,),
+              probe=_normalized)
 def _rms_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return F.rms_norm(x, module.normalized_shape, weight, module.eps)
 
@@ -130,19 +248,94 @@ def _llama_rms(module: nn.Module, x: Tensor, weight: Tensor | None) -> Tensor:
     return hidden if weight is None else weight * hidden
 
 
-@compute_kind("llama_rms_norm", dtype="stored")
+def _llama_rms_norm_forward(self, hidden_states):
+    # transformers' LlamaRMSNorm.forward, verbatim: a class whose forward compiles to this code is proven
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+def _weighted_features(module: nn.Module) -> Tensor | None:
+    return _features(module) if module._parameters.get("weight") is not None else None
+
+
+@compute_kind("llama_rms_norm", dtype="stored", reference=_llama_rms_norm_forward, probe=_weighted_features)
 def _llama_rms_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return _llama_rms(module, x, weight)
 
 
-@compute_kind("conv_rms_norm", dtype="stored")
+def _channels_first_norm(module: nn.Module) -> Tensor | None:
+    return _channels_first(module, 1) if module._parameters.get("weight") is not None else None
+
+
+@compute_kind("conv_rms_norm", dtype="stored", probe=_channels_first_norm)
 def _conv_rms_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return _llama_rms(module, x.transpose(1, 2), weight).transpose(1, 2)
 
 
-@compute_kind("conv_layer_norm", dtype="stored", requires=("weight", "bias", "normalized_shape", "eps"))
+@compute_kind("conv_layer_norm", dtype="stored", requires=("weight", "bias", "normalized_shape", "eps"),
+              probe=_channels_first_norm)
 def _conv_layer_norm(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """VibeVoice's ConvLayerNorm: channels last, fp32 layer norm, back to the input dtype."""
     hidden = x.transpose(1, 2)
     hidden = F.layer_norm(hidden.float(), module.normalized_shape, weight.float(), bias.float(), module.eps)
     return hidden.type_as(x).transpose(1, 2)
+
+
+class Fit(NamedTuple):
+    """What a stream rule's kind makes of one class."""
+
+    kind: str
+    """The kind modules of the class compute with (`auto` chosen)."""
+    proven: bool
+    """Whether that kind provably reproduces the class (`generic` always does); if not, a probe checks it."""
+    reason: str
+    """Why, in a few words, for the plan."""
+    refused: str | None = None
+    """Why the kind must not compute for the class: it would give other numbers than the class's forward."""
+
+
+def fit(kind_name: str, cls: type) -> Fit:
+    """How `kind_name` (a compute kind, or `auto`) fits modules of class `cls`; decided from the class alone."""
+    original = protocol.original_class(cls)
+    if kind_name == GENERIC:
+        return Fit(GENERIC, True, "its own forward")
+    if kind_name == AUTO_KIND:
+        for kind in COMPUTE_KINDS.values():
+            if kind.name != GENERIC and _proof(kind, original) is True:
+                return Fit(kind.name, True, f"auto: `{kind.name}` reproduces `{original.__name__}`")
+        return Fit(GENERIC, True, f"auto: no specific kind is proven for `{original.__name__}`; its own forward")
+    proof = _proof(COMPUTE_KINDS[kind_name], original)
+    if proof is True:
+        return Fit(kind_name, True, f"`{kind_name}` reproduces `{original.__name__}`")
+    if proof is None:
+        return Fit(kind_name, False, f"`{kind_name}` is not proven for `{original.__name__}`: probed on real weights")
+    return Fit(kind_name, False, proof, refused=proof)
+
+
+def _proof(kind: ComputeKind, cls: type) -> bool | str | None:
+    """True: `kind` reproduces `cls`; a string: it provably does not (why); None: nothing is known."""
+    made_for = next((base for base in kind.made_for if issubclass(cls, base)), None)
+    for klass in cls.__mro__:
+        if klass in kind.made_for:
+            return True  # reached the class the kind was made for, overriding nothing it computes
+        overrides = [name for name in kind.computes if name in vars(klass)]
+        if not overrides:
+            continue
+        if kind.reference is not None and overrides == ["forward"] and _same_code(vars(klass)["forward"],
+                                                                                  kind.reference):
+            return True
+        if made_for is not None:
+            return (f"`{cls.__name__}` overrides `{overrides[0]}` of `{made_for.__name__}`, so `{kind.name}` "
+                    f"(which computes `{made_for.__name__}`) would not compute what the class does")
+        return None
+    return None
+
+
+def _same_code(function: object, reference: Callable[..., Any]) -> bool:
+    """Whether `function` compiles to exactly the reference's code (same operations, names and constants)."""
+    code, expected = getattr(function, "__code__", None), reference.__code__
+    return code is not None and (code.co_code, code.co_names, code.co_consts, code.co_argcount) == (
+        expected.co_code, expected.co_names, expected.co_consts, expected.co_argcount)

@@ -5,6 +5,9 @@ shape for every leaf, float or quantized:
 - resident (the protocol's flags clear): the kind's resident forward, for float kinds the original forward
   itself (no copies, one flag check);
 - fetching: fetch the weights through the tree's fetcher onto the input's device, compute, release.
+
+A streamed module that also holds buffers (a `generic` one: its kind fetches parameters only) derives from the
+relocating class, so its buffers follow the compute device as a relocating container's do.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from torch import Tensor, nn
 from . import protocol
 from .classes import derived_class
 from .kinds import COMPUTE_KINDS
+from .relocating import relocating_class
 
 
-def streaming_class(cls: type[nn.Module], kind: str) -> type[nn.Module]:
-    """The streamed counterpart of `cls` computing as the compute kind `kind`."""
-    return derived_class(streaming_class, (cls, kind), f"Streamed{cls.__name__}", cls,
+def streaming_class(cls: type[nn.Module], kind: str, relocating: bool = False) -> type[nn.Module]:
+    """The streamed counterpart of `cls` computing as the compute kind `kind` (`relocating`: its buffers follow
+    the compute device)."""
+    base = relocating_class(cls) if relocating else cls
+    return derived_class(streaming_class, (cls, kind, relocating), f"Streamed{cls.__name__}", base,
                          lambda: leaf_namespace(cls, COMPUTE_KINDS[kind]))
 
 
@@ -30,7 +36,7 @@ def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:
     input_name = _input_name(cls.forward)
 
     def streamed(self: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        x, args = _input(self, input_name, args, kwargs)
+        x, args = kind.split(self, input_name, args, kwargs)
         tree = protocol.tree_of(self)
         tree.compute_device = x.device  # the activations' device: the one signal that never lies
         fetched = kind.fetch(tree.fetcher, self, x)
@@ -51,12 +57,3 @@ def _input_name(forward) -> str | None:
     parameters = list(inspect.signature(forward).parameters.values())[1:]
     first = parameters[0] if parameters else None
     return first.name if first is not None and first.kind is not first.VAR_POSITIONAL else None
-
-
-def _input(module: nn.Module, input_name: str | None, args: tuple, kwargs: dict) -> tuple[Tensor, tuple]:
-    if args:
-        return args[0], args[1:]
-    if input_name in kwargs:
-        return kwargs.pop(input_name), args
-    raise TypeError(f"{type(module).__name__}.forward() got no input: pass it first"
-                    + (f" or as `{input_name}=`" if input_name else ""))

@@ -32,6 +32,8 @@ class ModulePlan(NamedTuple):
     group_size: int | None = None
     gguf_type: str | None = None
     compile_unit: bool = False
+    kind_reason: str | None = None
+    """Why `stream` is the kind this module computes with (`auto`'s choice, or whether it is proven)."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """Which rule of a section decides a module when several select it.
 
 The section's `exclude` always wins. Otherwise the most specific match decides (exact path >
-path glob with more literal segments > regex > qualified class > short class > subclass). Rules
-that tie agree or the policy is ambiguous: `RuleConflict` names both.
+path glob with more literal segments > regex > qualified class > short class > class glob > subclass >
+`holds`). Rules that tie agree or the policy is ambiguous: `RuleConflict` names both.
 
-Every path or regex match outranks every class match, so a `Section` decides the class rules once
-per class and tries only the rules with path or regex entries per path.
+Every path or regex match outranks every class match, and every class match outranks `holds`, so a
+`Section` decides the class rules once per class, tries the rules with path or regex entries per path,
+and looks at what a module holds only when nothing else decided it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .selectors import ClassNames, CompiledSelector, ModuleRef, PerClass, Specificity, class_names
+from .selectors import ClassNames, CompiledSelector, ModuleRef, PerClass, Specificity, class_names, holds
 
 Hits = Sequence[tuple[Specificity, Any]]  # (specificity, rule) in rule order
 
@@ -51,23 +52,34 @@ class Section:
         self.rules = list(rules)
         self.exclude = exclude
         self.by_path = [(rule, selector) for rule, selector in self.rules if selector.by_path]
-        self._exclude_by_path = exclude is not None and exclude.by_path
+        self.by_holds = [(rule, selector) for rule, selector in self.rules if selector.holds is not None]
+        self._exclude_by_module = exclude is not None and exclude.by_module
         self.of_class: PerClass[_ClassVerdict] = PerClass(lambda cls: self._verdict(class_names(cls)))
         """The class part of every decision for instances of a class, worked out once: `of_class[cls]`."""
 
     @property
     def path_dependent(self) -> bool:
-        """Whether a decision of this section can depend on the path, not only on the class."""
-        return bool(self.by_path) or self._exclude_by_path
+        """Whether a decision of this section can depend on the path, not only on the class (and `holds`)."""
+        return bool(self.by_path) or (self._exclude_by_module and self.exclude.by_path)
+
+    @property
+    def holds_dependent(self) -> bool:
+        """Whether a decision of this section can depend on what a module holds."""
+        return bool(self.by_holds) or (self._exclude_by_module and self.exclude.holds is not None)
 
     def decide(self, path: str, module: object) -> Decision | None:
         """The rule that decides `module` at `path`, or None when no rule selects it or it is excluded."""
         verdict = self.of_class[type(module)]
-        if verdict.excluded or (self._exclude_by_path and self.exclude.path_specificity(path) is not None):
+        if verdict.excluded or (self._exclude_by_module and self.exclude.module_specificity(path, module)):
             return None
         decision, rival = verdict.decision, verdict.rival
         if self.by_path:
             hits = [(spec, rule) for rule, selector in self.by_path if (spec := selector.path_specificity(path))]
+            if hits:
+                decision, rival = _pick(hits)
+        if decision is None and self.by_holds:
+            held = holds(module)
+            hits = [(spec, rule) for rule, selector in self.by_holds if (spec := selector.holds_specificity(held))]
             if hits:
                 decision, rival = _pick(hits)
         if rival is not None:

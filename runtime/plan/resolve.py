@@ -13,6 +13,7 @@ one pass (`benchmarks/bench_resolve.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Iterable
@@ -21,12 +22,13 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from ...schemas import Policy
-from ...schemas.vocabulary import LINEAR_ONLY_QUANT_FORMATS
+from ...schemas.vocabulary import AUTO_KIND, LINEAR_ONLY_QUANT_FORMATS
+from ..engine.kinds import COMPUTE_KINDS, GENERIC, Fit, fit
 from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from ..policy.load import as_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
-from .selectors import CompiledSelector, ModuleRef, class_names, walk_modules, within
+from .selectors import CompiledSelector, ModuleRef, class_names, declared_blocks, holds, walk_modules, within
 
 _FETCHED = ("weight", "bias")  # what a streamed leaf's fetch brings; any other tensor of it stays behind
 _MAX_LISTED = 8
@@ -64,28 +66,38 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
     modules: list[nn.Module] = []  # the module of each plan entry
     coverage = _CoverageCounter()
     count, decide, by_class, blocks = coverage.count, matcher.decide, matcher.by_class, matcher.blocks
-    blocks_by_path = blocks is not None and blocks.by_path
+    blocks_by_module = blocks is not None and blocks.by_module
     seen: dict[_Decided, int] = {}  # how many modules each decision decided: the rule match counts
+    per_module: list[tuple[Diagnostic, str]] = []
     unit_path: str | None = None  # the last compile unit: a pre-order walk meets what lies in it next
 
+    key = matcher.key
+    declared = declared_blocks(walk) if matcher.no_split else frozenset()
     for path, module in walk:
-        decided = by_class.get(type(module)) or decide(path, module, problems)
+        decided = by_class.get(key(module)) or decide(path, module, problems)
         seen[decided] = seen.get(decided, 0) + 1
-        roles, template = decided.roles, decided.template
+        roles, template, streams = decided.roles, decided.template, decided.streams
+        kind = decided.fit
         for check in decided.checks if module._modules else decided.leaf_checks:
-            failed = check(path, module, roles)
+            failed = check(path, module, roles, kind)
             if failed is not None:
-                roles, problem = failed
-                template = _template(template[0][0], roles)
-                if problem is not None:
+                stream, (roles, problem) = roles.stream, failed
+                if roles.stream is not stream:  # dropped, or `auto` fell back to generic
+                    kind = fit(roles.stream.kind, type(module)) if roles.stream is not None else None
+                template, streams = _template(template[0][0], roles, kind), _streams(roles, kind)
+                if isinstance(problem, tuple):
+                    per_module.append(problem)  # one diagnostic per rule and class, listing the modules
+                elif problem is not None:
                     problems.append(problem)
-        relocated = count(path, module, roles) if module._parameters or module._buffers else ()
-        unit = (decided.block or blocks_by_path and blocks.path_specificity(path) is not None) and not (
+        relocated = count(path, module, roles, streams) if module._parameters or module._buffers else ()
+        unit = (decided.block or blocks_by_module and blocks.module_specificity(path, module) is not None
+                or declared and class_names(type(module))[0][0] in declared) and not (
             unit_path is not None and within(path, unit_path))
         if unit:
             unit_path = path
         if unit or roles.any:
-            plans.append(tuple.__new__(ModulePlan, (path, *template[0], relocated, *template[1], unit)))
+            plans.append(tuple.__new__(ModulePlan, (path, *template[0], relocated, *template[1], unit,
+                                                    template[2] if roles.stream is not None else None)))
             modules.append(module)
 
     matches = dict.fromkeys(matcher.rule_keys, 0)
@@ -94,6 +106,7 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
             matches[key] += decided_modules
     if blocks is not None:
         matches["compile.blocks"] = sum(1 for entry in plans if entry.compile_unit)
+    problems += _grouped(per_module)
     problems += _unmatched(matcher, matches, walk)
     counted = coverage.coverage()
     if counted.stranded:
@@ -127,11 +140,15 @@ class _Roles(NamedTuple):
         return {role for role, rule in zip(self._fields, self, strict=True) if rule is not None}
 
 
-# A check sees one module and its roles; it returns None when they stand, else the roles left and
-# the diagnostic (None for a silent fallback).
-Check = Callable[[str, nn.Module, _Roles], "tuple[_Roles, Diagnostic | None] | None"]
-# A plan entry without its per-module fields: (class_name, stream, stream_rule) and what follows `relocate`.
-Template = tuple[tuple[str, str | None, str | None], tuple]
+# A check sees one module, its roles and how its stream kind fits its class; it returns None when they stand, else
+# the roles left and the problem: a diagnostic, a (diagnostic, path) to list with others alike, or None (a silent
+# fallback).
+Check = Callable[[str, nn.Module, _Roles, "Fit | None"], "tuple[_Roles, Any] | None"]
+# A plan entry without its per-module fields: (class_name, stream, stream_rule), what follows `relocate`, and why
+# the stream kind was chosen.
+Template = tuple[tuple[str, str | None, str | None], tuple, str | None]
+# What a streamed module's fetch brings: the names of its parameters that stream, ALL of them, or None (nothing).
+ALL = frozenset({"*"})
 
 
 class _Decided:
@@ -140,14 +157,16 @@ class _Decided:
     Compared by identity: resolve counts the modules each one decides.
     """
 
-    __slots__ = ("roles", "keys", "checks", "leaf_checks", "template", "block")
+    __slots__ = ("roles", "keys", "fit", "checks", "leaf_checks", "template", "streams", "block")
 
-    def __init__(self, roles: _Roles, keys: tuple[str, ...], class_name: str, block: bool) -> None:
+    def __init__(self, roles: _Roles, keys: tuple[str, ...], cls: type, block: bool) -> None:
         self.roles = roles
         self.keys = keys  # the `rule_matches` keys of the deciding rules
+        self.fit = fit(roles.stream.kind, cls) if roles.stream is not None else None  # `auto` chosen per class
         self.checks = tuple(check for needs, check in _CHECKS if needs <= roles.decided)  # those that apply
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)  # for a module
-        self.template = _template(class_name, roles)  # without children, which no parameters can hide in
+        self.template = _template(class_names(cls)[0][1], roles, self.fit)  # without children, which no
+        self.streams = _streams(roles, self.fit)  # parameters can hide in
         self.block = block  # whether the compile blocks select the class
 
 
@@ -155,7 +174,8 @@ class _Matcher:
     """A policy's sections and compile blocks compiled once, with what they decide per class.
 
     Made once per Policy object (`_matcher`): a second resolve of the same policy decides no class again.
-    When no rule or exclude names paths, what decides one module decides every module of its class.
+    When no rule or exclude names paths, what decides one module decides every module of its class (and of what
+    it holds, when a rule selects by `holds`).
     """
 
     def __init__(self, policy: Policy) -> None:
@@ -166,8 +186,12 @@ class _Matcher:
             self.sections[name] = Section([(rule, CompiledSelector(rule.select)) for rule in section.rule], exclude)
         self.rule_keys = [f"{name}.{rule.id}" for name, section in self.sections.items() for rule, _ in section.rules]
         self.blocks = CompiledSelector(policy.compile.blocks) if policy.compile.blocks else None
+        self.no_split = policy.compile.blocks is not None and policy.compile.blocks.no_split
         self._per_class = not any(section.path_dependent for section in self.sections.values())
-        self.by_class: dict[type, _Decided] = {}  # stays empty when decisions depend on paths
+        by_holds = any(section.holds_dependent for section in self.sections.values())
+        self.key: Callable[[nn.Module], object] = (lambda module: (type(module), holds(module))) if by_holds else type
+        """What a decision depends on besides the path: the class, and what the module holds if a rule asks."""
+        self.by_class: dict[object, _Decided] = {}  # by `key`; stays empty when decisions depend on paths
 
     def decide(self, path: str, module: nn.Module, problems: list[Diagnostic]) -> _Decided:
         """The rules that decide `module` and the checks they need; ties that disagree go to `problems`."""
@@ -182,9 +206,9 @@ class _Matcher:
                 rules[name] = decision.rule
                 keys.append(f"{name}.{decision.rule.id}")
         blocks = self.blocks is not None and self.blocks.of_class[type(module)] is not None
-        decided = _Decided(_Roles(**rules), tuple(keys), class_names(type(module))[0][1], blocks)
+        decided = _Decided(_Roles(**rules), tuple(keys), type(module), blocks)
         if self._per_class and not tied:  # a tie is reported per module, so it is never cached
-            self.by_class[type(module)] = decided
+            self.by_class[self.key(module)] = decided
         return decided
 
 
@@ -201,11 +225,14 @@ def _matcher(policy: Policy) -> _Matcher:
 _MATCHERS: dict[int, tuple[weakref.ref, _Matcher]] = {}
 
 
-def _stream_leaf(path: str, module: nn.Module, roles: _Roles):
-    """A streamed module fetches only its own tensors: children holding parameters would be left out."""
+def _stream_leaf(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
+    """A streamed module fetches only its own tensors: with a specific kind, which computes the whole module from
+    them, children holding parameters would be left out (a `generic` container runs their forwards)."""
     rule = roles.stream
-    if rule is None or not _holds_parameters_below(module):
+    if rule is None or kind.kind == GENERIC or not _holds_parameters_below(module):
         return None
+    if rule.kind == AUTO_KIND:  # not proven for a container: its own forward is
+        return roles._replace(stream=rule.model_copy(update={"kind": GENERIC})), None
     return roles._replace(stream=None), _rule_problem(
         "stream-container", rule,
         f"stream rule `{rule.id}` selects `{path or '<root>'}` ({ModuleRef.of(path, module).name}), "
@@ -213,7 +240,27 @@ def _stream_leaf(path: str, module: nn.Module, roles: _Roles):
     )
 
 
-def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles):
+def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
+    """A specific kind computes what the class it was made for computes: refused where the class provably computes
+    otherwise, or lacks an attribute the kind reads (a probe on real weights covers the rest, in `apply`)."""
+    rule = roles.stream
+    if rule is None:
+        return None
+    if kind.refused is not None:
+        message = f"stream rule `{rule.id}`: {kind.refused}"
+    else:
+        missing = COMPUTE_KINDS[kind.kind].missing(module) if kind.kind != GENERIC else ()
+        if not missing:
+            return None
+        message = (f"stream rule `{rule.id}`: `{ModuleRef.of(path, module).name}` has no {', '.join(missing)}, "
+                   f"which kind `{kind.kind}` reads")
+    return roles._replace(stream=None), (_rule_problem(
+        "kind-mismatch", rule, message,
+        help='use `kind = "auto"` (a specific kind only where it is proven) or `kind = "generic"` (any module)',
+    ), path)
+
+
+def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     """A streamed leaf's tensors come through the fetcher; they cannot also follow the compute device."""
     stream, relocate = roles.stream, roles.relocate
     if stream is None or relocate is None:
@@ -225,7 +272,7 @@ def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles):
     )
 
 
-def _quant_worth_it(path: str, module: nn.Module, roles: _Roles):
+def _quant_worth_it(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     """Nothing to quantize, or too few weights to be worth it: the layer stays float, silently."""
     rule = roles.quant
     if rule is None:
@@ -236,7 +283,7 @@ def _quant_worth_it(path: str, module: nn.Module, roles: _Roles):
     return roles._replace(quant=None), None
 
 
-def _quant_linear_only(path: str, module: nn.Module, roles: _Roles):
+def _quant_linear_only(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     rule = roles.quant
     if rule is None or rule.format not in LINEAR_ONLY_QUANT_FORMATS or isinstance(module, nn.Linear):
         return None
@@ -248,7 +295,7 @@ def _quant_linear_only(path: str, module: nn.Module, roles: _Roles):
     )
 
 
-def _quant_group_size(path: str, module: nn.Module, roles: _Roles):
+def _quant_group_size(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     rule = roles.quant
     if rule is None or not rule.effective_group_size or not isinstance(module, nn.Linear):
         return None
@@ -265,6 +312,7 @@ def _quant_group_size(path: str, module: nn.Module, roles: _Roles):
 # In this order, each with the roles it needs: a check sees the roles the checks before it left.
 _CHECKS: tuple[tuple[set[str], Check], ...] = (
     ({"stream"}, _stream_leaf),
+    ({"stream"}, _kind_fits),
     ({"stream", "relocate"}, _stream_or_relocate),
     ({"quant"}, _quant_worth_it),
     ({"quant"}, _quant_linear_only),
@@ -272,13 +320,20 @@ _CHECKS: tuple[tuple[set[str], Check], ...] = (
 )
 
 
-def _template(class_name: str, roles: _Roles) -> Template:
+def _template(class_name: str, roles: _Roles, kind: Fit | None) -> Template:
     """The plan entry `roles` make of a module of `class_name`, less its path, relocated tensors and unit flag."""
     stream, relocate, quant = roles
-    head = (class_name, stream.kind if stream else None, stream.id if stream else None)
+    head = (class_name, kind.kind if stream else None, stream.id if stream else None)
     tail = (relocate.id if relocate else None, quant.format if quant else None, quant.id if quant else None,
             quant.effective_group_size if quant else None, quant.effective_gguf_type if quant else None)
-    return head, tail
+    return head, tail, kind.reason if stream else None
+
+
+def _streams(roles: _Roles, kind: Fit | None) -> frozenset[str] | None:
+    """The direct parameters a module's stream role fetches (`ALL`: every one, the generic kind), or None."""
+    if roles.stream is None or roles.relocate is not None:
+        return None
+    return ALL if kind.kind == GENERIC else _FETCHED
 
 
 class _CoverageCounter:
@@ -293,11 +348,13 @@ class _CoverageCounter:
         self._first: dict[int, tuple[str, str]] = {}  # by tensor id: where it was first seen
         self._aliases: dict[int, list[tuple[str, str]]] = {}  # by tensor id: where else it was seen
 
-    def count(self, path: str, module: nn.Module, roles: _Roles) -> tuple[str, ...]:
-        """Count the module's direct tensors in one pass; returns their names if it relocates (what it moves)."""
+    def count(self, path: str, module: nn.Module, roles: _Roles, streams: frozenset[str] | None) -> tuple[str, ...]:
+        """Count the module's direct tensors in one pass; returns the names of those it relocates: all of them for
+        a relocating module, the buffers of a generic streamed one (its kind fetches parameters only)."""
         first = self._first
         relocated = roles.relocate is not None
-        fetching = roles.stream is not None and not relocated  # a streamed leaf fetches its weight and bias
+        every = streams is ALL
+        moves_buffers = relocated or every
         streamed = moved = 0
         for tensors, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
             for name, tensor in tensors.items():
@@ -309,19 +366,21 @@ class _CoverageCounter:
                 elif relocated:
                     first[key] = (path, name)
                     moved += tensor.nbytes
-                elif fetching and name in _FETCHED:
+                elif streams is not None and (every or name in streams):
                     first[key] = (path, name)
                     streamed += tensor.nbytes
                 else:
                     first[key] = (path, name)
                     self.stranded_bytes += tensor.nbytes
                     self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes))
-            fetching = False  # buffers never come through the fetch
+            streams = None  # buffers never come through the fetch
+            relocated = moves_buffers
         self.streamed += streamed
         self.relocated += moved
-        if not relocated:
+        if not moves_buffers:
             return ()
-        return tuple(name for tensors in (module._parameters, module._buffers) for name, tensor in tensors.items()
+        sources = (module._parameters, module._buffers) if roles.relocate is not None else (module._buffers,)
+        return tuple(name for tensors in sources for name, tensor in tensors.items()
                      if tensor is not None and not _named_earlier(tensors, name, tensor))
 
     def _seen_again(self, key: int, path: str, name: str, tensors: dict, tensor: object) -> None:
@@ -400,6 +459,21 @@ def _unmatched(matcher: _Matcher, matches: dict[str, int], walk: list) -> list[D
             help="fix the selector, or mark the rule `optional = true` if some models of the family lack these modules",
         ))
     return problems
+
+
+def _grouped(per_module: list[tuple[Diagnostic, str]]) -> list[Diagnostic]:
+    """One diagnostic per distinct problem, naming the modules it was found at (a problem of a class repeats in
+    every layer)."""
+    paths: dict[Diagnostic, list[str]] = {}
+    for problem, path in per_module:
+        paths.setdefault(problem, []).append(path or "<root>")
+    grouped = []
+    for problem, where in paths.items():
+        listed = ", ".join(f"`{p}`" for p in where[:_MAX_LISTED])
+        more = f", and {len(where) - _MAX_LISTED} more" if len(where) > _MAX_LISTED else ""
+        modules = f"{len(where)} modules" if len(where) > 1 else "module"
+        grouped.append(dataclasses.replace(problem, message=f"{problem.message} ({modules}: {listed}{more})"))
+    return grouped
 
 
 def _stranded(coverage: Coverage) -> Diagnostic:

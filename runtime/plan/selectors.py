@@ -1,10 +1,11 @@
 """Matching selectors against modules, and how specific each match is.
 
-A module is seen only through its dotted path and the names of its class and the class's bases.
-Matching therefore needs neither torch nor the module's code, and a policy never causes an
-import: class entries are compared by name. What a selector makes of a class depends on the
-class alone, so a `CompiledSelector` decides it once per class; only path globs and regexes are
-tried per path. `walk_modules` and `outermost` are the tree walks resolve and compile share.
+A module is seen only through its dotted path, the names of its class and the class's bases, and which sorts of
+direct tensors it holds (`holds`). Matching therefore needs neither torch nor the module's code, and a policy never
+causes an import: class entries are compared by name (or glob). What a selector makes of a class depends on the
+class alone, so a `CompiledSelector` decides it once per class; only path globs, regexes and `holds` are tried per
+module. `walk_modules` and `outermost` are the tree walks resolve and compile share; `declared_blocks` reads a
+tree's own declaration of its repeated blocks.
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ from typing import Generic, TypeVar
 from weakref import WeakKeyDictionary
 
 from ...schemas import Selector
-from ...schemas.patterns import compile_glob, compile_regex, glob_literal_segments, glob_matches, is_exact_path
+from ...schemas.patterns import (
+    compile_glob,
+    compile_regex,
+    glob_literal_segments,
+    glob_matches,
+    is_class_glob,
+    is_exact_path,
+)
 from ..engine.protocol import original_class  # a converted module is seen as its original class
 
 # Specificity tiers, highest first (see the README's precedence table).
-EXACT_PATH, GLOB_PATH, REGEX, CLASS = 4, 3, 2, 1
-QUALIFIED_CLASS, SHORT_CLASS, SUBCLASS = 2, 1, 0
+EXACT_PATH, GLOB_PATH, REGEX, CLASS, HOLDS = 4, 3, 2, 1, 0
+QUALIFIED_CLASS, SHORT_CLASS, CLASS_GLOB, SUBCLASS = 3, 2, 1, 0
 
 Specificity = tuple[int, int]
 ClassNames = tuple[tuple[str, str], ...]  # (short name, `module.Qualname`) per class of an MRO
@@ -55,16 +63,26 @@ class PerClass(dict, Generic[T]):
         return value
 
 
+def holds(module: object) -> str | None:
+    """What `holds` entries see of a module: `parameters`, `buffers-only`, or None (no direct tensors)."""
+    if any(tensor is not None for tensor in vars(module).get("_parameters", {}).values()):
+        return "parameters"
+    if any(tensor is not None for tensor in vars(module).get("_buffers", {}).values()):
+        return "buffers-only"
+    return None
+
+
 @dataclass(frozen=True)
 class ModuleRef:
-    """A module as selectors see it: its path, and the names of the classes in its MRO."""
+    """A module as selectors see it: its path, the names of the classes in its MRO, and what it holds."""
 
     path: str
     classes: ClassNames
+    holds: str | None = None
 
     @classmethod
     def of(cls, path: str, module: object) -> ModuleRef:
-        return cls(path, class_names(type(module)))
+        return cls(path, class_names(type(module)), holds(module))
 
     @property
     def name(self) -> str:
@@ -89,21 +107,34 @@ class CompiledSelector:
         self.selector = selector
         self._globs = [(compile_glob(g), _glob_specificity(g)) for g in selector.path]
         self._regexes = [compile_regex(r) for r in selector.regex]
-        self._classes = frozenset(selector.class_)
+        self._classes = frozenset(name for name in selector.class_ if not is_class_glob(name))
+        self._class_globs = [(compile_glob(name), "." in name) for name in selector.class_ if is_class_glob(name)]
+        self.holds = selector.holds
         self.by_path = bool(self._globs or self._regexes)
+        self.by_module = self.by_path or self.holds is not None
+        """Whether a verdict can depend on more than the class (the path, or what the module holds)."""
         self.of_class: PerClass[Specificity | None] = PerClass(lambda cls: self.class_specificity(class_names(cls)))
         """`class_specificity` for instances of a class, decided once per class: `of_class[cls]`."""
 
     def specificity(self, module: ModuleRef) -> Specificity | None:
         """How specifically this selector names `module`, or None when it does not match it."""
-        return self.path_specificity(module.path) or self.class_specificity(module.classes)
+        return (self.path_specificity(module.path) or self.class_specificity(module.classes)
+                or self.holds_specificity(module.holds))
 
     def matches(self, module: ModuleRef) -> bool:
         return self.specificity(module) is not None
 
     def matches_module(self, path: str, module: object) -> bool:
         """`matches`, for a live module: its class verdict is cached."""
-        return self.of_class[type(module)] is not None or (self.by_path and self.path_specificity(path) is not None)
+        return self.of_class[type(module)] is not None or (self.by_module and self.module_specificity(path, module)
+                                                           is not None)
+
+    def module_specificity(self, path: str, module: object) -> Specificity | None:
+        """The part of the verdict that depends on more than the class: the path, then what the module holds."""
+        return self.path_specificity(path) or (self.holds_specificity(holds(module)) if self.holds else None)
+
+    def holds_specificity(self, held: str | None) -> Specificity | None:
+        return (HOLDS, 0) if self.holds is not None and held == self.holds else None
 
     def path_specificity(self, path: str) -> Specificity | None:
         """The best match among the path globs, else a regex match, else None."""
@@ -116,32 +147,67 @@ class CompiledSelector:
         return best
 
     def class_specificity(self, classes: ClassNames) -> Specificity | None:
-        """Qualified name > short name > a base's name (with `subclasses`), or None."""
-        if not self._classes:
+        """Qualified name > short name > a class glob > a base's name or glob (with `subclasses`), or None."""
+        if not (self._classes or self._class_globs):
             return None
         (short, qualified), *bases = classes
         if qualified in self._classes:
             return (CLASS, QUALIFIED_CLASS)
         if short in self._classes:
             return (CLASS, SHORT_CLASS)
-        if self.selector.subclasses and any(s in self._classes or q in self._classes for s, q in bases):
+        if self._glob_names(short, qualified):
+            return (CLASS, CLASS_GLOB)
+        if self.selector.subclasses and any(s in self._classes or q in self._classes or self._glob_names(s, q)
+                                            for s, q in bases):
             return (CLASS, SUBCLASS)
         return None
+
+    def _glob_names(self, short: str, qualified: str) -> bool:
+        """Whether a class glob matches the class: a glob with a `.` against the qualified name, else the short."""
+        return any(glob_matches(pattern, qualified if dotted else short) for pattern, dotted in self._class_globs)
 
 
 def outermost(selector: CompiledSelector, model, *, walk: Walk | None = None) -> list[tuple[str, object]]:
     """The modules `selector` matches that lie inside no other match (compile units), in walk order.
 
-    `walk` is the tree's `(path, module)` pairs when the caller already has them (see `walk_modules`).
+    `walk` is the tree's `(path, module)` pairs when the caller already has them (see `walk_modules`). A selector
+    with `no_split` also matches the classes the tree declares as its blocks (`declared_blocks`).
     """
+    walk = walk_modules(model) if walk is None else walk
+    declared = declared_blocks(walk) if getattr(selector.selector, "no_split", False) else frozenset()
     units: list[tuple[str, object]] = []
-    for path, module in walk_modules(model) if walk is None else walk:
+    for path, module in walk:
         # a pre-order walk leaves a subtree before it meets the next match: only the last unit can hold `path`
-        if selector.matches_module(path, module) and not (units and within(path, units[-1][0])):
+        matches = selector.matches_module(path, module) or class_names(type(module))[0][0] in declared
+        if matches and not (units and within(path, units[-1][0])):
             units.append((path, module))
     return units
 
 
+def declared_blocks(walk: Walk) -> frozenset[str]:
+    """The class names a tree declares as its repeated blocks: every `_no_split_modules` of its modules (set on an
+    instance when it is built, else on its class).
+
+    Read from the instances' and the classes' own dictionaries, as data: nothing is called, imported or evaluated.
+    """
+    declared: set[str] = set()
+    classes = set()
+    for _, module in walk:
+        names = vars(module).get("_no_split_modules")
+        if names is None:
+            classes.add(type(module))
+        declared.update(_names(names))
+    for cls in classes:
+        for klass in original_class(cls).__mro__:
+            names = vars(klass).get("_no_split_modules")
+            if names is not None:
+                declared.update(_names(names))
+                break
+    return frozenset(declared)
+
+
+def _names(value: object) -> list[str]:
+    return [name for name in value if isinstance(name, str)] if isinstance(value, (list, tuple, set, frozenset)) else []
 def walk_modules(model) -> list[tuple[str, object]]:
     """`list(model.named_modules())`, without a generator per level: pre-order, each module once."""
     found = []

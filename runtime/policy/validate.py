@@ -291,11 +291,15 @@ def _entries(selector: Selector) -> Iterator[tuple[str, str]]:
     yield from ((class_kind, name) for name in selector.class_)
     yield from (("path", glob) for glob in selector.path)
     yield from (("regex", regex) for regex in selector.regex)
+    if selector.holds:
+        yield "holds", selector.holds
 
 
 def _entry_location(rule: Any, entry: tuple[str, str]):
     source, path = rule._origin
     field = "class" if entry[0].startswith("class") else entry[0]
+    if field == "holds":
+        return source.locate(path + ("select", field), value=True)
     index = list(getattr(rule.select, "class_" if field == "class" else field)).index(entry[1])
     return source.locate(path + ("select", field, index), value=True)
 

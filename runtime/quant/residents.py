@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..engine import protocol
 from ..engine.apply import Journal
 from ..engine.classes import derived_class
+from ..engine.kinds import ComputeKind
 from ..engine.streamed import leaf_namespace
 from ..engine.tree import StreamTree, cast_for_compute
 from .formats import FORMATS, QuantFormat
@@ -36,6 +37,8 @@ class ResidentKind:
             return self.compute(module, input, [getattr(module, name) for name in self.names])
 
         return forward
+
+    split = ComputeKind.split  # the input comes first, as nn.Linear's does
 
     def fetch(self, fetcher, module: nn.Module, x: Tensor) -> list[Tensor | None]:
         return fetcher.fetch_raw(module, self.names, x.device)
