@@ -272,6 +272,11 @@ class Match(_Table):
     """Values of the model config's `model_type`."""
     state_dict_keys: PathGlobs = ()
     """Path globs over state-dict keys; every glob must match at least one key."""
+    base_classes: ClassNames = ()
+    """Class names anywhere in the root module's MRO (`PreTrainedModel`): a whole library's fallback, weaker than
+    the three above."""
+    fallback: bool = False
+    """The policy for any model no other policy recognizes (the weakest match)."""
 
 
 class CompileSettings(_Table):

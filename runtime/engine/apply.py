@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from . import protocol
-from .kinds import COMPUTE_KINDS
+from .kinds import COMPUTE_KINDS, fit
+from .probe import probe
 from .relocating import relocating_class
 from .streamed import streaming_class
 from .tree import StreamTree
@@ -172,8 +173,9 @@ def _apply(plan: Plan, model: nn.Module, targets: list, journal: Journal) -> Con
         for entry, module, cls in targets:
             if type(module) is not cls:
                 step = f"converting `{entry.path}`"
-                attributes = (protocol.leaf_attributes(module, tree) if entry.stream
-                              else {protocol.TREE: tree, protocol.RELOCATED: entry.relocate})
+                attributes = protocol.leaf_attributes(module, tree) if entry.stream else {protocol.TREE: tree}
+                if entry.relocate:
+                    attributes[protocol.RELOCATED] = entry.relocate
                 records.append(journal.swap_class(module, cls, attributes, "stream" if entry.stream else "relocate"))
         step = "making quantized residents"
         from ..quant.residents import make_resident
@@ -244,41 +246,67 @@ def _targets(plan: Plan, located: Iterable[tuple[ModulePlan, nn.Module]]) -> lis
 
     What depends on the class alone (which class the plan expects, the derived class) is decided once per class.
     """
-    by_class: dict[tuple, tuple[type, frozenset | None]] = {}
+    by_class: dict[tuple, tuple[type, frozenset | None, bool]] = {}
     targets = []
     for entry, module in located:
         if not (entry.stream or entry.relocate):
             continue
-        key = (type(module), entry.class_name, entry.stream)
+        key = (type(module), entry.class_name, entry.stream, bool(entry.relocate))
         decided = by_class.get(key)
         if decided is None:
             decided = by_class[key] = _target_class(entry, type(module))
-        target, needs = decided
+        target, needs, unproven = decided
         if needs is not None and ("forward" in module.__dict__ or not needs <= module._parameters.keys()):
             _check_leaf(entry, module)  # the rare case, explained
+        if unproven and _probed(plan, entry, module):
+            by_class[key] = (target, needs, False)  # one probe per class and kind
         targets.append((entry, module, target))
     return targets
 
 
-def _target_class(entry: ModulePlan, cls: type) -> tuple[type, frozenset[str] | None]:
-    """The class a module of class `cls` must end up with under `entry`, and what a streamed leaf of that class must
-    hold as parameters to be known fine without a closer look (None: nothing to check per module)."""
+def _target_class(entry: ModulePlan, cls: type) -> tuple[type, frozenset[str] | None, bool]:
+    """The class a module of class `cls` must end up with under `entry`; what a streamed leaf of that class must
+    hold as parameters to be known fine without a closer look (None: nothing to check per module); and whether
+    its kind must be probed (not proven for the class)."""
     if protocol.quant_handler(cls) is not None:
-        return cls, None  # a quantized resident already streams
+        return cls, None, False  # a quantized resident already streams
     original = protocol.original_class(cls)
     from ..plan.selectors import class_names  # the plan's own view of classes
 
     seen = class_names(original)[0][1]
     if seen != entry.class_name:
         raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
-    target = streaming_class(original, entry.stream) if entry.stream else relocating_class(original)
+    if entry.stream:
+        target = streaming_class(original, entry.stream, relocating=bool(entry.relocate))
+    else:
+        target = relocating_class(original)
     if cls is target:
-        return target, None  # converted before: applying again changes nothing
+        return target, None, False  # converted before: applying again changes nothing
     if cls is not original:
         raise ConversionError(f"`{entry.path}` was already converted differently ({cls.__name__})")
     if not entry.stream:
-        return target, None
-    return target, frozenset(name for name in COMPUTE_KINDS[entry.stream].requires if not hasattr(original, name))
+        return target, None, False
+    fits = fit(entry.stream, original)
+    if fits.refused is not None:
+        raise ConversionError(f"`{entry.path}`: {fits.refused}")
+    needs = frozenset(name for name in COMPUTE_KINDS[entry.stream].requires if not hasattr(original, name))
+    return target, needs, not fits.proven
+
+
+def _probed(plan: Plan, entry: ModulePlan, module: nn.Module) -> bool:
+    """Probe `module` (its kind is not proven for its class): raise if the kind computes otherwise; whether the
+    probe could run (the weights hold data)."""
+    weight = module._parameters.get("weight")
+    if weight is None or weight.is_meta:
+        return False
+    problem = probe(COMPUTE_KINDS[entry.stream], module)
+    if problem is not None:
+        raise ConversionError(
+            f"stream rule `{entry.stream_rule}` of policy `{plan.policy}` computes `{entry.path}` "
+            f"({protocol.original_class(type(module)).__name__}) as `{entry.stream}`, which does not reproduce the "
+            f"class: {problem}; use `kind = \"auto\"` or `kind = \"generic\"`"
+        )
+    return True
 
 
 def _check_leaf(entry: ModulePlan, module: nn.Module) -> None:

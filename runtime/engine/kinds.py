@@ -51,7 +51,7 @@ class ComputeKind:
     reference: Callable[..., Any] | None = None
     """A verbatim copy of a forward the kind reproduces: a class whose forward compiles to the same code is proven
     (transformers' many copies of LlamaRMSNorm)."""
-    probe: Callable[[nn.Module], Tensor | None] | None = None
+    probe: Callable[[nn.Module, torch.Generator], Tensor | None] | None = None
     """A small input for the class's own forward, shaped from the module's weight, for the numerical check."""
 
     def missing(self, module: nn.Module) -> list[str]:
@@ -136,7 +136,7 @@ COMPUTE_KINDS.register(GENERIC, GenericKind(GENERIC, None, "stored", ()))
 def compute_kind(
     name: str, *, dtype: WeightDtype, requires: tuple[str, ...] = ("weight",), made_for: tuple[type, ...] = (),
     computes: tuple[str, ...] = ("forward",), reference: Callable[..., Any] | None = None,
-    probe: Callable[[nn.Module], Tensor | None] | None = None,
+    probe: Callable[[nn.Module, torch.Generator], Tensor | None] | None = None,
 ):
     return COMPUTE_KINDS.decorator(name, lambda name, function: ComputeKind(
         name, function, dtype, requires, made_for, computes, reference, probe))
@@ -147,28 +147,33 @@ _CONV_T = ("weight", "bias", "stride", "padding", "groups", "dilation", "_output
 _EMBEDDING = ("weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
 
-def _like(module: nn.Module, *shape: int) -> Tensor:
+# Probe inputs: small, shaped from the module's weight, drawn from the caller's generator (never the global one).
+def _like(module: nn.Module, generator: torch.Generator, *shape: int) -> Tensor:
     weight = module.weight
-    return torch.randn(*shape, dtype=weight.dtype, device=weight.device)
+    return torch.randn(*shape, generator=generator, device=weight.device).to(weight.dtype)
 
 
-def _features(module: nn.Module) -> Tensor:
+def _features(module: nn.Module, generator: torch.Generator) -> Tensor:
     """(2, in): what a Linear-shaped or 1-D-weight module takes."""
-    return _like(module, 2, module.weight.shape[-1])
+    return _like(module, generator, 2, module.weight.shape[-1])
 
 
-def _channels_first(module: nn.Module, spatial: int, channels: int | None = None) -> Tensor:
+def _channels_first(module: nn.Module, generator: torch.Generator, spatial: int, channels: int | None = None):
     kernel = module.weight.shape[2:] or (1,)
     size = 4 * max(kernel) + 8
-    return _like(module, 1, channels if channels is not None else module.weight.shape[0], *(size,) * spatial)
+    channels = channels if channels is not None else module.weight.shape[0]
+    return _like(module, generator, 1, channels, *(size,) * spatial)
 
 
 def _conv_probe(spatial: int):
-    return lambda module: _channels_first(module, spatial, module.weight.shape[1] * getattr(module, "groups", 1))
+    def probe(module: nn.Module, generator: torch.Generator) -> Tensor:
+        return _channels_first(module, generator, spatial, module.weight.shape[1] * getattr(module, "groups", 1))
+
+    return probe
 
 
-def _normalized(module: nn.Module) -> Tensor:
-    return _like(module, 2, *getattr(module, "normalized_shape", module.weight.shape))
+def _normalized(module: nn.Module, generator: torch.Generator) -> Tensor:
+    return _like(module, generator, 2, *getattr(module, "normalized_shape", module.weight.shape))
 
 
 @compute_kind("linear", dtype="input", requires=("weight", "bias"), made_for=(nn.Linear,), probe=_features)
@@ -176,8 +181,8 @@ def _linear(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -
     return F.linear(x, weight, bias)
 
 
-def _embedding_probe(module: nn.Module) -> Tensor:
-    return torch.randint(0, module.weight.shape[0], (2, 3), device=module.weight.device)
+def _embedding_probe(module: nn.Module, generator: torch.Generator) -> Tensor:
+    return torch.randint(0, module.weight.shape[0], (2, 3), generator=generator, device=module.weight.device)
 
 
 @compute_kind("embedding", dtype="stored", requires=_EMBEDDING, made_for=(nn.Embedding,), probe=_embedding_probe)
@@ -217,7 +222,8 @@ def _conv_transpose(functional: Callable[..., Tensor], spatial_dims: int) -> Fun
 for _name, _class, _functional, _dims in (("conv_transpose1d", nn.ConvTranspose1d, F.conv_transpose1d, 1),
                                           ("conv_transpose2d", nn.ConvTranspose2d, F.conv_transpose2d, 2)):
     compute_kind(_name, dtype="input", requires=_CONV_T, made_for=(_class,), computes=("forward", "_output_padding"),
-                 probe=lambda module, dims=_dims: _channels_first(module, dims))(_conv_transpose(_functional, _dims))
+                 probe=lambda module, generator, dims=_dims: _channels_first(module, generator, dims),
+                 )(_conv_transpose(_functional, _dims))
 
 
 @compute_kind("layer_norm", dtype="stored", requires=("weight", "bias", "normalized_shape", "eps"),
@@ -227,7 +233,7 @@ def _layer_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tenso
 
 
 @compute_kind("group_norm", dtype="stored", requires=("weight", "bias", "num_groups", "eps"),
-              made_for=(nn.GroupNorm,), probe=lambda module: _channels_first(module, 1))
+              made_for=(nn.GroupNorm,), probe=lambda module, generator: _channels_first(module, generator, 1))
 def _group_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return F.group_norm(x, module.num_groups, weight, bias, module.eps)
 
@@ -257,8 +263,8 @@ def _llama_rms_norm_forward(self, hidden_states):
     return self.weight * hidden_states.to(input_dtype)
 
 
-def _weighted_features(module: nn.Module) -> Tensor | None:
-    return _features(module) if module._parameters.get("weight") is not None else None
+def _weighted_features(module: nn.Module, generator: torch.Generator) -> Tensor | None:
+    return _features(module, generator) if module._parameters.get("weight") is not None else None
 
 
 @compute_kind("llama_rms_norm", dtype="stored", reference=_llama_rms_norm_forward, probe=_weighted_features)
@@ -266,8 +272,8 @@ def _llama_rms_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: T
     return _llama_rms(module, x, weight)
 
 
-def _channels_first_norm(module: nn.Module) -> Tensor | None:
-    return _channels_first(module, 1) if module._parameters.get("weight") is not None else None
+def _channels_first_norm(module: nn.Module, generator: torch.Generator) -> Tensor | None:
+    return _channels_first(module, generator, 1) if module._parameters.get("weight") is not None else None
 
 
 @compute_kind("conv_rms_norm", dtype="stored", probe=_channels_first_norm)

@@ -1,9 +1,10 @@
 """`auto` policy selection: which policy's `[match]` table recognizes a model.
 
-A policy matches when the model's root class is in `classes` (strongest), its config's
-`model_type` is in `model_types`, or every glob in `state_dict_keys` matches some checkpoint key
-(weakest). The strongest match wins; two policies matching equally strongly is an error that
-names both, rather than a silent pick.
+A policy matches, strongest first, when the model's root class is in `classes`, its config's
+`model_type` is in `model_types`, every glob in `state_dict_keys` matches some checkpoint key, a
+class of the root's MRO is in `base_classes` (a library's fallback, such as `transformers`), or it
+is a `fallback` (any module). The strongest match wins; two policies matching equally strongly is
+an error that names both, rather than a silent pick.
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ def select_policy(
             continue
         match = policy.match
         if short in match.classes or qualified in match.classes:
-            scored.setdefault(3, []).append((policy, f"root class `{short}`"))
+            scored.setdefault(5, []).append((policy, f"root class `{short}`"))
         elif model_type is not None and model_type in match.model_types:
-            scored.setdefault(2, []).append((policy, f"model_type `{model_type}`"))
+            scored.setdefault(4, []).append((policy, f"model_type `{model_type}`"))
         elif match.state_dict_keys and keys and all(
             any(glob_matches(pattern, k) for k in keys) for pattern in map(compile_glob, match.state_dict_keys)
         ):
-            scored.setdefault(1, []).append((policy, "its state-dict key patterns"))
+            scored.setdefault(3, []).append((policy, "its state-dict key patterns"))
+        elif base := next((c for names in root.classes for c in names if c in match.base_classes), None):
+            scored.setdefault(2, []).append((policy, f"base class `{base.rsplit('.', 1)[-1]}`, no family policy"))
+        elif match.fallback:
+            scored.setdefault(1, []).append((policy, "fallback: no other policy recognizes it"))
     if not scored:
         raise PolicyError([Diagnostic(
             "unknown-policy", f"no policy's [match] recognizes `{short}`; choose a policy by name",

@@ -28,7 +28,7 @@ from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from ..policy.load import as_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
-from .selectors import CompiledSelector, ModuleRef, class_names, declared_blocks, holds, walk_modules, within
+from .selectors import HOLDS, CompiledSelector, ModuleRef, class_names, declared_blocks, holds, walk_modules, within
 
 _FETCHED = ("weight", "bias")  # what a streamed leaf's fetch brings; any other tensor of it stays behind
 _MAX_LISTED = 8
@@ -195,7 +195,7 @@ class _Matcher:
 
     def decide(self, path: str, module: nn.Module, problems: list[Diagnostic]) -> _Decided:
         """The rules that decide `module` and the checks they need; ties that disagree go to `problems`."""
-        rules, keys, tied = {}, [], False
+        decisions, tied = {}, False
         for name, section in self.sections.items():
             try:
                 decision = section.decide(path, module)
@@ -203,8 +203,13 @@ class _Matcher:
                 problems.append(_conflict(name, conflict))
                 decision, tied = None, True
             if decision is not None:
-                rules[name] = decision.rule
-                keys.append(f"{name}.{decision.rule.id}")
+                decisions[name] = decision
+        if "stream" in decisions and "relocate" in decisions:  # a catch-all yields to the other section's rule
+            caught = [name for name in ("stream", "relocate") if decisions[name].specificity[0] == HOLDS]
+            if len(caught) == 1:
+                del decisions[caught[0]]
+        rules = {name: decision.rule for name, decision in decisions.items()}
+        keys = [f"{name}.{decision.rule.id}" for name, decision in decisions.items()]
         blocks = self.blocks is not None and self.blocks.of_class[type(module)] is not None
         decided = _Decided(_Roles(**rules), tuple(keys), type(module), blocks)
         if self._per_class and not tied:  # a tie is reported per module, so it is never cached
