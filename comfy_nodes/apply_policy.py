@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ..runtime.hosts.comfyui import adopt
-from ..runtime.plan.auto import select_policy
-from ..runtime.policy.load import as_policy
+from ..runtime.plan.auto import choose_policy
 from .folders import comfy_policy_dirs, policy_choices
 
 
@@ -20,7 +19,5 @@ class ApplyStreamwisePolicy:
         return {"required": {"model": ("MODEL",), "policy": (policy_choices(auto=True),)}}
 
     def apply(self, model, policy):
-        dirs = comfy_policy_dirs()
-        if policy == "auto":
-            policy, _ = select_policy(model.model, dirs=dirs)
-        return (adopt(model, as_policy(policy, dirs=dirs)),)
+        policy, _ = choose_policy(policy, model.model, dirs=comfy_policy_dirs())
+        return (adopt(model, policy),)

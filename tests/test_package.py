@@ -63,7 +63,7 @@ def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
         node = pack.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"]
         assert pack.NODE_DISPLAY_NAME_MAPPINGS["StreamwisePolicyCheck"] == "Streamwise Policy Check"
         choices = node.INPUT_TYPES()["required"]["policy"][0]
-        assert choices == ["decoder-llm", "my-llm", "vibevoice"], choices
+        assert choices == ["any-module", "decoder-llm", "my-llm", "transformers", "vibevoice"], choices
         ok = node().check("vibevoice")
         assert ok["result"] == ("policy `vibevoice` is valid",), ok
         bad = node().check("my-llm")["result"][0]

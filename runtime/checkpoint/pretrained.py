@@ -18,8 +18,7 @@ from torch import nn
 
 from ...schemas import Policy
 from ..engine import applied_state
-from ..plan.auto import select_policy
-from ..policy.load import as_policy
+from ..plan.auto import choose_policy
 from .fill import LoadReport, load
 from .readers import Checkpoint, open_checkpoint
 from .skeleton import BUILD_DTYPES, build_skeleton, config_folder, model_type
@@ -51,13 +50,11 @@ def load_pretrained(
     checkpoint = open_checkpoint(path)
     dtype = dtype or _file_dtype(checkpoint)
     model = build_skeleton(folder, dtype)
-    chosen = None
-    if isinstance(policy, str) and policy == "auto":
-        policy, chosen = select_policy(model, model_type=model_type(folder), keys=checkpoint.tensors, dirs=policy_dirs)
-    policy = as_policy(policy, dirs=policy_dirs)
+    policy, chosen = choose_policy(policy, model, model_type=model_type(folder), keys=checkpoint.tensors,
+                                   dirs=policy_dirs)
     report = load(model, path, policy, dtype=dtype, progress=progress)
     applied_state(model).source = str(folder)
-    return Pretrained(model, report, chosen or f"policy `{policy.name}`")
+    return Pretrained(model, report, chosen)
 
 
 def _file_dtype(checkpoint: Checkpoint) -> torch.dtype:

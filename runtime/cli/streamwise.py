@@ -25,7 +25,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
     commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
+    from .draft import add_commands  # `streamwise policy draft`
+
+    add_commands(commands)
     args = parser.parse_args(argv)
+    if args.command == "policy":
+        return args.run(args)
     if args.command == "demo":
         from .demo import run_demo
 

@@ -95,6 +95,12 @@ def original_class(cls: type) -> type:
     return getattr(cls, ORIGINAL_CLASS, cls)
 
 
+def speaks_natively(cls: type) -> bool:
+    """Whether `cls` streams in ComfyUI on its own (core's `comfy.ops` layers define the flag on the class): such a
+    module is left as it is, and its weight and bias count as streamed."""
+    return getattr(cls, ORIGINAL_CLASS, None) is None and any(FETCH_FLAG in vars(klass) for klass in cls.__mro__)
+
+
 def kind_of(module: nn.Module) -> str | None:
     """The compute kind a streamed leaf computes with, or None for any other module."""
     return getattr(type(module), KIND, None)

@@ -31,6 +31,12 @@ def streaming_class(cls: type[nn.Module], kind: str, relocating: bool = False) -
                          lambda: leaf_namespace(cls, COMPUTE_KINDS[kind]))
 
 
+def holds_parameters_below(module: nn.Module) -> bool:
+    """Whether children of `module` hold parameters: a streamed module like that is a container (only `generic`
+    computes one), which hosts that place leaves never place."""
+    return bool(module._modules) and any(True for child in module.children() for _ in child.parameters())
+
+
 def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:
     """The class body of a streamed leaf of `cls` computing with `kind` (a compute kind or a resident's)."""
     input_name = _input_name(cls.forward)

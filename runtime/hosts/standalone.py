@@ -108,9 +108,13 @@ def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
 
 
 def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
-    """Move a module's direct parameters and buffers in place (pinned on the CPU when `pin`)."""
+    """Move a module's direct parameters and buffers in place (pinned on the CPU when `pin`); those it relocates
+    (a generic streamed module's buffers) follow the compute device on their own."""
+    relocated = protocol.relocated_names(module)
     for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
-        if tensor is not None and (tensor.device != device or (pin and not tensor.is_pinned())):
+        if tensor is None or name in relocated:
+            continue
+        if tensor.device != device or (pin and not tensor.is_pinned()):
             move_in_place(module, name, device, pin=pin)
 
 

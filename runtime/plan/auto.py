@@ -18,8 +18,28 @@ from ...schemas import Policy
 from ...schemas.patterns import compile_glob, glob_matches
 from ..policy.diagnostics import Diagnostic, PolicyError
 from ..policy.folders import list_policies, policy_dirs
-from ..policy.load import check_policy
+from ..policy.load import as_policy, check_policy
 from .selectors import ModuleRef
+
+#: The policy "name" that asks for selection by `[match]` (nodes, `load_pretrained`, `model_patcher`).
+AUTO = "auto"
+
+
+def choose_policy(
+    policy: Policy | str | os.PathLike[str], model: nn.Module, *, model_type: str | None = None,
+    keys: Iterable[str] = (), dirs: Iterable[str | os.PathLike] = (),
+) -> tuple[Policy, str]:
+    """(the policy, how it was chosen): `select_policy` for `"auto"`, else `policy` loaded by name or path.
+
+    Without `model_type`, the model's own `config.model_type` is read when it has one (transformers models).
+    """
+    if isinstance(policy, str) and policy == AUTO:
+        if model_type is None:
+            found = getattr(vars(model).get("config"), "model_type", None)
+            model_type = found if isinstance(found, str) else None
+        return select_policy(model, model_type=model_type, keys=keys, dirs=dirs)
+    policy = as_policy(policy, dirs=dirs)
+    return policy, f"policy `{policy.name}`"
 
 
 def select_policy(

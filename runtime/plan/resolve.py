@@ -23,7 +23,9 @@ from torch import nn
 
 from ...schemas import Policy
 from ...schemas.vocabulary import AUTO_KIND, LINEAR_ONLY_QUANT_FORMATS
+from ..engine import protocol
 from ..engine.kinds import COMPUTE_KINDS, GENERIC, Fit, fit
+from ..engine.streamed import holds_parameters_below
 from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from ..policy.load import as_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
@@ -166,7 +168,8 @@ class _Decided:
         self.checks = tuple(check for needs, check in _CHECKS if needs <= roles.decided)  # those that apply
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)  # for a module
         self.template = _template(class_names(cls)[0][1], roles, self.fit)  # without children, which no
-        self.streams = _streams(roles, self.fit)  # parameters can hide in
+        self.streams = _FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)  # parameters can
+        # hide in; a host's own streaming layer fetches its weight and bias itself
         self.block = block  # whether the compile blocks select the class
 
 
@@ -208,6 +211,8 @@ class _Matcher:
             caught = [name for name in ("stream", "relocate") if decisions[name].specificity[0] == HOLDS]
             if len(caught) == 1:
                 del decisions[caught[0]]
+        if protocol.speaks_natively(type(module)):
+            decisions.pop("stream", None)  # it streams already: a host's own layer (ComfyUI's `comfy.ops`)
         rules = {name: decision.rule for name, decision in decisions.items()}
         keys = [f"{name}.{decision.rule.id}" for name, decision in decisions.items()]
         blocks = self.blocks is not None and self.blocks.of_class[type(module)] is not None
@@ -234,7 +239,7 @@ def _stream_leaf(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     """A streamed module fetches only its own tensors: with a specific kind, which computes the whole module from
     them, children holding parameters would be left out (a `generic` container runs their forwards)."""
     rule = roles.stream
-    if rule is None or kind.kind == GENERIC or not _holds_parameters_below(module):
+    if rule is None or kind.kind == GENERIC or not holds_parameters_below(module):
         return None
     if rule.kind == AUTO_KIND:  # not proven for a container: its own forward is
         return roles._replace(stream=rule.model_copy(update={"kind": GENERIC})), None
@@ -415,10 +420,6 @@ def _named_earlier(tensors: dict, name: str, tensor: object) -> bool:
 
 def _joined(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
-
-
-def _holds_parameters_below(module: nn.Module) -> bool:
-    return bool(module._modules) and any(True for child in module.children() for _ in child.parameters())
 
 
 def _rule_location(rule: Any):

@@ -4,6 +4,8 @@ and `adopt(patcher, policy)` converts the tree of a MODEL another pack loaded.
 Invariants:
 - the patcher sees the model's own state-dict keys, so `add_patches` (LoRA) addresses them;
 - a load tells the tree its compute device; an unload sends relocated tensors back;
+- a streamed container (a `generic` module whose children hold parameters) always fetches: core places only
+  modules whose parameters are all their own;
 - a patch core would merge into a quantized resident's raw storage is kept beside its weight functions instead,
   applied for as long as core counts the weight patched (`engine.protocol.weight_functions`).
 """
@@ -21,6 +23,8 @@ from ...engine import ConversionError, applied_state, apply_policy, protocol
 from ...engine.apply import swap_class
 from ...engine.classes import derived_class
 from ...engine.relocating import offload_relocated
+from ...engine.streamed import holds_parameters_below
+from ...plan.auto import choose_policy
 from .fetcher import ComfyFetcher
 
 
@@ -31,7 +35,8 @@ def model_patcher(
     offload_device: torch.device,
     policy: Policy | str | None = None,
 ):
-    """A ComfyUI `ModelPatcher` for a converted tree (converted here first when `policy` is given)."""
+    """A ComfyUI `ModelPatcher` for a converted tree (converted here first when `policy` is given; `"auto"` picks
+    the policy by `[match]`)."""
     import comfy.model_patcher
 
     policy = _host(model, policy)
@@ -56,11 +61,14 @@ def _host(model: nn.Module, policy: Policy | str | None) -> Policy | None:
     import comfy.model_management
 
     if policy is not None:
-        policy, _ = apply_policy(model, policy)
+        policy, _ = apply_policy(model, choose_policy(policy, model)[0])
     state = applied_state(model)
     if state is None:
         raise ConversionError("convert the model first (streamwise.apply) or pass policy=")
     state.tree.fetcher = ComfyFetcher()
+    for module in model.modules():
+        if protocol.kind_of(module) is not None and holds_parameters_below(module):
+            protocol.set_fetching(module, True)  # a streamed container: core places leaves only, never its tensors
     if not isinstance(type(model).__dict__.get("device"), _SettableDevice):
         state.records.append(swap_class(model, _patchable_class(type(model)), {}, "host"))
     archive = getattr(comfy.model_management, "archive_model_dtypes", None)
