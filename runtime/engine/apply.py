@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from . import protocol
-from .kinds import COMPUTE_KINDS, fit
+from .kinds import COMPUTE_KINDS, GENERIC, fit
 from .probe import probe
 from .relocating import relocating_class
-from .streamed import streaming_class
+from .streamed import claimed_below, holds_parameters_below, streaming_class
 from .tree import StreamTree
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> Co
 def apply_policy(
     model: nn.Module, policy: Policy | str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()
 ) -> tuple[Policy, Plan]:
-    """Resolve `policy` (a Policy, or a name or file to load) against `model` and convert it.
+    """Resolve `policy` (a Policy, a name or file to load, or `"auto"`) against `model` and convert it.
 
     Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit. One walk over the
     tree serves both steps: resolve hands over the modules its plan names.
@@ -176,6 +176,8 @@ def _apply(plan: Plan, model: nn.Module, targets: list, journal: Journal) -> Con
                 attributes = protocol.leaf_attributes(module, tree) if entry.stream else {protocol.TREE: tree}
                 if entry.relocate:
                     attributes[protocol.RELOCATED] = entry.relocate
+                if entry.stream == GENERIC and holds_parameters_below(module):
+                    attributes[protocol.CLAIMED] = claimed_below(module)
                 records.append(journal.swap_class(module, cls, attributes, "stream" if entry.stream else "relocate"))
         step = "making quantized residents"
         from ..quant.residents import make_resident

@@ -85,9 +85,11 @@ class GenericKind(ComputeKind):
     """Any module with parameters, through its own forward: right by construction, for leaves and containers.
 
     Fetch: `weight` and `bias` the host's way (its weight functions, LoRA, applied), every other direct parameter
-    raw; all in the stored dtype. Compute: the fetched tensors shadow the stored ones in the instance dictionary
-    for the call (attribute lookup finds them before `nn.Module.__getattr__`), the original forward runs, and they
-    are taken away again. Buffers are not fetched: a module that holds some also relocates them (`apply`).
+    raw; all in the stored dtype. A container also fetches its descendants' parameters raw (`protocol.claimed`):
+    its forward may read them without calling the child (Mamba's mixer reads `conv1d.weight`). Compute: the fetched
+    tensors shadow the stored ones in each owner's instance dictionary for the call (attribute lookup finds them
+    before `nn.Module.__getattr__`), the original forward runs, and they are taken away again. Buffers are not
+    fetched: a module that holds some also relocates them (`apply`).
     """
 
     def split(self, module: nn.Module, input_name: str | None, args: tuple, kwargs: dict) -> tuple[Tensor, tuple]:
@@ -110,17 +112,22 @@ class GenericKind(ComputeKind):
         raw = tuple(name for name, tensor in parameters.items() if tensor is not None and name not in fetched)
         if raw:
             fetched.update(zip(raw, fetcher.fetch_raw(module, raw, x.device), strict=True))
-        return fetched, through_host
+        shadows = [(module, fetched)]
+        for owner, names in protocol.claimed(module):
+            shadows.append((owner, dict(zip(names, fetcher.fetch_raw(owner, names, x.device), strict=True))))
+        return shadows, through_host
 
     def compute(self, module: nn.Module, x: Tensor, fetched: tuple, *args, **kwargs) -> Tensor:
-        tensors, _ = fetched
-        held = module.__dict__
-        held.update(tensors)
+        shadows, _ = fetched
+        for owner, tensors in shadows:
+            owner.__dict__.update(tensors)
         try:
             return protocol.original_class(type(module)).forward(module, *args, **kwargs)
         finally:
-            for name in tensors:
-                del held[name]
+            for owner, tensors in shadows:
+                held = owner.__dict__
+                for name in tensors:
+                    del held[name]
 
     def release(self, fetcher: Any, module: nn.Module, fetched: tuple) -> None:
         _, through_host = fetched

@@ -33,6 +33,7 @@ KIND = "_sw_kind"  # on streamed classes: the name of the compute kind
 HANDLER = "_sw_handler"  # on resident classes: the quant format handler
 TREE = "_sw_tree"  # on converted instances: the tree's StreamTree
 RELOCATED = "_sw_relocated"  # on relocating instances: the names of the tensors that follow the compute device
+CLAIMED = "_sw_claimed"  # on generic containers: (descendant, parameter names) fetched with the container's own
 
 
 def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,3 +122,8 @@ def tree_of(module: nn.Module) -> Any:
 
 def relocated_names(module: nn.Module) -> tuple[str, ...]:
     return module.__dict__.get(RELOCATED, ())
+
+
+def claimed(module: nn.Module) -> tuple[tuple[nn.Module, tuple[str, ...]], ...]:
+    """The descendants whose parameters a generic container fetches with its own, and their names."""
+    return module.__dict__.get(CLAIMED, ())

@@ -4,7 +4,8 @@ Streamed leaves keep their weights on the offload device (pinned CPU memory when
 present). As many leaves as fit the budget, in registration order (forward order for transformers
 models; leaves sharing a tied weight decide together), become resident on the compute device and
 run the original forward; the others fetch their weights per forward. The budget counts streamed
-leaves only: relocated and unplanned tensors always live on the compute device. On CUDA the
+leaves only (a generic container with the descendants it claims): relocated and unplanned tensors
+always live on the compute device. On CUDA the
 next streamed leaf's weights are copied on a side stream while the current one computes. With
 offload and compute device both CPU everything still runs, through the same code paths.
 """
@@ -57,13 +58,14 @@ def offload(
     resident_bytes = streamed_bytes = resident_count = 0
     for group, size, resident in _residency(leaves, budget):
         for leaf in group:
-            _place(leaf, device if resident else offload_device, pin=streamer.non_blocking and not resident)
+            for owner in _owners(leaf):
+                _place(owner, device if resident else offload_device, pin=streamer.non_blocking and not resident)
             protocol.set_fetching(leaf, not resident)
         if resident:
             resident_bytes, resident_count = resident_bytes + size, resident_count + len(group)
         else:
             streamed_bytes += size
-    converted = {id(leaf) for leaf in leaves}
+    converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
     for module in model.modules():
         if id(module) not in converted and not protocol.relocated_names(module):
             _place(module, device, pin=False)
@@ -84,12 +86,17 @@ def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[n
     skipping groups that no longer fit (`budget=None`: everything resident)."""
     placed, used = [], 0
     for group in _tied_groups(leaves):
-        size = sum(_nbytes(t) for t in {id(p): p for leaf in group for p in leaf._parameters.values()
-                                        if p is not None}.values())
+        size = sum(_nbytes(t) for t in {id(p): p for leaf in group for owner in _owners(leaf)
+                                        for p in owner._parameters.values() if p is not None}.values())
         resident = budget is None or used + size <= budget
         used += size if resident else 0
         placed.append((group, size, resident))
     return placed
+
+
+def _owners(leaf: nn.Module) -> list[nn.Module]:
+    """The modules whose parameters a streamed leaf fetches: itself, and what a generic container claims."""
+    return [leaf, *(owner for owner, _ in protocol.claimed(leaf))]
 
 
 def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:

@@ -27,7 +27,7 @@ from ..engine import protocol
 from ..engine.kinds import COMPUTE_KINDS, GENERIC, Fit, fit
 from ..engine.streamed import holds_parameters_below
 from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
-from ..policy.load import as_policy
+from .auto import choose_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
 from .selectors import HOLDS, CompiledSelector, ModuleRef, class_names, declared_blocks, holds, walk_modules, within
@@ -47,8 +47,11 @@ def plan_for(
 def plan_and_modules(
     policy: Policy | str | os.PathLike[str], model: nn.Module, *, dirs: Iterable[str | os.PathLike] = ()
 ) -> tuple[Policy, Plan, list[nn.Module]]:
-    """`plan_for`, and the module each plan entry names, in order: an apply that follows at once needs no walk."""
-    policy = as_policy(policy, dirs=dirs)
+    """`plan_for`, and the module each plan entry names, in order: an apply that follows at once needs no walk.
+
+    `policy` may be `"auto"`: the policy whose `[match]` recognizes the model (`auto.choose_policy`).
+    """
+    policy, _ = choose_policy(policy, model, dirs=dirs)
     plan, modules = _resolve(policy, model)
     if not plan.ok:
         raise PolicyError(plan.diagnostics)
@@ -72,6 +75,7 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
     seen: dict[_Decided, int] = {}  # how many modules each decision decided: the rule match counts
     per_module: list[tuple[Diagnostic, str]] = []
     unit_path: str | None = None  # the last compile unit: a pre-order walk meets what lies in it next
+    claim: str | None = None  # the last generic container: it fetches the parameters of what lies in it
 
     key = matcher.key
     declared = declared_blocks(walk) if matcher.no_split else frozenset()
@@ -91,13 +95,18 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
                     per_module.append(problem)  # one diagnostic per rule and class, listing the modules
                 elif problem is not None:
                     problems.append(problem)
+        if claim is not None and within(path, claim):  # a generic container above fetches its parameters
+            roles, streams = roles._replace(stream=None, relocate=None), ALL
+            kind, template = None, _template(template[0][0], roles, None)
+        elif roles.stream is not None and kind.kind == GENERIC and holds_parameters_below(module):
+            claim = path
         relocated = count(path, module, roles, streams) if module._parameters or module._buffers else ()
         unit = (decided.block or blocks_by_module and blocks.module_specificity(path, module) is not None
                 or declared and class_names(type(module))[0][0] in declared) and not (
             unit_path is not None and within(path, unit_path))
         if unit:
             unit_path = path
-        if unit or roles.any:
+        if unit or roles.any or relocated:
             plans.append(tuple.__new__(ModulePlan, (path, *template[0], relocated, *template[1], unit,
                                                     template[2] if roles.stream is not None else None)))
             modules.append(module)

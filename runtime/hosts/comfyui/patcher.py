@@ -24,7 +24,6 @@ from ...engine.apply import swap_class
 from ...engine.classes import derived_class
 from ...engine.relocating import offload_relocated
 from ...engine.streamed import holds_parameters_below
-from ...plan.auto import choose_policy
 from .fetcher import ComfyFetcher
 
 
@@ -61,7 +60,7 @@ def _host(model: nn.Module, policy: Policy | str | None) -> Policy | None:
     import comfy.model_management
 
     if policy is not None:
-        policy, _ = apply_policy(model, choose_policy(policy, model)[0])
+        policy, _ = apply_policy(model, policy)
     state = applied_state(model)
     if state is None:
         raise ConversionError("convert the model first (streamwise.apply) or pass policy=")

@@ -1,0 +1,312 @@
+"""Any model, safely: the generic kind, `kind = "auto"`, kinds proven against their class, the catch-all policies.
+
+Numerics run on tiny real configs at budget 0 (every streamed module fetches on each call): the converted model
+must equal the unconverted one bit for bit. The three ways a hand-written policy used to compute silently wrong
+numbers (GPT-2's transposed Conv1D as `linear`, Gemma's `1 + w` RMSNorm as `llama_rms_norm`, Gemma's scaled
+embedding as `embedding`) are refused before anything changes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+from torch import nn
+
+import streamwise
+from streamwise.runtime.engine import ConversionError, applied_state, protocol
+from streamwise.runtime.engine.kinds import fit
+from streamwise.runtime.engine.tree import TorchFetcher
+from streamwise.runtime.plan.auto import select_policy
+
+from helpers import make_policy, stream_rule
+
+LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+
+class LayerScaleNorm(nn.Module):
+    """A norm nobody wrote a kind for."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(size))
+        self.shift = nn.Parameter(torch.randn(size))
+
+    def forward(self, x):
+        return (x - x.mean(-1, keepdim=True)) * self.scale.tanh() + self.shift
+
+
+class Block(nn.Module):
+    """A container with a layer-scale parameter of its own, children, and a buffer."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.norm = LayerScaleNorm(size)
+        self.proj = nn.Linear(size, size)
+        self.gamma = nn.Parameter(torch.full((size,), 0.5))
+        self.register_buffer("offset", torch.linspace(-1, 1, size))
+
+    def forward(self, x):
+        return x + self.gamma * self.proj(self.norm(x)) + self.offset
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 32)
+        self.blocks = nn.ModuleList([Block(32), Block(32)])
+        self.head = nn.Linear(32, 128, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _tiny(name: str) -> tuple[nn.Module, dict]:
+    """A tiny real model of the sample and the inputs of one forward."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 7))
+    if name == "dense":
+        config = T.Qwen3Config(hidden_size=64, intermediate_size=128, head_dim=16, **LAYERS)
+        return T.Qwen3ForCausalLM(config), {"input_ids": ids}
+    if name == "moe":
+        config = T.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                  num_experts_per_tok=2, head_dim=16, **LAYERS)
+        return T.Qwen3MoeForCausalLM(config), {"input_ids": ids}
+    if name == "state-space":
+        config = T.MambaConfig(hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=128, intermediate_size=128)
+        return T.MambaForCausalLM(config), {"input_ids": ids}
+    if name == "gemma":
+        config = T.GemmaConfig(hidden_size=64, intermediate_size=128, head_dim=16, **LAYERS)
+        return T.GemmaForCausalLM(config), {"input_ids": ids}
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)), {
+            "input_ids": ids}
+    if name == "encoder-decoder":
+        config = T.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=128)
+        return T.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids}
+    if name == "audio":
+        config = T.WhisperConfig(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=128,
+                                 num_mel_bins=16, max_source_positions=16, max_target_positions=16,
+                                 pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2)
+        features = torch.randn(1, 16, 32)
+        return T.WhisperForConditionalGeneration(config), {"input_features": features, "decoder_input_ids": ids}
+    if name == "vision":
+        config = T.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                             image_size=32, patch_size=8, num_labels=3)
+        return T.ViTForImageClassification(config), {"pixel_values": torch.randn(1, 3, 32, 32)}
+    if name == "custom":
+        return Custom(), {"ids": ids}
+    raise KeyError(name)
+
+
+SAMPLE = ["dense", "moe", "state-space", "gemma", "gpt2", "encoder-decoder", "audio", "vision", "custom"]
+
+
+def _output(model: nn.Module, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_auto_streams_the_sample_at_budget_zero_bit_for_bit(name):
+    model, inputs = _tiny(name)
+    model.eval()
+    expected = _output(model, inputs)
+    policy, _ = select_policy(model)
+    plan = streamwise.resolve(policy, model)
+    assert plan.ok and plan.coverage.stranded == () and plan.coverage.bytes["stranded"] == 0
+    report = streamwise.offload(model, policy, device="cpu", budget=0)
+    assert report.resident_modules == 0 and report.streamed_modules > 0
+    fetching = [m for m in model.modules() if protocol.kind_of(m) is not None]
+    assert fetching and all(protocol.is_fetching(m) for m in fetching)  # every streamed module takes the fetch
+    assert torch.equal(_output(model, inputs), expected)
+
+
+def test_auto_chooses_a_specific_kind_only_where_it_is_proven_and_says_why():
+    model, _ = _tiny("gemma")
+    plan = streamwise.resolve(streamwise.load_policy("transformers"), model)
+    by_class = {entry.class_name.rsplit(".", 1)[-1]: entry for entry in plan.modules if entry.stream}
+    assert by_class["Linear"].stream == "linear"
+    assert by_class["Linear"].kind_reason == "auto: `linear` reproduces `Linear`"
+    assert by_class["GemmaRMSNorm"].stream == "generic"  # scales by 1 + w: no specific kind reproduces it
+    assert by_class["GemmaTextScaledWordEmbedding"].stream == "generic"  # overrides Embedding.forward
+    assert "no specific kind is proven for `GemmaRMSNorm`" in by_class["GemmaRMSNorm"].kind_reason
+    dense, _ = _tiny("dense")
+    entry = next(e for e in streamwise.resolve(streamwise.load_policy("transformers"), dense).modules
+                 if e.class_name.endswith("Qwen3RMSNorm"))
+    assert entry.stream == "llama_rms_norm"  # a verbatim copy of LlamaRMSNorm.forward is proven
+
+
+def test_fit_proves_from_the_class_alone():
+    class Plain(nn.Linear):
+        pass
+
+    class Scaled(nn.Embedding):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert fit("auto", Plain).kind == "linear" and fit("linear", Plain).proven
+    assert fit("auto", Scaled).kind == "generic"
+    assert fit("embedding", Scaled).refused is not None and "overrides `forward` of `Embedding`" in (
+        fit("embedding", Scaled).refused)
+    assert not fit("linear", LayerScaleNorm).proven and fit("linear", LayerScaleNorm).refused is None  # probed
+
+
+def _conv1d_model(square: bool) -> nn.Module:
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=32)
+    model = T.GPT2LMHeadModel(config).eval()
+    return model if square else model
+
+
+@pytest.mark.parametrize("select, shape", [("c_proj", "square"), ("c_attn", "non-square")])
+def test_linear_on_gpt2_conv1d_is_refused_by_the_probe(select, shape):
+    model = _conv1d_model(square=True)
+    rules = [stream_rule("conv1d-as-linear", "linear", path=f"transformer.h.0.attn.{select}")]
+    policy = make_policy(stream={"rule": rules})
+    plan = streamwise.resolve(policy, model)
+    assert plan.ok  # nothing in the class tells: Conv1D is no Linear
+    before = [(n, type(m)) for n, m in model.named_modules()]
+    with pytest.raises(ConversionError, match=(
+            rf"stream rule `conv1d-as-linear` .* computes `transformer.h.0.attn.{select}` \(Conv1D\) as `linear`, "
+            r"which does not reproduce the class: ")) as raised:
+        streamwise.apply(plan, model)
+    if shape == "square":
+        assert "differs from the class's own forward by" in str(raised.value)
+    assert [(n, type(m)) for n, m in model.named_modules()] == before and applied_state(model) is None
+
+
+def test_llama_rms_norm_on_gemma_rms_norm_is_refused_by_the_probe():
+    model, _ = _tiny("gemma")
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "GemmaRMSNorm":
+                module.weight.normal_()  # Gemma's weights start at 0, where 1 + w and w * 1 still differ
+    policy = make_policy(stream={"rule": [stream_rule("norms", "llama_rms_norm", **{"class": "GemmaRMSNorm"})]})
+    plan = streamwise.resolve(policy, model)
+    assert plan.ok
+    with pytest.raises(ConversionError, match=r"\(GemmaRMSNorm\) as `llama_rms_norm`, which does not reproduce the "
+                                              r"class: `llama_rms_norm` differs .* by [0-9.]+"):
+        streamwise.apply(plan, model)
+
+
+def test_embedding_with_subclasses_on_gemma_scaled_embedding_is_refused_when_resolving():
+    with torch.device("meta"):  # no weights needed: the class itself shows it
+        model = T.GemmaForCausalLM(T.GemmaConfig(hidden_size=64, intermediate_size=128, head_dim=16, **LAYERS))
+    rule = stream_rule("embeddings", "embedding", **{"class": "Embedding"}, subclasses=True)
+    plan = streamwise.resolve(make_policy(stream={"rule": [rule]}), model)
+    (problem,) = [d for d in plan.diagnostics if d.is_error]
+    assert problem.code == "kind-mismatch"
+    assert problem.message.startswith("stream rule `embeddings`: `GemmaTextScaledWordEmbedding` overrides `forward` "
+                                      "of `Embedding`")
+    assert problem.message.endswith("(module: `model.embed_tokens`)")
+
+
+def test_a_proven_kind_on_real_weights_is_not_refused():
+    model, inputs = _tiny("dense")
+    model.eval()
+    expected = _output(model, inputs)
+    policy = make_policy(stream={"rule": [
+        stream_rule("norms", "llama_rms_norm", **{"class": "*RMSNorm"}),  # a class glob; Qwen3's is proven
+        stream_rule("rest", "generic", holds="parameters"),
+    ]})
+    streamwise.offload(model, policy, device="cpu", budget=0)
+    assert torch.equal(_output(model, inputs), expected)
+
+
+def test_the_probe_leaves_the_random_state_alone():
+    model = _conv1d_model(square=True)
+    policy = make_policy(stream={"rule": [stream_rule("c", "linear", path="transformer.h.0.mlp.c_fc")]})
+    plan = streamwise.resolve(policy, model)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    with pytest.raises(ConversionError):
+        streamwise.apply(plan, model)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_generic_streaming_of_a_block_traces_without_graph_breaks():
+    import torch._dynamo as dynamo
+
+    model, _ = _tiny("moe")
+    streamwise.apply_policy(model, "transformers")
+    for module in model.modules():
+        if protocol.kind_of(module) is not None:
+            protocol.set_fetching(module, True)
+    block = model.model.layers[0]
+    assert {protocol.kind_of(m) for m in block.modules()} >= {"generic", "linear", "llama_rms_norm"}  # experts: generic
+    x = torch.randn(1, 5, 64)
+    position = (torch.ones(1, 5, 16), torch.zeros(1, 5, 16))
+    explained = dynamo.explain(block)(x, position_embeddings=position)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+
+
+def test_the_custom_module_relocates_its_buffers_and_streams_its_own_parameters():
+    model, inputs = _tiny("custom")
+    plan = streamwise.resolve(streamwise.load_policy("any-module"), model)
+    block = plan.module("blocks.0")
+    assert (block.stream, block.relocate) == ("generic", ("offset",))  # gamma streams, the buffer follows
+    # the block's forward could read its children's parameters itself: it fetches them with its own
+    assert plan.module("blocks.0.norm") is None and plan.module("blocks.0.proj") is None
+    assert plan.module("head").stream == "linear" and plan.module("embed").stream == "embedding"
+    assert plan.coverage.bytes["relocated"] == 2 * 32 * 4 and plan.coverage.bytes["stranded"] == 0
+    streamwise.apply(plan, model)
+    assert [(owner, names) for owner, names in protocol.claimed(model.blocks[0])] == [
+        (model.blocks[0].norm, ("scale", "shift")), (model.blocks[0].proj, ("weight", "bias"))]
+
+
+def test_native_streaming_layers_are_left_as_they_are():
+    class NativeLinear(nn.Linear):  # as ComfyUI's `comfy.ops` layers define it on the class
+        comfy_cast_weights = False
+
+    model = nn.Sequential(NativeLinear(4, 4), nn.LayerNorm(4))
+    plan = streamwise.resolve(streamwise.load_policy("any-module"), model)
+    assert [entry.path for entry in plan.modules] == ["1"] and plan.coverage.bytes["stranded"] == 0
+
+
+def test_a_deepcopied_generic_model_still_computes_the_same():
+    model, inputs = _tiny("custom")
+    expected = _output(model, inputs)
+    streamwise.offload(model, "any-module", device="cpu", budget=0)
+    assert torch.equal(_output(copy.deepcopy(model), inputs), expected)
+
+
+class _TrueValues(TorchFetcher):
+    """Brings each parameter's true values while the stored ones are poisoned: a forward that reads a stored
+    parameter instead of the fetched one gives NaN."""
+
+    def __init__(self, true: dict[int, torch.Tensor]) -> None:
+        self.true = true
+
+    def fetch(self, module, device, dtype):
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+        return self.for_compute(module, self._true(weight), self._true(bias), device, dtype)
+
+    def fetch_raw(self, module, names, device):
+        return [self._true(module._parameters.get(name, module._buffers.get(name))) for name in names]
+
+    def _true(self, tensor):
+        return None if tensor is None else self.true.get(id(tensor), tensor)
+
+
+@pytest.mark.parametrize("name", ["moe", "gemma", "custom", "state-space"])
+def test_streamed_modules_compute_from_the_fetched_tensors_only(name):
+    model, inputs = _tiny(name)
+    model.eval()
+    expected = _output(model, inputs)
+    streamwise.offload(model, "auto" if name != "custom" else "any-module", device="cpu", budget=0)
+    streamed = {id(p): p for m in model.modules() if protocol.kind_of(m) is not None
+                for p in m._parameters.values() if p is not None}
+    true = {key: p.detach().clone() for key, p in streamed.items()}
+    applied_state(model).tree.fetcher = _TrueValues(true)
+    with torch.no_grad():
+        for parameter in streamed.values():
+            parameter.fill_(float("nan"))
+    assert torch.equal(_output(model, inputs), expected)
