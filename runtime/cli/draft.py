@@ -126,7 +126,7 @@ def _families(walk: list[tuple[str, nn.Module]]) -> list[_Family]:
         qualified = [f"{f.cls.__module__}.{f.cls.__qualname__}" for f in same]
         if len(same) == 1:
             family.entry = family.short
-        elif all(_valid_class_entry(q) for q in qualified):
+        elif len(set(qualified)) == len(same) and all(_valid_class_entry(q) for q in qualified):
             family.entry = qualified[same.index(family)]
         elif family is same[0]:  # the classes cannot be told apart by name: one entry, one rule for them all
             family.entry, family.merged = family.short, len(same)
@@ -154,7 +154,7 @@ def _kind(family: _Family) -> tuple[str, str]:
         return GENERIC, f"{family.merged} classes are named `{family.short}`; each module's own forward"
     chosen = fit("auto", family.cls)
     if chosen.kind == GENERIC:
-        return GENERIC, _plain(chosen.reason)
+        return GENERIC, _why_generic(family.cls, chosen.reason)
     if family.buffers_only:
         return GENERIC, (f"`{chosen.kind}` reproduces `{family.short}`, but some of its modules hold only buffers "
                          f"(`{family.buffers_only[0]}`); its own forward")
@@ -176,6 +176,16 @@ def _kind(family: _Family) -> tuple[str, str]:
     return chosen.kind, _plain(fit(chosen.kind, family.cls).reason)
 
 
+def _why_generic(cls: type, reason: str) -> str:
+    """Why no specific kind: the kind made for a base of the class and why it is refused, else `auto`'s reason."""
+    for kind in COMPUTE_KINDS.values():
+        if kind.name != GENERIC and any(issubclass(cls, base) for base in kind.made_for):
+            refused = fit(kind.name, cls).refused
+            if refused is not None:
+                return f"{refused}; its own forward"
+    return _plain(reason)
+
+
 def _parameters_below(module: nn.Module) -> bool:
     return any(True for child in module.children() for _ in child.parameters())
 
@@ -186,7 +196,7 @@ def _plain(reason: str) -> str:
 
 # -- writing the sections ---------------------------------------------------------------------------------------------
 def _header(out: list[str], root: str, spec: str | None) -> None:
-    built = f" ({spec})" if spec else ""
+    built = f" ({_comment(spec)})" if spec else ""
     out += [
         SCHEMA_HEADER,
         f"# Drafted by `{PROG}` for {root}{built}.",
@@ -254,11 +264,11 @@ def _relocate(out: list[str], families: list[_Family]) -> None:
 
 def _quant(out: list[str], model: nn.Module, walk: list[tuple[str, nn.Module]], families: list[_Family]) -> None:
     out += ["", _section("quant"),
-            "# How weights are stored. Quantization is opt-in: uncomment this example to hold Linear weights as INT8"]
-    linears = [f for f in families if issubclass(f.cls, nn.Linear) and f.kind == "linear"]
+            "# How weights are stored. Formats: none, gguf, int8, convrot_int8, convrot_int4 (see the template)."]
+    linears = [f.entry for f in families if issubclass(f.cls, nn.Linear) and f.kind == "linear"]
     if not linears:
-        out += ["# (per-row scales). This model has no torch.nn.Linear layer streamed as `linear`, and the int8",
-                "# formats apply to Linear layers only: see the README for `gguf` quantization instead."]
+        out += ["# Quantization is opt-in. This model has no torch.nn.Linear layer streamed as `linear`, and the",
+                "# int8 formats apply to Linear layers only: see the README for `gguf` quantization instead."]
         return
     keep = [f.entry for f in families if _is_norm_or_embedding(f.cls)]
     heads = _heads(model, walk)
@@ -266,18 +276,19 @@ def _quant(out: list[str], model: nn.Module, walk: list[tuple[str, nn.Module]], 
         f"class = [{', '.join(map(_string, keep))}]" if keep else "",
         f"path = [{', '.join(map(_string, heads))}]" if heads else "",
     ) if part)
-    out += ["# (per-row scales). Norms, embeddings and the output head stay float: they are small, or sensitive",
-            "# to rounding (the exclude names them in case a rule is broadened). Formats: none, gguf, int8,",
-            "# convrot_int8, convrot_int4 (see the template policy).", "#"]
+    selected = _string(linears[0]) if len(linears) == 1 else f"[{', '.join(map(_string, linears))}]"
+    out += ["# Quantization is opt-in: uncomment this example to hold Linear weights as INT8 (per-row scales).",
+            "# Norms, embeddings and the output head stay float: they are small, or sensitive to rounding (the",
+            "# exclude names them in case a rule is broadened).", "#"]
     if exclude:
         out += ["# [quant]", f"# exclude = {{ {exclude} }}", "#"]
-    out += ["# [[quant.rule]]", '# id = "linears"', f"# select = {{ class = {_string(linears[0].entry)} }}",
+    out += ["# [[quant.rule]]", '# id = "linears"', f"# select = {{ class = {selected} }}",
             '# format = "int8"', f"# min_weights = {_QUANT_MIN_WEIGHTS}         # layers smaller than this stay float"]
 
 
 def _compile(out: list[str], walk: list[tuple[str, nn.Module]], families: list[_Family]) -> None:
-    present = {f.short: f.entry for f in families}
-    blocks = [present[name] for name in sorted(declared_blocks(walk)) if name in present]
+    declared = declared_blocks(walk)  # short names, as the model declares them
+    blocks = [f.short for f in families if f.short in declared]
     out += ["", _section("compile"),
             "# torch.compile, applied lazily on the first forward once enabled; the compile node's inputs override"]
     if blocks:
@@ -374,12 +385,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         output = Path(args.output) if args.output else None
         name = args.name
+        if name is not None and not is_policy_name(name):
+            raise DraftError(f"--name `{name}` is not a valid policy name: use letters, digits, `_`, `-` and `.`")
         if output is not None:
             if output.suffix != ".toml":
                 raise DraftError(f"{output}: a policy file's name ends in .toml")
             if name is not None and name != output.stem:
                 raise DraftError(f"--name `{name}` differs from the file name `{output.stem}`; a policy's name "
                                  "must equal its file name")
+            if not is_policy_name(output.stem):
+                raise DraftError(f"{output}: `{output.stem}` is not a valid policy name (the file name without "
+                                 ".toml): use letters, digits, `_`, `-` and `.`")
             name = output.stem
             if output.exists() and not args.force:
                 raise DraftError(f"{output} exists; pass --force to overwrite it")
