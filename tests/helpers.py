@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from torch import nn
+
 TESTS = Path(__file__).resolve().parent
 INVALID = TESTS / "fixtures" / "invalid"
 REPO = TESTS.parent
@@ -86,3 +89,91 @@ def vibevoice_inputs():
     audio = torch.randn(1, 1, 32, generator=generator)
     ids = torch.tensor([[5, 2] + [4] * 8 + [3, 6, 7]])
     return dict(input_ids=ids, input_values=audio, padding_mask=torch.ones(1, 32, dtype=torch.bool), sample=False)
+
+
+# The sample of model families `auto` must stream right (tests/test_generic.py, tests/comfy).
+_LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+
+class LayerScaleNorm(nn.Module):
+    """A norm nobody wrote a kind for."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(size))
+        self.shift = nn.Parameter(torch.randn(size))
+
+    def forward(self, x):
+        return (x - x.mean(-1, keepdim=True)) * self.scale.tanh() + self.shift
+
+
+class Block(nn.Module):
+    """A container with a layer-scale parameter of its own, children, and a buffer."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.norm = LayerScaleNorm(size)
+        self.proj = nn.Linear(size, size)
+        self.gamma = nn.Parameter(torch.full((size,), 0.5))
+        self.register_buffer("offset", torch.linspace(-1, 1, size))
+
+    def forward(self, x):
+        return x + self.gamma * self.proj(self.norm(x)) + self.offset
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(128, 32)
+        self.blocks = nn.ModuleList([Block(32), Block(32)])
+        self.head = nn.Linear(32, 128, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tiny_sample(name: str) -> tuple[nn.Module, dict]:
+    """A tiny real model of the sample nobody wrote a policy for, and the inputs of one forward."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 7))
+    if name == "dense":
+        config = T.Qwen3Config(hidden_size=64, intermediate_size=128, head_dim=16, **_LAYERS)
+        return T.Qwen3ForCausalLM(config), {"input_ids": ids}
+    if name == "moe":
+        config = T.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                  num_experts_per_tok=2, head_dim=16, **_LAYERS)
+        return T.Qwen3MoeForCausalLM(config), {"input_ids": ids}
+    if name == "state-space":
+        config = T.MambaConfig(hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=128, intermediate_size=128)
+        return T.MambaForCausalLM(config), {"input_ids": ids}
+    if name == "gemma":
+        config = T.GemmaConfig(hidden_size=64, intermediate_size=128, head_dim=16, **_LAYERS)
+        return T.GemmaForCausalLM(config), {"input_ids": ids}
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)), {
+            "input_ids": ids}
+    if name == "encoder-decoder":
+        config = T.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=128)
+        return T.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids}
+    if name == "audio":
+        config = T.WhisperConfig(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=128,
+                                 num_mel_bins=16, max_source_positions=16, max_target_positions=16,
+                                 pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2)
+        features = torch.randn(1, 16, 32)
+        return T.WhisperForConditionalGeneration(config), {"input_features": features, "decoder_input_ids": ids}
+    if name == "vision":
+        config = T.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                             image_size=32, patch_size=8, num_labels=3)
+        return T.ViTForImageClassification(config), {"pixel_values": torch.randn(1, 3, 32, 32)}
+    if name == "custom":
+        return Custom(), {"ids": ids}
+    raise KeyError(name)
+
+
+SAMPLE = ["dense", "moe", "state-space", "gemma", "gpt2", "encoder-decoder", "audio", "vision", "custom"]

@@ -40,7 +40,9 @@ REAL_TREES = {
 def test_shipped_policies_cover_real_trees_completely(tree, snapshot):
     policy_name, build = REAL_TREES[tree]
     plan = streamwise.resolve(streamwise.load_policy(policy_name), build())
-    assert plan.ok and plan.diagnostics == ()
+    warnings = [d.code for d in plan.diagnostics]
+    # the tokenizer alone has none of the language model's decoder layers, the policy's compile blocks
+    assert plan.ok and warnings == (["unmatched-blocks"] if tree.startswith("vibevoice-tokenizer") else [])
     assert plan.coverage.complete and plan.coverage.bytes["stranded"] == 0
     assert plan.summary() == snapshot
 

@@ -105,7 +105,7 @@ def _render_plan(spec: str, plan) -> str:
     lines.append("coverage:")
     for role, size in summary["bytes"].items():
         lines.append(f"  {role:<24} {_bytes(size):>12}")
-    lines.append(f"  {'covered':<24} {plan.coverage.fraction:>12.2%}")
+    lines.append(f"  {'covered':<24} {plan.coverage.percent:>12}")
     lines.append("rules:")
     lines += [f"  {rule:<40} {count:>6} modules" for rule, count in summary["rule_matches"].items()]
     if summary["tied"]:

@@ -53,9 +53,12 @@ def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> 
 
 def leaf_attributes(module: nn.Module, tree: object) -> dict[str, object]:
     """The instance attributes a streamed leaf starts with: resident, unpatched, in `tree`."""
-    if has_attribute(module, "bias"):
-        return {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
-    return {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: [], "bias": None}  # core reads it
+    attributes: dict[str, object] = {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
+    if not has_attribute(module, "bias"):  # core reads `weight` and `bias` of every module carrying the flag
+        attributes["bias"] = None
+    if not has_attribute(module, "weight"):  # a generic module holding other parameters only (MoE experts)
+        attributes["weight"] = None
+    return attributes
 
 
 def has_attribute(module: nn.Module, name: str) -> bool:

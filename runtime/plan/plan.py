@@ -7,6 +7,7 @@ in bytes, and the diagnostics found while resolving.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ class TensorRef:
     name: str
     kind: str  # "parameter" or "buffer"
     bytes: int
+    owner_class: str = ""  # the short class name of the module holding it
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,14 @@ class Coverage:
     def fraction(self) -> float:
         total = sum(self.bytes.values())
         return 1.0 if total == 0 else 1 - self.bytes["stranded"] / total
+
+    @property
+    def percent(self) -> str:
+        """The covered fraction for people: rounded down, so it never reads 100% while any byte is stranded."""
+        hundredths = math.floor(self.fraction * 10_000)
+        if self.bytes["stranded"] and hundredths >= 10_000:
+            hundredths = 9_999
+        return f"{hundredths / 100:.2f}%"
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,7 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
         matches["compile.blocks"] = sum(1 for entry in plans if entry.compile_unit)
     problems += _grouped(per_module)
     problems += _unmatched(matcher, matches, walk)
+    problems += _unused(matcher, matches, walk)
     counted = coverage.coverage()
     if counted.stranded:
         problems.append(_stranded(counted))
@@ -391,7 +392,7 @@ class _CoverageCounter:
                 else:
                     first[key] = (path, name)
                     self.stranded_bytes += tensor.nbytes
-                    self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes))
+                    self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes, type(module).__name__))
             streams = None  # buffers never come through the fetch
             relocated = moves_buffers
         self.streamed += streamed
@@ -492,12 +493,38 @@ def _grouped(per_module: list[tuple[Diagnostic, str]]) -> list[Diagnostic]:
 
 
 def _stranded(coverage: Coverage) -> Diagnostic:
-    listed = ", ".join(t.name for t in coverage.stranded[:_MAX_LISTED])
-    more = len(coverage.stranded) - _MAX_LISTED
+    """One warning for every stranded tensor, grouped by the class holding them, with the rule that would cover
+    each class."""
+    by_class: dict[str, list] = {}
+    for tensor in coverage.stranded:
+        by_class.setdefault(tensor.owner_class, []).append(tensor)
+    groups = []
+    for owner, tensors in list(by_class.items())[:_MAX_LISTED]:
+        names = sorted({t.name.rsplit(".", 1)[-1] for t in tensors})
+        held = sum(t.bytes for t in tensors)
+        parameters = any(t.kind == "parameter" for t in tensors)
+        rule = (f'[[stream.rule]] kind = "auto", select = {{ class = "{owner}" }}' if parameters
+                else f'[[relocate.rule]] select = {{ class = "{owner}" }}')
+        groups.append(f"`{owner}` x{len(tensors)} ({', '.join(names)}; {held} bytes), e.g. `{tensors[0].name}`: {rule}")
+    more = len(by_class) - _MAX_LISTED
     return Diagnostic(
         "stranded-tensors",
         f"{len(coverage.stranded)} tensors ({coverage.bytes['stranded']} bytes) are handled by no rule; "
         "a partial load would leave them on the offload device",
         severity="warning",
-        help=f"stranded: {listed}" + (f", and {more} more" if more > 0 else ""),
+        help="stranded, by class: " + "; ".join(groups) + (f"; and {more} more classes" if more > 0 else ""),
     )
+
+
+def _unused(matcher: _Matcher, matches: dict[str, int], walk: list) -> list[Diagnostic]:
+    """Warnings for compile blocks and excludes that select nothing here: they were meant to, or are stale."""
+    problems = []
+    if matcher.blocks is not None and not matches.get("compile.blocks"):
+        problems.append(Diagnostic("unmatched-blocks", "[compile] blocks select no module of this model, so the "
+                                   "whole model would be compiled as one graph", severity="warning",
+                                   help="fix the selector, or use `blocks = { no_split = true }`"))
+    for name, section in matcher.sections.items():
+        if section.exclude is not None and not any(section.exclude.matches_module(p, m) for p, m in walk):
+            problems.append(Diagnostic("unmatched-exclude", f"[{name}] exclude selects no module of this model",
+                                       severity="warning", help="fix the selector, or remove the exclude"))
+    return problems

@@ -62,7 +62,7 @@ def test_loader_lists_models_and_policies_and_picks_a_policy(nodes):
     mappings, _ = nodes
     inputs = mappings["StreamwiseModelLoader"].INPUT_TYPES()["required"]
     assert "streamwise/tiny-qwen2" in inputs["model"][0]
-    assert inputs["policy"][0][:2] == ["auto", "decoder-llm"]
+    assert inputs["policy"][0] == ["auto", "any-module", "decoder-llm", "transformers", "vibevoice"]
     patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
     assert "`auto` picked `decoder-llm` by root class `Qwen2ForCausalLM`" in report
     assert type(patcher).__name__.startswith("Streamwise")

@@ -35,12 +35,13 @@ def test_policy_check_node_reads_user_policies_without_restart(comfy_nodes):
 
     load_custom_node(comfy_nodes, REPO)
     node = comfy_nodes.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"]
-    assert node.INPUT_TYPES()["required"]["policy"][0] == ["decoder-llm", "vibevoice"]
+    shipped = ["any-module", "decoder-llm", "transformers", "vibevoice"]
+    assert node.INPUT_TYPES()["required"]["policy"][0] == shipped
 
     policies = Path(folder_paths.get_user_directory()) / "streamwise" / "policies"
     path = write_policy(policies, "vibevoice", 'extends = "decoder-llm"\n\n[compile]\nmode = "fastest"\n')
     try:
-        assert node.INPUT_TYPES()["required"]["policy"][0] == ["decoder-llm", "vibevoice"]  # user copy shadows
+        assert node.INPUT_TYPES()["required"]["policy"][0] == shipped  # the user copy shadows the shipped one
         report = node().check("vibevoice")["result"][0]
         assert report.startswith("error[invalid-value]: `mode` must be one of the allowed values")
         assert "vibevoice.toml:8:8" in report

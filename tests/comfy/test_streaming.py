@@ -14,7 +14,7 @@ import torch
 import streamwise
 from streamwise.runtime.engine.apply import applied_state
 
-from helpers import tiny_qwen2, tiny_vibevoice, vibevoice_inputs
+from helpers import SAMPLE, tiny_qwen2, tiny_sample, tiny_vibevoice, vibevoice_inputs
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -172,3 +172,59 @@ def test_unloads_send_relocated_tensors_back(core, monkeypatch):
     patcher.detach()
     assert sent and all(device == CPU for device in sent)
     assert applied_state(model).tree.compute_device == CPU
+
+
+# Models nobody wrote a policy for, converted by `auto` (tests/helpers.py: the sample of tests/test_generic.py).
+ON_META = ["dense", "gemma", "gpt2", "encoder-decoder", "vision", "custom"]  # their forwards run on `meta`
+
+
+def claimed_by_containers(model) -> set[int]:
+    from streamwise.runtime.engine import protocol
+
+    return {id(owner) for module in model.modules() for owner, _ in protocol.claimed(module)}
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_any_model_by_auto_loads_within_the_budget_on_meta(core, name):
+    model, _ = tiny_sample(name)
+    budget = 40_000
+    patcher = streamwise.model_patcher(model.eval(), load_device=META, offload_device=CPU, policy="auto")
+    patcher.load(META, lowvram_model_memory=budget)
+    placed = {id(p): p for p in model.parameters() if p.is_meta}
+    assert sum(p.nbytes for p in placed.values()) <= budget  # what streams counts against the budget
+    claimed = claimed_by_containers(model)
+    assert [path for path in stranded(model) if id(model.get_submodule(path.rsplit(".", 1)[0])) not in claimed] == []
+
+
+@pytest.mark.parametrize("name", ON_META)
+def test_any_model_by_auto_computes_on_the_meta_load_device(core, name):
+    model, inputs = tiny_sample(name)
+    patcher = streamwise.model_patcher(model.eval(), load_device=META, offload_device=CPU, policy="auto")
+    patcher.load(META, lowvram_model_memory=40_000)
+    out = model(**{key: value.to(META) for key, value in inputs.items()})
+    assert (out if isinstance(out, torch.Tensor) else out.logits).is_meta  # every tensor reached the device
+
+
+@pytest.mark.parametrize("name, key", [
+    ("gemma", "model.layers.0.input_layernorm.weight"),  # a generic leaf (1 + w RMSNorm)
+    ("gemma", "model.layers.1.mlp.down_proj.weight"),  # a specific kind (linear)
+    ("gpt2", "transformer.h.0.mlp.c_fc.weight"),  # generic: GPT-2's transposed Conv1D
+    ("moe", "model.layers.0.self_attn.q_norm.weight"),  # a proven llama_rms_norm beside generic experts
+])
+def test_lora_patches_apply_to_any_model_by_auto(core, name, key):
+    original, inputs = tiny_sample(name)
+    original.eval()
+    torch.manual_seed(1)
+    diff = torch.randn_like(original.get_parameter(key)) * 0.05
+    with torch.no_grad():
+        expected = lora_reference(original, key, diff)(**inputs)
+    expected = expected if isinstance(expected, torch.Tensor) else expected.logits
+    model = copy.deepcopy(original)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="auto")
+    assert patcher.add_patches({key: ("diff", (diff,))}, 1.0) == [key]
+    patcher.load(CPU, lowvram_model_memory=10_000)
+    with torch.no_grad():
+        out = model(**inputs)
+    assert torch.allclose(out if isinstance(out, torch.Tensor) else out.logits, expected, atol=1e-5)
+    if model.get_submodule(key.rsplit(".", 1)[0]).comfy_cast_weights:  # streamed: never patched in place
+        assert torch.equal(model.get_parameter(key), original.get_parameter(key))
