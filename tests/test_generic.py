@@ -229,3 +229,13 @@ def test_streamed_modules_compute_from_the_fetched_tensors_only(name):
         for parameter in streamed.values():
             parameter.fill_(float("nan"))
     assert torch.equal(_output(model, inputs), expected)
+
+
+@pytest.mark.parametrize("name", ["state-space", "moe", "custom"])
+def test_what_streams_generically_counts_against_the_standalone_budget(name):
+    model, _ = _tiny(name)
+    budget = 30_000
+    report = streamwise.offload(model, "auto", device="meta", offload_device="cpu", budget=budget)
+    on_device = sum(p.nbytes for p in {id(p): p for p in model.parameters() if p.is_meta}.values())
+    assert 0 < report.resident_bytes <= budget and on_device == report.resident_bytes
+    assert report.streamed_bytes + report.resident_bytes == sum(p.nbytes for p in model.parameters())

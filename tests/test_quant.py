@@ -159,7 +159,7 @@ def test_a_group_size_that_does_not_divide_in_features_is_a_plan_error():
     policy = make_policy(**POLICY, quant={"rule": [rule]})
     plan = streamwise.resolve(policy, two_layers())  # in_features 64 and 32
     (problem,) = [d for d in plan.diagnostics if d.code == "invalid-group-size"]
-    assert "group size 64 does not divide in_features 32 of `1`" in problem.message
+    assert problem.message.endswith("group size 64 does not divide in_features 32 (module: `1`)")
 
 
 def test_small_layers_stay_float_below_min_weights():

@@ -149,7 +149,7 @@ def test_a_module_cannot_both_stream_and_relocate():
     )
     problems = [d for d in streamwise.resolve(policy, tiny_qwen2()).diagnostics if d.code == "rule-conflict"]
     assert len(problems) == 1 and (
-        "`lm_head` would both stream (rule `linear`) and relocate (rule `head`)" in problems[0].message
+        "Linear would both stream (rule `linear`) and relocate (rule `head`) (module: `lm_head`)" in problems[0].message
     )
 
 
@@ -181,3 +181,15 @@ def test_a_streamed_leafs_extra_parameters_are_stranded():
     policy = make_policy(stream={"rule": [stream_rule("l", "linear", **{"class": "ScaledLinear"})]})
     plan = streamwise.resolve(policy, torch.nn.Sequential(ScaledLinear()))
     assert [t.name for t in plan.coverage.stranded] == ["0.scale"]  # a fetch moves weight and bias only
+
+
+def test_a_problem_repeated_in_every_layer_is_one_diagnostic_with_a_count():
+    rule = {"id": "q", "select": {"class": ["Linear", "Embedding"]}, "format": "int8"}
+    plan = streamwise.resolve(make_policy(quant={"rule": [rule]}), tiny_qwen2(num_hidden_layers=3))
+    (problem,) = [d for d in plan.diagnostics if d.code == "quant-unsupported"]
+    assert problem.message == ("quant rule `q`: `int8` applies to Linear layers, not to Embedding "
+                               "(module: `model.embed_tokens`)")
+    container = make_policy(stream={"rule": [stream_rule("mlp", "linear", **{"class": "Qwen2MLP"})]})
+    (problem,) = [d for d in streamwise.resolve(container, tiny_qwen2(num_hidden_layers=3)).diagnostics
+                  if d.code == "stream-container"]
+    assert problem.message.endswith("(3 modules: `model.layers.0.mlp`, `model.layers.1.mlp`, `model.layers.2.mlp`)")

@@ -91,10 +91,8 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
                 if roles.stream is not stream:  # dropped, or `auto` fell back to generic
                     kind = fit(roles.stream.kind, type(module)) if roles.stream is not None else None
                 template, streams = _template(template[0][0], roles, kind), _streams(roles, kind)
-                if isinstance(problem, tuple):
-                    per_module.append(problem)  # one diagnostic per rule and class, listing the modules
-                elif problem is not None:
-                    problems.append(problem)
+                if problem is not None:
+                    per_module.append(problem)  # one diagnostic per distinct problem, listing the modules
         if claim is not None and within(path, claim):  # a generic container above fetches its parameters
             roles, streams = roles._replace(stream=None, relocate=None), ALL
             kind, template = None, _template(template[0][0], roles, None)
@@ -153,8 +151,8 @@ class _Roles(NamedTuple):
 
 
 # A check sees one module, its roles and how its stream kind fits its class; it returns None when they stand, else
-# the roles left and the problem: a diagnostic, a (diagnostic, path) to list with others alike, or None (a silent
-# fallback).
+# the roles left and the problem: (a diagnostic saying nothing of the path, the path), listed with the modules
+# where the same problem was found, or None (a silent fallback).
 Check = Callable[[str, nn.Module, _Roles, "Fit | None"], "tuple[_Roles, Any] | None"]
 # A plan entry without its per-module fields: (class_name, stream, stream_rule), what follows `relocate`, and why
 # the stream kind was chosen.
@@ -253,11 +251,12 @@ def _stream_leaf(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
         return None
     if rule.kind == AUTO_KIND:  # not proven for a container: its own forward is
         return roles._replace(stream=rule.model_copy(update={"kind": GENERIC})), None
-    return roles._replace(stream=None), _rule_problem(
+    return roles._replace(stream=None), (_rule_problem(
         "stream-container", rule,
-        f"stream rule `{rule.id}` selects `{path or '<root>'}` ({ModuleRef.of(path, module).name}), "
-        "whose children hold parameters; stream leaves, and relocate the direct tensors of containers",
-    )
+        f"stream rule `{rule.id}` (kind `{kind.kind}`) selects {ModuleRef.of(path, module).name}, whose children "
+        "hold parameters; a specific kind computes leaves",
+        help='stream the container with `kind = "generic"` (it claims its children), or select its leaves',
+    ), path)
 
 
 def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
@@ -285,11 +284,12 @@ def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles, kind: Fit |
     stream, relocate = roles.stream, roles.relocate
     if stream is None or relocate is None:
         return None
-    return roles._replace(relocate=None), _rule_problem(
+    return roles._replace(relocate=None), (_rule_problem(
         "rule-conflict", relocate,
-        f"`{path or '<root>'}` would both stream (rule `{stream.id}`) and relocate (rule `{relocate.id}`)",
+        f"{ModuleRef.of(path, module).name} would both stream (rule `{stream.id}`) and relocate (rule "
+        f"`{relocate.id}`)",
         notes=(Note(f"`{stream.id}` is here", _rule_location(stream)),),
-    )
+    ), path)
 
 
 def _quant_worth_it(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
@@ -307,12 +307,11 @@ def _quant_linear_only(path: str, module: nn.Module, roles: _Roles, kind: Fit | 
     rule = roles.quant
     if rule is None or rule.format not in LINEAR_ONLY_QUANT_FORMATS or isinstance(module, nn.Linear):
         return None
-    return roles._replace(quant=None), _rule_problem(
+    return roles._replace(quant=None), (_rule_problem(
         "quant-unsupported", rule,
-        f"quant rule `{rule.id}`: `{rule.format}` applies to Linear layers, and `{path}` is a "
-        f"{ModuleRef.of(path, module).name}",
+        f"quant rule `{rule.id}`: `{rule.format}` applies to Linear layers, not to {ModuleRef.of(path, module).name}",
         help="narrow the selector, or exclude these layers in [quant]",
-    )
+    ), path)
 
 
 def _quant_group_size(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
@@ -321,12 +320,12 @@ def _quant_group_size(path: str, module: nn.Module, roles: _Roles, kind: Fit | N
         return None
     if not module.in_features % rule.effective_group_size:
         return None
-    return roles._replace(quant=None), _rule_problem(
+    return roles._replace(quant=None), (_rule_problem(
         "invalid-group-size", rule,
-        f"quant rule `{rule.id}`: group size {rule.effective_group_size} does not divide "
-        f"in_features {module.in_features} of `{path}`",
+        f"quant rule `{rule.id}`: group size {rule.effective_group_size} does not divide in_features "
+        f"{module.in_features}",
         help="pick a power of 4 that divides every selected layer's in_features, or exclude the layer",
-    )
+    ), path)
 
 
 # In this order, each with the roles it needs: a check sees the roles the checks before it left.
