@@ -177,8 +177,7 @@ def test_the_custom_module_relocates_its_buffers_and_streams_its_own_parameters(
     assert plan.module("head").stream == "linear" and plan.module("embed").stream == "embedding"
     assert plan.coverage.bytes["relocated"] == 2 * 32 * 4 and plan.coverage.bytes["stranded"] == 0
     streamwise.apply(plan, model)
-    assert [(owner, names) for owner, names in protocol.claimed(model.blocks[0])] == [
-        (model.blocks[0].norm, ("scale", "shift")), (model.blocks[0].proj, ("weight", "bias"))]
+    assert protocol.claimed(model.blocks[0]) == (model.blocks[0].norm, model.blocks[0].proj)
 
 
 def test_native_streaming_layers_are_left_as_they_are():
@@ -239,3 +238,26 @@ def test_what_streams_generically_counts_against_the_standalone_budget(name):
     on_device = sum(p.nbytes for p in {id(p): p for p in model.parameters() if p.is_meta}.values())
     assert 0 < report.resident_bytes <= budget and on_device == report.resident_bytes
     assert report.streamed_bytes + report.resident_bytes == sum(p.nbytes for p in model.parameters())
+
+
+def test_quantized_layers_inside_a_generic_container_travel_as_their_storage():
+    model, inputs = _tiny("state-space")  # Mamba: each mixer is a generic container over its Linear layers
+    model.eval()
+    # in_proj and out_proj, which the mixer calls (it reads dt_proj.weight itself: that one must stay float)
+    rule = {"id": "q", "select": {"path": ["**.mixer.in_proj", "**.mixer.out_proj"]}, "format": "int8"}
+    quant = make_policy(quant={"rule": [rule]}).quant
+    policy = streamwise.load_policy("transformers").model_copy(update={"quant": quant})
+    streamwise.offload(model, policy, device="cpu", budget=None)  # everything resident
+    mixer = model.backbone.layers[0].mixer
+    assert protocol.kind_of(mixer) == "generic" and protocol.is_resident(mixer.in_proj)
+    resident = _output(model, inputs)
+    streamed = [m for m in model.modules() if protocol.kind_of(m) is not None]
+    for module in streamed:
+        protocol.set_fetching(module, True)
+    true = {id(p): p.detach().clone() for m in model.modules() for p in m._parameters.values() if p is not None}
+    applied_state(model).tree.fetcher = _TrueValues(true)
+    with torch.no_grad():
+        for parameter in mixer.in_proj._parameters.values():
+            if parameter is not None:
+                parameter.zero_()  # the stored storage is read no more: the container fetched it
+    assert torch.equal(_output(model, inputs), resident)

@@ -113,7 +113,8 @@ class GenericKind(ComputeKind):
         if raw:
             fetched.update(zip(raw, fetcher.fetch_raw(module, raw, x.device), strict=True))
         shadows = [(module, fetched)]
-        for owner, names in protocol.claimed(module):
+        for owner in protocol.claimed(module):
+            names = tuple(name for name, tensor in owner._parameters.items() if tensor is not None)
             shadows.append((owner, dict(zip(names, fetcher.fetch_raw(owner, names, x.device), strict=True))))
         return shadows, through_host
 

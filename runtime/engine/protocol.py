@@ -33,7 +33,7 @@ KIND = "_sw_kind"  # on streamed classes: the name of the compute kind
 HANDLER = "_sw_handler"  # on resident classes: the quant format handler
 TREE = "_sw_tree"  # on converted instances: the tree's StreamTree
 RELOCATED = "_sw_relocated"  # on relocating instances: the names of the tensors that follow the compute device
-CLAIMED = "_sw_claimed"  # on generic containers: (descendant, parameter names) fetched with the container's own
+CLAIMED = "_sw_claimed"  # on generic containers: the descendants whose parameters it fetches with its own
 
 
 def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,6 +127,6 @@ def relocated_names(module: nn.Module) -> tuple[str, ...]:
     return module.__dict__.get(RELOCATED, ())
 
 
-def claimed(module: nn.Module) -> tuple[tuple[nn.Module, tuple[str, ...]], ...]:
-    """The descendants whose parameters a generic container fetches with its own, and their names."""
+def claimed(module: nn.Module) -> tuple[nn.Module, ...]:
+    """The descendants whose parameters a generic container fetches with its own."""
     return module.__dict__.get(CLAIMED, ())

@@ -37,13 +37,11 @@ def holds_parameters_below(module: nn.Module) -> bool:
     return bool(module._modules) and any(True for child in module.children() for _ in child.parameters())
 
 
-def claimed_below(module: nn.Module) -> tuple[tuple[nn.Module, tuple[str, ...]], ...]:
-    """What a generic container fetches besides its own parameters: each descendant holding some, and their
-    names (`protocol.CLAIMED`)."""
-    return tuple(
-        (descendant, names) for descendant in module.modules() if descendant is not module
-        if (names := tuple(name for name, tensor in descendant._parameters.items() if tensor is not None))
-    )
+def claimed_below(module: nn.Module) -> tuple[nn.Module, ...]:
+    """What a generic container fetches besides its own parameters: each descendant holding some
+    (`protocol.CLAIMED`; their names are read at each fetch, so a resident's storage is what travels)."""
+    return tuple(descendant for descendant in module.modules() if descendant is not module
+                 and any(tensor is not None for tensor in descendant._parameters.values()))
 
 
 def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:

@@ -96,7 +96,7 @@ def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[n
 
 def _owners(leaf: nn.Module) -> list[nn.Module]:
     """The modules whose parameters a streamed leaf fetches: itself, and what a generic container claims."""
-    return [leaf, *(owner for owner, _ in protocol.claimed(leaf))]
+    return [leaf, *protocol.claimed(leaf)]
 
 
 def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:

@@ -111,8 +111,8 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
 
     matches = dict.fromkeys(matcher.rule_keys, 0)
     for decided, decided_modules in seen.items():
-        for key in decided.keys:
-            matches[key] += decided_modules
+        for rule_key in decided.keys:
+            matches[rule_key] += decided_modules
     if blocks is not None:
         matches["compile.blocks"] = sum(1 for entry in plans if entry.compile_unit)
     problems += _grouped(per_module)

@@ -181,7 +181,7 @@ ON_META = ["dense", "gemma", "gpt2", "encoder-decoder", "vision", "custom"]  # t
 def claimed_by_containers(model) -> set[int]:
     from streamwise.runtime.engine import protocol
 
-    return {id(owner) for module in model.modules() for owner, _ in protocol.claimed(module)}
+    return {id(owner) for module in model.modules() for owner in protocol.claimed(module)}
 
 
 @pytest.mark.parametrize("name", SAMPLE)
