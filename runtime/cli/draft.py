@@ -28,13 +28,12 @@ from pathlib import Path
 from torch import nn
 
 from ...schemas.patterns import PatternError, check_class_name, is_policy_name
-from ..engine.kinds import COMPUTE_KINDS, GENERIC, fit
+from ..engine.kinds import COMPUTE_KINDS, FETCHED, GENERIC, fit
 from ..engine.protocol import original_class
 from ..plan.selectors import declared_blocks, holds, walk_modules
 
 PROG = "streamwise policy draft"
 SCHEMA_HEADER = "#:schema ../schemas/policy.v1.schema.json"
-_FETCHED = ("weight", "bias")  # what a specific kind's fetch brings; anything else would be stranded
 _QUANT_MIN_WEIGHTS = 65536
 _RULE = "─" * 95
 
@@ -161,7 +160,7 @@ def _kind(family: _Family) -> tuple[str, str]:
     kind = COMPUTE_KINDS[chosen.kind]
     for path, module in family.modules:
         where = f"`{path or '<root>'}`"
-        extra = [n for n, t in module._parameters.items() if t is not None and n not in _FETCHED]
+        extra = [n for n, t in module._parameters.items() if t is not None and n not in FETCHED]
         buffers = [n for n, t in module._buffers.items() if t is not None]
         missing = kind.missing(module)
         problem = (

@@ -35,6 +35,8 @@ from ..registry import Registry
 from . import protocol
 
 WeightDtype = Literal["input", "stored"]
+#: What a specific kind's fetch brings; any other direct tensor of its module would stay behind.
+FETCHED = ("weight", "bias")
 Function = Callable[..., Tensor]
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from ...schemas import Policy
 from ...schemas.vocabulary import AUTO_KIND, LINEAR_ONLY_QUANT_FORMATS
 from ..engine import protocol
-from ..engine.kinds import COMPUTE_KINDS, GENERIC, Fit, fit
+from ..engine.kinds import COMPUTE_KINDS, FETCHED, GENERIC, Fit, fit
 from ..engine.streamed import holds_parameters_below
 from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from .auto import choose_policy
@@ -32,7 +32,6 @@ from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
 from .selectors import HOLDS, CompiledSelector, ModuleRef, class_names, declared_blocks, holds, walk_modules, within
 
-_FETCHED = ("weight", "bias")  # what a streamed leaf's fetch brings; any other tensor of it stays behind
 _MAX_LISTED = 8
 
 
@@ -158,7 +157,7 @@ Check = Callable[[str, nn.Module, _Roles, "Fit | None"], "tuple[_Roles, Any] | N
 # the stream kind was chosen.
 Template = tuple[tuple[str, str | None, str | None], tuple, str | None]
 # What a streamed module's fetch brings: the names of its parameters that stream, ALL of them, or None (nothing).
-ALL = frozenset({"*"})
+ALL = ("*",)
 
 
 class _Decided:
@@ -176,7 +175,7 @@ class _Decided:
         self.checks = tuple(check for needs, check in _CHECKS if needs <= roles.decided)  # those that apply
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)  # for a module
         self.template = _template(class_names(cls)[0][1], roles, self.fit)  # without children, which no
-        self.streams = _FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)  # parameters can
+        self.streams = FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)  # parameters can
         # hide in; a host's own streaming layer fetches its weight and bias itself
         self.block = block  # whether the compile blocks select the class
 
@@ -348,11 +347,11 @@ def _template(class_name: str, roles: _Roles, kind: Fit | None) -> Template:
     return head, tail, kind.reason if stream else None
 
 
-def _streams(roles: _Roles, kind: Fit | None) -> frozenset[str] | None:
+def _streams(roles: _Roles, kind: Fit | None) -> tuple[str, ...] | None:
     """The direct parameters a module's stream role fetches (`ALL`: every one, the generic kind), or None."""
     if roles.stream is None or roles.relocate is not None:
         return None
-    return ALL if kind.kind == GENERIC else _FETCHED
+    return ALL if kind.kind == GENERIC else FETCHED
 
 
 class _CoverageCounter:
@@ -367,7 +366,7 @@ class _CoverageCounter:
         self._first: dict[int, tuple[str, str]] = {}  # by tensor id: where it was first seen
         self._aliases: dict[int, list[tuple[str, str]]] = {}  # by tensor id: where else it was seen
 
-    def count(self, path: str, module: nn.Module, roles: _Roles, streams: frozenset[str] | None) -> tuple[str, ...]:
+    def count(self, path: str, module: nn.Module, roles: _Roles, streams: tuple[str, ...] | None) -> tuple[str, ...]:
         """Count the module's direct tensors in one pass; returns the names of those it relocates: all of them for
         a relocating module, the buffers of a generic streamed one (its kind fetches parameters only)."""
         first = self._first
