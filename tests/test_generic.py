@@ -261,3 +261,15 @@ def test_quantized_layers_inside_a_generic_container_travel_as_their_storage():
             if parameter is not None:
                 parameter.zero_()  # the stored storage is read no more: the container fetched it
     assert torch.equal(_output(model, inputs), resident)
+
+
+def test_an_unproven_kind_on_meta_is_a_warning_that_names_the_probe():
+    with torch.device("meta"):
+        model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32))
+    rules = [stream_rule("conv1d-as-linear", "linear", **{"class": "Conv1D"}), stream_rule("rest", "auto",
+                                                                                          holds="parameters")]
+    plan = streamwise.resolve(make_policy(stream={"rule": rules}), model)
+    (warning,) = [d for d in plan.diagnostics if d.code == "unproven-kind"]
+    assert plan.ok and warning.severity == "warning"
+    assert warning.message.startswith("stream rule `conv1d-as-linear` computes `Conv1D` as `linear`, which nothing "
+                                      "about the class proves; apply probes it on real weights (8 modules: ")

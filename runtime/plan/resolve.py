@@ -268,6 +268,15 @@ def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
         message = f"stream rule `{rule.id}`: {kind.refused}"
     else:
         missing = COMPUTE_KINDS[kind.kind].missing(module) if kind.kind != GENERIC else ()
+        weight = module._parameters.get("weight")
+        if not missing and not kind.proven and weight is not None and weight.is_meta:
+            # it stands, but say so where no probe can run yet (`policy-validate --model`, on meta)
+            return roles, (Diagnostic(
+                "unproven-kind", f"stream rule `{rule.id}` computes `{ModuleRef.of(path, module).name}` as "
+                f"`{kind.kind}`, which nothing about the class proves; apply probes it on real weights",
+                _rule_location(rule), severity="warning",
+                help='`kind = "auto"` picks a specific kind only where it is proven, else `generic`',
+            ), path)
         if not missing:
             return None
         message = (f"stream rule `{rule.id}`: `{ModuleRef.of(path, module).name}` has no {', '.join(missing)}, "
