@@ -143,7 +143,11 @@ def report():
 
 def test_full_size_community_model_is_covered_completely(report, snapshot):
     plan = report["plan"]
-    assert plan["complete"] and plan["stranded"] == [] and plan["diagnostics"] == []
+    assert plan["complete"] and plan["stranded"] == []
+    # on meta nothing can be probed yet: the community norms' kinds are proven only by the probe on real weights
+    # (the round-trip test below loads them)
+    assert [d.split(":", 1)[0] for d in plan["diagnostics"]] == ["warning[unproven-kind]"] * 2
+    assert {d.split("`")[3] for d in plan["diagnostics"]} == {"ConvRMSNorm", "RMSNorm"}
     assert plan["root_class"] == (
         "vibevoice.modular.modeling_vibevoice_inference.VibeVoiceForConditionalGenerationInference"
     )
