@@ -228,3 +228,20 @@ def test_lora_patches_apply_to_any_model_by_auto(core, name, key):
     assert torch.allclose(out if isinstance(out, torch.Tensor) else out.logits, expected, atol=1e-5)
     if model.get_submodule(key.rsplit(".", 1)[0]).comfy_cast_weights:  # streamed: never patched in place
         assert torch.equal(model.get_parameter(key), original.get_parameter(key))
+
+
+def test_a_tree_of_native_comfy_layers_is_accepted_as_it_is(core):
+    ops = core.ops.disable_weight_init
+    model = torch.nn.Sequential(ops.Linear(8, 8), torch.nn.GELU(), ops.Linear(8, 4)).eval()
+    for layer in (model[0], model[2]):
+        torch.nn.init.normal_(layer.weight)
+        torch.nn.init.zeros_(layer.bias)
+    x = torch.randn(2, 8)
+    expected = model(x)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="auto")
+    plan = applied_state(model).plan
+    assert plan.policy == "any-module" and plan.modules == () and plan.coverage.bytes["stranded"] == 0
+    assert type(model[0]) is ops.Linear  # core's own layer, untouched
+    patcher.load(CPU, lowvram_model_memory=200)
+    assert model[0].comfy_cast_weights or model[2].comfy_cast_weights  # core streams them itself
+    assert torch.equal(model(x), expected)
