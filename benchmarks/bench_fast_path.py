@@ -80,13 +80,19 @@ def build() -> nn.Module:
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_arguments(doc: str) -> argparse.Namespace:
+    """`--rounds`, `--iters` and `--threads` (set at once), for this benchmark and those timing the same decoder."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the timing quiet)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = timing_arguments(__doc__)
 
     base = copy.deepcopy(build())  # every variant is a deep copy, so all have the same memory layout
     converted = copy.deepcopy(base)

@@ -23,29 +23,19 @@ specific one is reported. Run:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
 from collections import Counter
 
 import torch
-import transformers
+from bench_fast_path import build, timing_arguments  # the same decoder, timed the same way
 from torch import nn
 
 import streamwise
 from streamwise.runtime.engine import protocol
 
 LAYERS = 24
-
-
-def build() -> nn.Module:
-    config = transformers.Qwen2Config(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=2048,
-    )
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config).eval()
 
 
 def generic_policy():
@@ -90,12 +80,7 @@ def fetch_count(model: nn.Module, token: torch.Tensor) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the timing quiet)")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = timing_arguments(__doc__)
 
     base = copy.deepcopy(build())  # every variant is a deep copy, so all have the same memory layout
     specific, generic = streamwise.load_policy("decoder-llm"), generic_policy()
