@@ -256,7 +256,7 @@ def _targets(plan: Plan, located: Iterable[tuple[ModulePlan, nn.Module]]) -> lis
         key = (type(module), entry.class_name, entry.stream, bool(entry.relocate))
         decided = by_class.get(key)
         if decided is None:
-            decided = by_class[key] = _target_class(entry, type(module))
+            decided = by_class[key] = _target_class(entry, module)
         target, needs, unproven = decided
         if needs is not None and ("forward" in module.__dict__ or not needs <= module._parameters.keys()):
             _check_leaf(entry, module)  # the rare case, explained
@@ -266,11 +266,12 @@ def _targets(plan: Plan, located: Iterable[tuple[ModulePlan, nn.Module]]) -> lis
     return targets
 
 
-def _target_class(entry: ModulePlan, cls: type) -> tuple[type, frozenset[str] | None, bool]:
-    """The class a module of class `cls` must end up with under `entry`; what a streamed leaf of that class must
-    hold as parameters to be known fine without a closer look (None: nothing to check per module); and whether
-    its kind must be probed (not proven for the class)."""
-    if protocol.quant_handler(cls) is not None:
+def _target_class(entry: ModulePlan, module: nn.Module) -> tuple[type, frozenset[str] | None, bool]:
+    """The class every module of `module`'s class must end up with under `entry`; what a streamed leaf of that
+    class must hold as parameters to be known fine without a closer look (None: nothing to check per module); and
+    whether its kind must be probed (not proven for the class)."""
+    cls = type(module)
+    if protocol.is_resident(module):
         return cls, None, False  # a quantized resident already streams
     original = protocol.original_class(cls)
     from ..plan.selectors import class_names  # the plan's own view of classes

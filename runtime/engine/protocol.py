@@ -110,9 +110,9 @@ def kind_of(module: nn.Module) -> str | None:
     return getattr(type(module), KIND, None)
 
 
-def quant_handler(module: nn.Module | type) -> Any:
-    """The quant format handler of a quantized resident (or of its class), or None for any other module."""
-    return getattr(module if isinstance(module, type) else type(module), HANDLER, None)
+def quant_handler(module: nn.Module) -> Any:
+    """The quant format handler of a quantized resident, or None for any other module."""
+    return getattr(type(module), HANDLER, None)
 
 
 def is_resident(module: nn.Module) -> bool:

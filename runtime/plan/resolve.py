@@ -173,10 +173,11 @@ class _Decided:
         self.keys = keys  # the `rule_matches` keys of the deciding rules
         self.fit = fit(roles.stream.kind, cls) if roles.stream is not None else None  # `auto` chosen per class
         self.checks = tuple(check for needs, check in _CHECKS if needs <= roles.decided)  # those that apply
-        self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)  # for a module
-        self.template = _template(class_names(cls)[0][1], roles, self.fit)  # without children, which no
-        self.streams = FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)  # parameters can
-        # hide in; a host's own streaming layer fetches its weight and bias itself
+        # for a module without children, in which no parameters can hide
+        self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)
+        self.template = _template(class_names(cls)[0][1], roles, self.fit)
+        # what a fetch brings; a host's own streaming layer (ComfyUI's `comfy.ops`) fetches its weight and bias
+        self.streams = FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)
         self.block = block  # whether the compile blocks select the class
 
 

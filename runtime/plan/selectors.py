@@ -126,8 +126,9 @@ class CompiledSelector:
 
     def matches_module(self, path: str, module: object) -> bool:
         """`matches`, for a live module: its class verdict is cached."""
-        return self.of_class[type(module)] is not None or (self.by_module and self.module_specificity(path, module)
-                                                           is not None)
+        if self.of_class[type(module)] is not None:
+            return True
+        return self.by_module and self.module_specificity(path, module) is not None
 
     def module_specificity(self, path: str, module: object) -> Specificity | None:
         """The part of the verdict that depends on more than the class: the path, then what the module holds."""
