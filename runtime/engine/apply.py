@@ -50,7 +50,10 @@ _ABSENT = object()
 
 
 class _Record:
-    """One module's conversion: the class it had and each instance attribute set (with what it held before)."""
+    """One module's conversion: the class it had and each instance attribute set (with what it held before).
+
+    A record is its own undo (a journal entry): calling it restores the module.
+    """
 
     __slots__ = ("module", "original_class", "replaced", "role")
 
@@ -60,13 +63,14 @@ class _Record:
         self.replaced = replaced  # _ABSENT: the instance held nothing under that name
         self.role = role  # "stream", "relocate", "resident" or "host" (a host's adaptation of the root, see hosts/)
 
-    def undo(self) -> None:
+    def __call__(self) -> None:
         object.__setattr__(self.module, "__class__", self.original_class)
+        held = self.module.__dict__
         for name, previous in self.replaced.items():
             if previous is _ABSENT:
-                self.module.__dict__.pop(name, None)
+                held.pop(name, None)
             else:
-                self.module.__dict__[name] = previous
+                held[name] = previous
 
 
 class Journal:
@@ -77,7 +81,7 @@ class Journal:
 
     def swap_class(self, module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
         record = swap_class(module, cls, attributes, role)
-        self._undo.append(record.undo)
+        self._undo.append(record)
         return record
 
     def set_tensor(self, module: nn.Module, name: str, value: Tensor) -> None:
@@ -90,7 +94,7 @@ class Journal:
     def set_attributes(self, module: nn.Module, attributes: dict[str, object]) -> None:
         previous = {name: module.__dict__.get(name, _ABSENT) for name in attributes}
         module.__dict__.update(attributes)
-        self._undo.append(_Record(module, type(module), previous, "").undo)
+        self._undo.append(_Record(module, type(module), previous, ""))
 
     def rollback(self) -> None:
         while self._undo:
@@ -166,20 +170,21 @@ def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, typ
 def _apply(plan: Plan, model: nn.Module, targets: list, journal: Journal) -> ConversionCounts:
     state = applied_state(model) or AppliedState()
     tree = state.tree
-    step = "quantizing"
+    step, converting = "quantizing", None  # where a failure happened: the step, and the entry being converted
     try:
         quantized = _quantized(plan, model)  # the heavy part, before anything changes
         records = []
+        step = "converting"
         for entry, module, cls in targets:
             if type(module) is not cls:
-                step = f"converting `{entry.path}`"
+                converting = entry
                 attributes = protocol.leaf_attributes(module, tree) if entry.stream else {protocol.TREE: tree}
                 if entry.relocate:
                     attributes[protocol.RELOCATED] = entry.relocate
                 if entry.stream == GENERIC and holds_parameters_below(module):
                     attributes[protocol.CLAIMED] = claimed_below(module)
                 records.append(journal.swap_class(module, cls, attributes, "stream" if entry.stream else "relocate"))
-        step = "making quantized residents"
+        step, converting = "making quantized residents", None
         from ..quant.residents import make_resident
 
         for entry, module, stored in quantized:
@@ -190,7 +195,8 @@ def _apply(plan: Plan, model: nn.Module, targets: list, journal: Journal) -> Con
                 journal.set_attributes(module, {protocol.TREE: tree})
     except Exception as exc:
         journal.rollback()
-        raise ConversionError(f"{step} failed ({exc!r}); the tree was restored unchanged") from exc
+        where = f"{step} `{converting.path}`" if converting is not None else step
+        raise ConversionError(f"{where} failed ({exc!r}); the tree was restored unchanged") from exc
     except BaseException:
         journal.rollback()
         raise
@@ -211,14 +217,16 @@ def revert(model: nn.Module) -> None:
         )
     del model.__dict__[STATE_ATTRIBUTE]
     for record in reversed(state.records):
-        record.undo()
+        record()
 
 
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
     """Give `module` the class `cls` and plain `attributes`, returning how to undo it."""
     held = module.__dict__
-    replaced = (dict.fromkeys(attributes, _ABSENT) if held.keys().isdisjoint(attributes)  # a first conversion
-                else {name: held.get(name, _ABSENT) for name in attributes})
+    if held.keys().isdisjoint(attributes):  # a first conversion: undoing it removes each name again
+        replaced = dict.fromkeys(attributes, _ABSENT)
+    else:
+        replaced = {name: held.get(name, _ABSENT) for name in attributes}
     record = _Record(module, type(module), replaced, role)
     object.__setattr__(module, "__class__", cls)  # past nn.Module.__setattr__, which only looks for tensors here
     held.update(attributes)

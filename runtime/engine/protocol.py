@@ -54,10 +54,11 @@ def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> 
 def leaf_attributes(module: nn.Module, tree: object) -> dict[str, object]:
     """The instance attributes a streamed leaf starts with: resident, unpatched, in `tree`."""
     attributes: dict[str, object] = {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
-    if not has_attribute(module, "bias"):  # core reads `weight` and `bias` of every module carrying the flag
-        attributes["bias"] = None
-    if not has_attribute(module, "weight"):  # a generic module holding other parameters only (MoE experts)
-        attributes["weight"] = None
+    held = module._parameters  # where they usually are: no call per name
+    if "bias" not in held and not has_attribute(module, "bias"):  # core reads `weight` and `bias` of every module
+        attributes["bias"] = None  # carrying the flag
+    if "weight" not in held and not has_attribute(module, "weight"):  # a generic module holding other parameters
+        attributes["weight"] = None  # only (MoE experts)
     return attributes
 
 

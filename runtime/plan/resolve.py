@@ -78,9 +78,12 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
 
     key = matcher.key
     declared = declared_blocks(walk) if matcher.no_split else frozenset()
+    unit_by_path = blocks_by_module or bool(declared)  # whether being a compile unit can depend on more than class
     for path, module in walk:
         decided = by_class.get(key(module)) or decide(path, module, problems)
         seen[decided] = seen.get(decided, 0) + 1
+        if decided.inert and not unit_by_path and not (module._parameters or module._buffers):
+            continue  # nothing to decide, count or plan: most containers
         roles, template, streams = decided.roles, decided.template, decided.streams
         kind = decided.fit
         for check in decided.checks if module._modules else decided.leaf_checks:
@@ -166,7 +169,7 @@ class _Decided:
     Compared by identity: resolve counts the modules each one decides.
     """
 
-    __slots__ = ("roles", "keys", "fit", "checks", "leaf_checks", "template", "streams", "block")
+    __slots__ = ("roles", "keys", "fit", "checks", "leaf_checks", "template", "streams", "block", "inert")
 
     def __init__(self, roles: _Roles, keys: tuple[str, ...], cls: type, block: bool) -> None:
         self.roles = roles
@@ -179,6 +182,7 @@ class _Decided:
         # what a fetch brings; a host's own streaming layer (ComfyUI's `comfy.ops`) fetches its weight and bias
         self.streams = FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)
         self.block = block  # whether the compile blocks select the class
+        self.inert = not roles.any and not block  # no role, no compile unit: a module holding no tensors is skipped
 
 
 class _Matcher:
