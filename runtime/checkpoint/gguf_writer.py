@@ -22,7 +22,7 @@ from torch import nn
 from ...schemas import Policy
 from ..plan import plan_for
 from ..quant.gguf_dequant import dequantize
-from .readers import CheckpointError, StoredTensor, open_checkpoint
+from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,10 @@ def _umask_mode() -> int:
 def _check_destination(destination: Path, sources: set[Path]) -> None:
     if destination.suffix != ".gguf":
         raise CheckpointError([f"{destination}: the destination must be a `.gguf` file"])
-    if destination.is_dir() or not destination.parent.is_dir():
+    kind = file_type(destination)  # a name too long or with a NUL byte is a CheckpointError too
+    if kind not in (None, stat.S_IFREG) or file_type(destination.parent) != stat.S_IFDIR:
         raise CheckpointError([f"{destination}: not a file in an existing folder"])
-    if destination.exists() and any(destination.samefile(s) for s in sources if s.exists()):
+    if kind is not None and any(destination.samefile(s) for s in sources if s.exists()):
         raise CheckpointError([f"{destination}: is the source checkpoint; write the GGUF to a new file"])
 
 

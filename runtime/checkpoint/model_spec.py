@@ -35,9 +35,21 @@ def read_config(folder: str | os.PathLike):
 
 
 def auto_model(config) -> nn.Module:
-    """The causal-LM model for a transformers config where one exists, else the base model."""
+    """The causal-LM model for a transformers config where one exists, else the base model.
+
+    transformers builds in the config's `dtype` (`torch_dtype`) and reports one it cannot build in as a
+    ValueError, which would read as "no auto class builds this model", so that dtype is checked first."""
     import transformers
 
+    from .skeleton import BUILD_DTYPES  # skeleton imports this module
+
+    dtype = getattr(config, "dtype", None)
+    if dtype is not None and dtype not in BUILD_DTYPES:
+        choices = ", ".join(str(d).removeprefix("torch.") for d in BUILD_DTYPES)
+        raise ModelSpecError(
+            f"the config's `dtype` {str(dtype).removeprefix('torch.')} is not a floating dtype a model can be built "
+            f"in; set `dtype` (or `torch_dtype`) in config.json to one of {choices}"
+        )
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
             return auto.from_config(config)

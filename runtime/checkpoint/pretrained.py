@@ -46,8 +46,8 @@ def load_pretrained(
     values are stored in (float8 counts as bfloat16).
     """
     path = Path(path)
+    checkpoint = open_checkpoint(path)  # first: an unusable path is a CheckpointError, before any other look at it
     folder = config_folder(path)
-    checkpoint = open_checkpoint(path)
     dtype = dtype or _file_dtype(checkpoint)
     model = build_skeleton(folder, dtype)
     policy, chosen = choose_policy(policy, model, model_type=model_type(folder), keys=checkpoint.tensors,
