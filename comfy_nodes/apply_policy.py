@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import choose_policy
-from .folders import comfy_policy_dirs, policy_choices
+from .folders import chosen_policy, comfy_policy_dirs, policy_choices
 
 
 class ApplyStreamwisePolicy:
@@ -19,5 +19,6 @@ class ApplyStreamwisePolicy:
         return {"required": {"model": ("MODEL",), "policy": (policy_choices(auto=True),)}}
 
     def apply(self, model, policy):
-        policy, _ = choose_policy(policy, model.model, dirs=comfy_policy_dirs())
+        dirs = comfy_policy_dirs()
+        policy, _ = choose_policy(chosen_policy(policy, dirs, auto=True), model.model, dirs=dirs)
         return (adopt(model, policy),)

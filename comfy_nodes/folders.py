@@ -7,7 +7,8 @@ from pathlib import Path
 
 import folder_paths
 
-from ..runtime.policy.folders import list_policies, policy_dirs
+from ..runtime.policy.diagnostics import PolicyError
+from ..runtime.policy.folders import list_policies, policy_dirs, unknown_choice
 
 MODEL_FOLDERS = ("streamwise", "text_encoders", "LLM")
 
@@ -22,6 +23,14 @@ def comfy_policy_dirs() -> list[Path]:
 def policy_choices(auto: bool = False) -> list[str]:
     """Re-read on every call, so edited or new user policies appear without a restart."""
     return (["auto"] if auto else []) + list(list_policies(comfy_policy_dirs()))
+
+
+def chosen_policy(policy: object, dirs: list[Path], *, auto: bool = False) -> str:
+    """`policy` when the picker over `dirs` offers it; otherwise a `PolicyError` that quotes no file."""
+    refused = unknown_choice(policy, dirs, auto=auto)
+    if refused is not None:
+        raise PolicyError([refused])
+    return policy
 
 
 def model_roots() -> dict[str, list[str]]:

@@ -8,7 +8,7 @@ import torch
 
 from ..runtime.checkpoint import load_pretrained
 from ..runtime.hosts.comfyui import model_patcher
-from .folders import comfy_policy_dirs, model_roots, policy_choices
+from .folders import chosen_policy, comfy_policy_dirs, model_roots, policy_choices
 from .model_files import list_models, resolve_model
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -39,10 +39,12 @@ class StreamwiseModelLoader:
         import comfy.model_management
         import comfy.utils
 
+        dirs = comfy_policy_dirs()
+        policy = chosen_policy(policy, dirs, auto=True)
         path = resolve_model(model, model_roots())
         progress = comfy.utils.ProgressBar(100)
         tree, report, chosen = load_pretrained(
-            path, policy, dtype=DTYPES[dtype], policy_dirs=comfy_policy_dirs(),
+            path, policy, dtype=DTYPES[dtype], policy_dirs=dirs,
             progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
         )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),

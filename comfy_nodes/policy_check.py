@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..runtime import check_policy, render_text
+from ..runtime.policy.folders import unknown_choice
 from .folders import comfy_policy_dirs, policy_choices
 
 
@@ -25,7 +26,9 @@ class StreamwisePolicyCheck:
         return float("nan")
 
     def check(self, policy):
-        loaded, diagnostics = check_policy(policy, dirs=comfy_policy_dirs())
+        dirs = comfy_policy_dirs()
+        refused = unknown_choice(policy, dirs)  # a name from the picker, never a path: no other file is read
+        loaded, diagnostics = (None, [refused]) if refused else check_policy(policy, dirs=dirs)
         report = render_text(diagnostics) if diagnostics else f"policy `{policy}` is valid"
         if loaded is not None and diagnostics:
             report += f"\n\npolicy `{policy}` is valid (with warnings)"

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..policy.diagnostics import Diagnostic, errors_in, json_report, render_json, render_text
-from ..policy.folders import policy_dirs, policy_files
+from ..policy.folders import path_problem, policy_dirs, policy_files
 from ..policy.load import check_policy
 from ..policy.source import display_path
 
@@ -126,7 +126,9 @@ def _collect(paths: Sequence[str]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        if path_problem(raw) is not None:  # no filesystem call: reported as unreadable
+            files.append(path)
+        elif path.is_dir():
             files += sorted(path.rglob("*.toml"))
         elif os.path.lexists(path):  # a broken or looping symlink is there too: reported as unreadable
             files.append(path)

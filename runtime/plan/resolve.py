@@ -66,6 +66,7 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
     matcher = _matcher(policy)
     walk = walk_modules(model)
     problems: list[Diagnostic] = []
+    ties: dict[tuple[str, str, str], list[RuleConflict]] = {}  # (section, rule, rival): one diagnostic each
     plans: list[ModulePlan] = []
     modules: list[nn.Module] = []  # the module of each plan entry
     coverage = _CoverageCounter()
@@ -80,7 +81,7 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
     declared = declared_blocks(walk) if matcher.no_split else frozenset()
     unit_by_path = blocks_by_module or bool(declared)  # whether being a compile unit can depend on more than class
     for path, module in walk:
-        decided = by_class.get(key(module)) or decide(path, module, problems)
+        decided = by_class.get(key(module)) or decide(path, module, ties)
         seen[decided] = seen.get(decided, 0) + 1
         if decided.inert and not unit_by_path and not (module._parameters or module._buffers):
             continue  # nothing to decide, count or plan: most containers
@@ -117,6 +118,7 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
             matches[rule_key] += decided_modules
     if blocks is not None:
         matches["compile.blocks"] = sum(1 for entry in plans if entry.compile_unit)
+    problems += [_conflict(section, conflicts) for (section, *_), conflicts in ties.items()]
     problems += _grouped(per_module)
     problems += _unmatched(matcher, matches, walk)
     problems += _unused(matcher, matches, walk)
@@ -208,14 +210,14 @@ class _Matcher:
         """What a decision depends on besides the path: the class, and what the module holds if a rule asks."""
         self.by_class: dict[object, _Decided] = {}  # by `key`; stays empty when decisions depend on paths
 
-    def decide(self, path: str, module: nn.Module, problems: list[Diagnostic]) -> _Decided:
-        """The rules that decide `module` and the checks they need; ties that disagree go to `problems`."""
+    def decide(self, path: str, module: nn.Module, ties: dict[tuple, list[RuleConflict]]) -> _Decided:
+        """The rules that decide `module` and the checks they need; ties that disagree go to `ties`, by rule pair."""
         decisions, tied = {}, False
         for name, section in self.sections.items():
             try:
                 decision = section.decide(path, module)
             except RuleConflict as conflict:
-                problems.append(_conflict(name, conflict))
+                ties.setdefault((name, conflict.first.id, conflict.second.id), []).append(conflict)
                 decision, tied = None, True
             if decision is not None:
                 decisions[name] = decision
@@ -456,12 +458,15 @@ def _rule_problem(code: str, rule: Any, message: str, **extra) -> Diagnostic:
     return Diagnostic(code, message, _rule_location(rule), **extra)
 
 
-def _conflict(section: str, conflict: RuleConflict) -> Diagnostic:
+def _conflict(section: str, conflicts: list[RuleConflict]) -> Diagnostic:
+    """One diagnostic for a pair of rules that tie at many modules: it names the first module and counts the rest."""
+    conflict = conflicts[0]
     first, second = conflict.first, conflict.second
+    more = f" (and {len(conflicts) - 1} more modules)" if len(conflicts) > 1 else ""
     return _rule_problem(
         "rule-conflict", second,
-        f"rules `{first.id}` and `{second.id}` in [{section}] select `{conflict.module.path or '<root>'}` equally "
-        f"specifically but disagree ({first.decision} vs {second.decision})",
+        f"rules `{first.id}` and `{second.id}` in [{section}] select `{conflict.module.path or '<root>'}`{more} "
+        f"equally specifically but disagree ({first.decision} vs {second.decision})",
         notes=(Note(f"`{first.id}` is here", _rule_location(first)),),
         help="make one of the two rules more specific (an exact path beats a glob, a glob beats a class)",
     )

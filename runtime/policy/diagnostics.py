@@ -7,10 +7,16 @@ Every problem Streamwise finds in a policy becomes a `Diagnostic`:
 
 The CLI, `PolicyError` and the ComfyUI nodes render the same records, and all ask `errors_in` whether there are
 errors: warnings alone never make a policy unusable.
+
+Rendering is bounded whatever the policy holds, and says what it leaves out: a source line shows a window of
+`MAX_SNIPPET_CHARS` around the column, a message, help or note at most `MAX_TEXT_CHARS`, and a report at most
+`MAX_RENDERED` diagnostics and about `MAX_RENDERED_CHARS` characters, then `... N more diagnostics not shown`.
+A stage keeps at most `MAX_DIAGNOSTICS` diagnostics (`capped`), so one construct cannot produce thousands.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from collections.abc import Iterable, Sequence
@@ -18,13 +24,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Severity = Literal["error", "warning"]
+MAX_DIAGNOSTICS = 100
+MAX_SNIPPET_CHARS = 120
+MAX_TEXT_CHARS = 500
+MAX_RENDERED = 50
+MAX_RENDERED_CHARS = 20_000
+_MAX_NOTES_SHOWN = 8
 
 #: Every code a diagnostic can carry. Codes are stable: tools may match on them.
 CODES: dict[str, str] = {
     "unreadable-file": "the policy file cannot be read",
     "file-too-large": "the policy file is larger than a policy can reasonably be (1 MiB)",
     "invalid-encoding": "the file is not UTF-8",
-    "invalid-toml": "TOML syntax error",
+    "invalid-toml": "TOML syntax error, or text over a reader limit (line length, key depth or length, number size)",
     "missing-key": "a required key or table is absent",
     "unknown-key": "a key the format does not have (often a typo: see the suggestion)",
     "invalid-type": "a value of the wrong TOML type",
@@ -37,7 +49,7 @@ CODES: dict[str, str] = {
     "name-mismatch": "`[policy] name` differs from the file name",
     "unsupported-version": "a `schema_version` this runtime cannot read",
     "deprecated-key": "a key of an older format version that was migrated (warning)",
-    "unknown-policy": "no policy of that name in the policy folders",
+    "unknown-policy": "no policy of that name in the policy folders (or a name no file can have)",
     "unknown-extends": "`extends` names a policy that does not exist",
     "invalid-extends": "`extends` names a policy that has errors",
     "extends-cycle": "policies extend each other in a cycle",
@@ -118,6 +130,23 @@ class PolicyError(Exception):
         super().__init__(render_text(self.diagnostics))
 
 
+def capped(diagnostics: Sequence[Diagnostic], found: int | None = None) -> list[Diagnostic]:
+    """At most `MAX_DIAGNOSTICS` of `diagnostics`; the last one kept says how many of the `found` were dropped."""
+    found = len(diagnostics) if found is None else found
+    if found <= MAX_DIAGNOSTICS:
+        return list(diagnostics)
+    kept = list(diagnostics[:MAX_DIAGNOSTICS])
+    dropped = Note(f"{found - MAX_DIAGNOSTICS} more problems were found and not reported; fix these first")
+    kept[-1] = dataclasses.replace(kept[-1], notes=(*kept[-1].notes, dropped))
+    return kept
+
+
+def clip(text: str, limit: int | None = None) -> str:
+    """`text`, or its start and how much was left out when it is longer than `limit` (`MAX_TEXT_CHARS`)."""
+    limit = MAX_TEXT_CHARS if limit is None else limit
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def did_you_mean(word: object, options: Iterable[str]) -> str | None:
     """The closest option to a misspelled word, if one is close enough to be a likely intent."""
     if not isinstance(word, str):
@@ -135,33 +164,50 @@ def format_key_path(path: Sequence[str | int]) -> str:
 
 # text -----------------------------------------------------------------------------------------
 _MAX_ALLOWED_SHOWN = 16
+#: Control characters a policy may smuggle into a message (NUL, terminal escapes), written as escapes instead.
+_ESCAPED = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F) if code != 0x0A}
 
 
 def render_text(diagnostics: Iterable[Diagnostic]) -> str:
-    return "\n\n".join(_render_one(d) for d in diagnostics)
+    """The diagnostics compiler-style, within `MAX_RENDERED` of them and about `MAX_RENDERED_CHARS` characters."""
+    diagnostics = list(diagnostics)
+    shown, size = [], 0
+    for d in diagnostics[:MAX_RENDERED]:
+        text = _render_one(d)
+        if shown and size + len(text) > MAX_RENDERED_CHARS:
+            break
+        shown.append(text)
+        size += len(text) + 2
+    left = len(diagnostics) - len(shown)
+    if left:
+        shown.append(f"... {left} more diagnostic{'' if left == 1 else 's'} not shown")
+    return "\n\n".join(shown).translate(_ESCAPED)
 
 
 def _render_one(d: Diagnostic) -> str:
-    places = [d.location, *(n.location for n in d.notes)]
+    notes = d.notes[:_MAX_NOTES_SHOWN]
+    places = [d.location, *(n.location for n in notes)]
     width = max((len(str(p.line)) for p in places if p is not None), default=1)
     pad = " " * width
-    lines = [f"{d.severity}[{d.code}]: {d.message}"]
-    label = f"did you mean `{d.suggestion}`?" if d.suggestion else ""
+    lines = [f"{d.severity}[{d.code}]: {clip(d.message)}"]
+    label = f"did you mean `{clip(d.suggestion, 80)}`?" if d.suggestion else ""
     if d.location is not None:
         lines += [f"{pad}--> {d.location}", *_snippet(d.location, "^", label, width)]
     elif label:
         lines.append(f"{pad} = {label}")
-    for note in d.notes:
+    for note in notes:
         if note.location is None:
-            lines.append(f"{pad} = note: {note.message}")
+            lines.append(f"{pad} = note: {clip(note.message)}")
         else:
-            lines += [f"{pad}::: {note.location}", *_snippet(note.location, "-", note.message, width)]
+            lines += [f"{pad}::: {note.location}", *_snippet(note.location, "-", clip(note.message), width)]
+    if len(d.notes) > len(notes):
+        lines.append(f"{pad} = note: and {len(d.notes) - len(notes)} more notes not shown")
     if d.allowed:
         shown = ", ".join(d.allowed[:_MAX_ALLOWED_SHOWN])
         more = len(d.allowed) - _MAX_ALLOWED_SHOWN
-        lines.append(f"{pad} = allowed: {shown}" + (f", and {more} more" if more > 0 else ""))
+        lines.append(clip(f"{pad} = allowed: {shown}" + (f", and {more} more" if more > 0 else "")))
     if d.help:
-        lines.append(f"{pad} = help: {d.help}")
+        lines.append(f"{pad} = help: {clip(d.help)}")
     return "\n".join(lines)
 
 
@@ -169,13 +215,24 @@ def _snippet(location: Location, mark: str, label: str, width: int) -> list[str]
     pad = " " * width
     if not location.source_line:
         return []
-    source = location.source_line.replace("\t", " ")
-    underline = " " * (location.col - 1) + mark * max(location.end_col - location.col, 1)
+    source, col, end_col = _window(location.source_line, location.col, location.end_col)
+    underline = " " * (col - 1) + mark * max(end_col - col, 1)
     return [
         f"{pad} |",
-        f"{location.line:>{width}} | {source}".rstrip(),
+        f"{location.line:>{width}} | {source.replace(chr(9), ' ')}".rstrip(),
         f"{pad} | {underline}" + (f" {label}" if label else ""),
     ]
+
+
+def _window(line: str, col: int, end_col: int) -> tuple[str, int, int]:
+    """At most `MAX_SNIPPET_CHARS` of `line` around `col` (`...` marks a cut), and the columns within it."""
+    if len(line) <= MAX_SNIPPET_CHARS:
+        return line, col, end_col
+    start = max(0, min(col - 1 - MAX_SNIPPET_CHARS // 3, len(line) - MAX_SNIPPET_CHARS))
+    end = start + MAX_SNIPPET_CHARS
+    head, tail = ("..." if start else ""), ("..." if end < len(line) else "")
+    shift = len(head) - start
+    return head + line[start:end] + tail, col + shift, min(end_col, end + 1) + shift
 
 
 # json -----------------------------------------------------------------------------------------

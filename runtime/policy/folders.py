@@ -4,7 +4,10 @@ Invariants:
 - names resolve only inside the policy folders: a name is a plain file stem (`schemas.patterns.is_policy_name`)
   and the file it finds must really lie inside its folder, so neither a crafted name nor a symlink reaches elsewhere;
 - folders are searched in order: those a caller adds (ComfyUI's user folder), then `$STREAMWISE_POLICY_PATH`,
-  then the shipped `policies/`, so a user's edited copy of a shipped policy wins over the original.
+  then the shipped `policies/`, so a user's edited copy of a shipped policy wins over the original;
+- a name longer than `MAX_NAME_CHARS`, and a path longer than `MAX_PATH_CHARS` or holding a NUL, is refused before
+  any filesystem call (which would raise `OSError: File name too long` or `ValueError: embedded null byte`);
+- a picker (a ComfyUI node) takes only the names it offers, never a path: `unknown_choice`.
 """
 
 from __future__ import annotations
@@ -14,14 +17,47 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ...schemas.patterns import is_policy_name
+from .diagnostics import Diagnostic, clip, did_you_mean
 
 SHIPPED_POLICY_DIR = Path(__file__).resolve().parents[2] / "policies"
 USER_POLICY_PATH_ENV = "STREAMWISE_POLICY_PATH"
+MAX_NAME_CHARS = 128  # a file stem: filesystems allow 255 bytes, `.toml` and UTF-8 included
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
 
 
 def _findable(name: str) -> bool:
     """A policy name that can stand for a file: `x.toml` would be read as a path, so it names none."""
-    return is_policy_name(name) and not name.endswith(".toml")
+    return len(name) <= MAX_NAME_CHARS and is_policy_name(name) and not name.endswith(".toml")
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` can stand for no policy file, when it is too long to (the policy name pattern says the rest)."""
+    if len(name) <= MAX_NAME_CHARS:
+        return None
+    return f"is {len(name)} characters long; policy names are at most {MAX_NAME_CHARS}"
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot name a file, found without touching the filesystem, or None."""
+    if "\0" in path:
+        return "the path holds a NUL character"
+    if len(path) > MAX_PATH_CHARS or any(len(part.encode("utf-8", "replace")) > 255 for part in Path(path).parts):
+        return f"the path is too long ({len(path)} characters; a path is at most {MAX_PATH_CHARS}, a name 255 bytes)"
+    return None
+
+
+def unknown_choice(name: object, dirs: Iterable[Path], *, auto: bool = False) -> Diagnostic | None:
+    """None when `name` is one of the policies a picker over `dirs` offers (or `auto`, where it is offered), else
+    why not: a picker's value is a name, never a path, so a crafted value reads no file."""
+    names = (["auto"] if auto else []) + list(list_policies(dirs))
+    if isinstance(name, str) and name in names:
+        return None
+    shown = clip(name if isinstance(name, str) else repr(name), 80)
+    return Diagnostic(
+        "unknown-policy", f"`{shown}` is not one of the policies offered (a policy name, never a path)",
+        suggestion=did_you_mean(name, names), allowed=tuple(names),
+        help="pick a shipped policy or one of yours from the list",
+    )
 
 
 def policy_dirs(extra: Iterable[str | os.PathLike] = ()) -> list[Path]:

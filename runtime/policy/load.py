@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ...schemas import SCHEMA_VERSION, Policy
-from .diagnostics import Diagnostic, Location, Note, PolicyError, did_you_mean, errors_in, format_key_path
+from .diagnostics import Diagnostic, Location, Note, PolicyError, clip, did_you_mean, errors_in, format_key_path
 from .extends import merge
-from .folders import find_policy, list_policies, policy_dirs
+from .folders import find_policy, list_policies, name_problem, policy_dirs
 from .migrations import migrate, oldest_readable_version
 from .source import PolicySource, display_path, read_source
 from .validate import check_rule_conflicts, validate_document
@@ -59,6 +59,9 @@ def _as_path(name_or_path: str | os.PathLike[str], search: list[Path]) -> Path |
     text = os.fspath(name_or_path)
     if isinstance(name_or_path, os.PathLike) or any(sep in text for sep in "/\\") or text.endswith(".toml"):
         return Path(text)
+    too_long = name_problem(text)
+    if too_long is not None:
+        return Diagnostic("unknown-policy", f"`{clip(text, 60)}` cannot be a policy name: it {too_long}")
     found = find_policy(text, search)
     if found is not None:
         return found
@@ -85,6 +88,12 @@ def _load_chain(path: Path, search: list[Path], chain: tuple[tuple[Path, Locatio
 
     where = source.locate(("policy", "extends"), value=True)
     parent_name = policy.policy.extends
+    too_long = name_problem(parent_name)
+    if too_long is not None:
+        return None, diagnostics + [Diagnostic(
+            "invalid-value", f"`extends` names no policy file: `{clip(parent_name, 60)}` {too_long}", where,
+            key_path="policy.extends",
+        )]
     parent_path = find_policy(parent_name, [path.parent, *search])
     if parent_path is None:
         names = tuple(n for n in list_policies([path.parent, *search], include_hidden=True) if n != path.stem)

@@ -1,9 +1,12 @@
 """Reading a policy file: bytes to a TOML document that knows where its keys are.
 
 Everything that can go wrong before validation becomes a located diagnostic here, never an exception:
+- a path no file can have (too long, or holding a NUL: `folders.path_problem`), refused before any filesystem call;
 - a missing or unreadable file, or one that is no regular file (a pipe or a device is never opened: it may never end);
 - a file over `MAX_POLICY_BYTES` (read with that bound, so a huge file is never read whole);
-- bytes that are not UTF-8 (located at the first bad byte), and TOML syntax errors;
+- bytes that are not UTF-8 (located at the first bad byte);
+- text over a size limit of `limits` (lines, keys, numbers, tokens), found by a linear pre-scan before `tomllib`;
+- TOML syntax errors (and an integer `tomllib` cannot convert, should one pass the pre-scan);
 - nesting deeper than `MAX_NESTING` (measured without recursion, before validation recurses over the document).
 """
 
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .diagnostics import Diagnostic, Location
-from .folders import SHIPPED_POLICY_DIR
+from .folders import SHIPPED_POLICY_DIR, path_problem
+from .limits import first_excess
 from .spans import KeyPath, Located, find, record_spans
 
 if sys.version_info >= (3, 11):
@@ -64,6 +68,9 @@ class PolicySource:
 
 def read_source(path: Path, display: str) -> tuple[PolicySource | None, list[Diagnostic]]:
     """Read and parse one policy file; on failure return the located problem instead."""
+    refused = path_problem(os.fspath(path))
+    if refused is not None:
+        return None, [_problem("unreadable-file", f"cannot read policy file: {refused}", display)]
     try:
         if not stat.S_ISREG(path.stat().st_mode):  # a device or a pipe: no size to trust, maybe no end
             return None, [_problem("unreadable-file", "cannot read policy file: not a regular file", display)]
@@ -96,12 +103,18 @@ def parse_source(data: bytes, display: str) -> tuple[PolicySource | None, list[D
             )
         ]
     source = PolicySource(display, text, {}, {})
+    excess = first_excess(text, source.lines)
+    if excess is not None:
+        line, col, message = excess
+        return None, [Diagnostic("invalid-toml", message, source.location(line, col))]
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         return None, [_syntax_error(source, exc)]
     except RecursionError:
         return None, [Diagnostic("invalid-toml", "invalid TOML: nesting is too deep", source.location(1, 1))]
+    except ValueError:  # an integer over Python's conversion limit: the pre-scan refuses any it sees
+        return None, [Diagnostic("invalid-toml", "invalid TOML: a number is too large", source.location(1, 1))]
     if _nesting(document) > MAX_NESTING:
         return None, [Diagnostic(
             "invalid-toml", f"tables and arrays are nested more than {MAX_NESTING} levels deep", source.location(1, 1)
@@ -129,7 +142,7 @@ def _syntax_error(source: PolicySource, exc: Exception) -> Diagnostic:
     if position:
         line, col = int(position.group(1)), int(position.group(2))
     elif _TOML_AT_END.search(message) or line is None:
-        lines = source.text.split("\n")
+        lines = source.lines
         line, col = len(lines), len(lines[-1]) + 1
     message = _TOML_AT_END.sub("", _TOML_POSITION.sub("", message))
     message = message[:1].lower() + message[1:]

@@ -14,10 +14,15 @@ import bisect
 import re
 from dataclasses import dataclass
 
+from .limits import STRING
+
 KeyPath = tuple  # of str (keys) and int (array indices)
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _SCALAR = re.compile(r"[^,\]}#\n]*")  # numbers, booleans, dates (which may contain a space)
+_STRING = re.compile(STRING, re.MULTILINE)
+_BLANKS = re.compile(r"[ \t]*")
+_BLANKS_AND_COMMENTS = re.compile(r"(?:[ \t\r\n]+|#[^\n]*)*")
 _MAX_DEPTH = 64
 
 
@@ -52,9 +57,7 @@ class _Scanner:
     def span(self, start: int, end: int) -> Span:
         line = bisect.bisect_right(self.line_starts, start) - 1
         line_start = self.line_starts[line]
-        line_end = self.text.find("\n", start)
-        if line_end == -1:
-            line_end = len(self.text)
+        line_end = self.line_starts[line + 1] - 1 if line + 1 < len(self.line_starts) else len(self.text)
         end = max(min(end, line_end), start + 1)
         return Span(line + 1, start - line_start + 1, end - line_start + 1)
 
@@ -67,18 +70,10 @@ class _Scanner:
         return self.text[self.pos : self.pos + n]
 
     def skip_blanks(self) -> None:
-        while self.pos < len(self.text) and self.text[self.pos] in " \t":
-            self.pos += 1
+        self.pos = _BLANKS.match(self.text, self.pos).end()
 
     def skip_blanks_and_newlines(self) -> None:
-        while self.pos < len(self.text):
-            ch = self.text[self.pos]
-            if ch in " \t\r\n":
-                self.pos += 1
-            elif ch == "#":
-                self.skip_line()
-            else:
-                break
+        self.pos = _BLANKS_AND_COMMENTS.match(self.text, self.pos).end()
 
     def skip_line(self) -> None:
         end = self.text.find("\n", self.pos)
@@ -108,28 +103,11 @@ class _Scanner:
 
     def string(self) -> str:
         """Consume a string of any TOML flavour; return its content (escapes decoded loosely)."""
-        text = self.text
-        for quote in ('"""', "'''"):
-            if text.startswith(quote, self.pos):
-                end = self.pos + 3
-                while True:
-                    end = text.index(quote, end)
-                    if quote == '"""' and _escaped(text, end):
-                        end += 1
-                        continue
-                    break
-                while text.startswith(quote[0], end + 3):
-                    end += 1
-                content = text[self.pos + 3 : end]
-                self.pos = end + 3
-                return content
-        quote = text[self.pos]
-        end = self.pos + 1
-        while text[end] != quote or (quote == '"' and _escaped(text, end)):
-            end += 1
-        content = text[self.pos + 1 : end]
-        self.pos = end + 1
-        if quote == '"' and "\\" in content:
+        match = _STRING.match(self.text, self.pos)
+        self.pos = match.end()
+        quotes = 3 if match.group().startswith(('"""', "'''")) else 1
+        content = self.text[match.start() + quotes : self.pos - quotes]
+        if match.group()[0] == '"' and quotes == 1 and "\\" in content:
             try:
                 content = content.encode("latin-1", "backslashreplace").decode("unicode_escape")
             except UnicodeDecodeError:
@@ -222,13 +200,6 @@ class _Scanner:
                 self.skip_blanks()
                 if self.peek() == "#":
                     self.skip_line()
-
-
-def _escaped(text: str, index: int) -> bool:
-    backslashes = 0
-    while index - backslashes - 1 >= 0 and text[index - backslashes - 1] == "\\":
-        backslashes += 1
-    return backslashes % 2 == 1
 
 
 def record_spans(text: str) -> dict[KeyPath, Located]:

@@ -3,7 +3,10 @@
 - pydantic finds the structural problems; each is rewritten in the user's terms (no pydantic wording reaches a
   user: the diagnostics corpus checks it) and pointed at the key or value in the file;
 - the checks that span several rules are added here: duplicate ids, a name that disagrees with the file name, and
-  rules that select the same modules by the same entry but disagree (no precedence could choose between them).
+  rules that select the same modules by the same entry but disagree (no precedence could choose between them);
+- bounded whatever the document holds: a section over `MAX_RULES_PER_SECTION` rules is refused before pydantic
+  runs, at most `MAX_DIAGNOSTICS` problems are translated, and conflicts are found per entry, in time linear in
+  the rules (one diagnostic per entry names the first rule and up to `_MAX_RIVALS_NAMED` rivals).
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import datetime
 import re
 import types
 from collections.abc import Iterator
-from itertools import combinations
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from ...schemas import Policy, QuantRule, Selector, StreamRule
 from ...schemas.vocabulary import KNOWN_COMPILE_BACKENDS
-from .diagnostics import Diagnostic, Note, did_you_mean, format_key_path
+from .diagnostics import MAX_DIAGNOSTICS, Diagnostic, Note, capped, clip, did_you_mean, format_key_path
+from .limits import MAX_RULES_PER_SECTION
 from .source import PolicySource
 from .spans import KeyPath
 
@@ -38,23 +41,42 @@ _EXPECTED = {
 _LIMITS = {"greater_than_equal": ("ge", "at least"), "less_than_equal": ("le", "at most")}
 _STRING_LISTS = {"class", "path", "regex", "classes", "state_dict_keys"}  # a lone string is accepted too
 _QUOTED = re.compile(r"'([^']*)'")
+_MAX_SHOWN = 60  # characters of a value quoted in a message
+_MAX_RIVALS_NAMED = 5
 
 
 def validate_document(source: PolicySource, document: dict) -> tuple[Policy | None, list[Diagnostic]]:
     """Validate a (migrated) document; return the policy, or None and why not."""
+    too_many = _too_many_rules(source, document)
+    if too_many:
+        return None, too_many
     file_problems = _check_file_rules(source, document)  # on the raw document: found beside type errors too
     try:
         policy = Policy.model_validate(document)
     except ValidationError as exc:
-        problems = [*(_translate(source, error) for error in exc.errors(include_url=False)), *file_problems]
-        return None, sorted(problems, key=lambda d: (d.location.line, d.location.col) if d.location else (0, 0))
+        errors = exc.errors(include_url=False)
+        problems = [*(_translate(source, error) for error in errors[:MAX_DIAGNOSTICS]), *file_problems]
+        problems.sort(key=lambda d: (d.location.line, d.location.col) if d.location else (0, 0))
+        return None, capped(problems, len(errors) + len(file_problems))
     except RecursionError:
         return None, [Diagnostic("invalid-value", "policy is nested too deeply", source.location(1, 1))]
     policy._source = source.file
     for section in Policy.RULE_SECTIONS:
         for index, rule in enumerate(getattr(policy, section).rule):
             rule._origin = (source, (section, "rule", index))
-    return policy, file_problems
+    return policy, capped(file_problems)
+
+
+def _too_many_rules(source: PolicySource, document: dict) -> list[Diagnostic]:
+    """A section with more rules than `MAX_RULES_PER_SECTION`, located at the first rule over the limit."""
+    return [
+        Diagnostic(
+            "invalid-value", f"[{section}] has {len(rules)} rules; the limit is {MAX_RULES_PER_SECTION}",
+            source.locate((section, "rule", MAX_RULES_PER_SECTION)), key_path=f"{section}.rule",
+        )
+        for section in Policy.RULE_SECTIONS
+        if isinstance(rules := _table(document, section).get("rule"), list) and len(rules) > MAX_RULES_PER_SECTION
+    ]
 
 
 # pydantic -> diagnostics ----------------------------------------------------------------------
@@ -97,7 +119,7 @@ def _translate(source: PolicySource, error: dict) -> Diagnostic:
         if "field" in ctx:
             loc = loc + (ctx["field"],)
         location = _with_offset(source, loc, ctx.get("offset"))
-        return Diagnostic(kind, error["msg"], location, key_path=format_key_path(loc))
+        return Diagnostic(kind, clip(error["msg"]), location, key_path=format_key_path(loc))
     return Diagnostic(
         "invalid-value", f"{name} has an invalid value {_show(value)}", source.locate(loc, value=True),
         key_path=key_path,
@@ -118,7 +140,7 @@ def _name(loc: KeyPath) -> str:
     if not loc:
         return "the document"
     if isinstance(loc[-1], str):
-        return f"`{loc[-1]}`"
+        return f"`{clip(loc[-1], _MAX_SHOWN)}`"
     return f"item {loc[-1]} of `{format_key_path(loc[:-1])}`"
 
 
@@ -137,7 +159,10 @@ def _describe(value: Any) -> str:
         else "a date/time" if isinstance(value, (datetime.date, datetime.time))
         else type(value).__name__
     )
-    return noun if isinstance(value, (list, tuple, dict)) else f"{noun} {_show(value)}"
+    if isinstance(value, (list, tuple, dict)):
+        return noun
+    shown = _show(value)
+    return f"{noun} {shown}" if shown.startswith("`") else shown
 
 
 def _show(value: Any) -> str:
@@ -147,9 +172,11 @@ def _show(value: Any) -> str:
         text = '"' + value + '"'
     elif isinstance(value, (list, tuple, dict)):
         return "an array" if isinstance(value, (list, tuple)) else "a table"
+    elif isinstance(value, int) and value.bit_length() > 4 * _MAX_SHOWN:  # never `str` a huge integer
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     else:
         text = str(value)
-    return f"`{text if len(text) <= 60 else text[:57] + '...'}`"
+    return f"`{text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN - 3] + '...'}`"
 
 
 def _allowed_keys(loc: KeyPath) -> tuple[str, ...]:
@@ -242,31 +269,47 @@ def check_rule_conflicts(policy: Policy) -> list[Diagnostic]:
 
     Such rules are equally specific for every module they select, so no precedence can pick one.
     Overlaps between different entries (a class and a path) are settled by precedence when the
-    policy is resolved against a model.
+    policy is resolved against a model. Each entry is looked at once: its first rule of a section against the
+    others that hold it, so the work is linear in the rules, however many share an entry.
     """
     rules = [(section, rule) for section in Policy.RULE_SECTIONS for rule in getattr(policy, section).rule]
     holders: dict[tuple, list[int]] = {}  # entry -> the rules that have it: only they can conflict over it
     for index, (_, rule) in enumerate(rules):
-        for entry in set(_entries(rule.select)):
+        for entry in dict.fromkeys(_entries(rule.select)):
             holders.setdefault(entry, []).append(index)
-    pairs = sorted({pair for indices in holders.values() for pair in combinations(indices, 2)})
-    problems = []
-    for first, second in pairs:
-        (section_a, a), (section_b, b) = rules[first], rules[second]
-        disagreement = _disagreement(section_a, a, section_b, b)
-        if disagreement is None:
-            continue
-        for entry in _entries(a.select):
-            if entry in set(_entries(b.select)):
-                problems.append(Diagnostic(
-                    "rule-conflict",
-                    f"rules `{a.id}` and `{b.id}` both select {entry[0]} `{entry[1]}` but {disagreement}",
-                    _entry_location(b, entry), key_path=_rule_key(b),
-                    notes=(Note(f"`{a.id}` selects it here", _entry_location(a, entry)),),
-                    help="keep one of the two, or make one of them more specific",
-                ))
-                break
-    return problems
+    found: dict[tuple[int, int], Diagnostic] = {}  # by (first rule, first rival): one report per pair
+    for entry, indices in holders.items():
+        for first, rivals in _rivals(rules, indices):
+            if (first, rivals[0]) not in found:
+                found[first, rivals[0]] = _conflict(rules, entry, first, rivals)
+    return capped([found[pair] for pair in sorted(found)])
+
+
+def _rivals(rules: list[tuple[str, Any]], indices: list[int]) -> Iterator[tuple[int, list[int]]]:
+    """For the rules holding one entry: each section's first rule with the later ones that disagree with it."""
+    firsts: dict[str, int] = {}
+    for index in indices:
+        firsts.setdefault(rules[index][0], index)
+    for first in sorted(firsts.values()):
+        section, rule = rules[first]
+        rivals = [i for i in indices if i > first and _disagreement(section, rule, *rules[i]) is not None]
+        if rivals:
+            yield first, rivals
+
+
+def _conflict(rules: list[tuple[str, Any]], entry: tuple[str, str], first: int, rivals: list[int]) -> Diagnostic:
+    (section_a, a), (section_b, b) = rules[first], rules[rivals[0]]
+    others = [f"`{rules[i][1].id}`" for i in rivals[1 : 1 + _MAX_RIVALS_NAMED]]
+    more = len(rivals) - 1 - len(others)
+    also = f"; so do {len(rivals) - 1} more rules: {', '.join(others)}" if others else ""
+    return Diagnostic(
+        "rule-conflict",
+        f"rules `{a.id}` and `{b.id}` both select {entry[0]} `{clip(entry[1], _MAX_SHOWN)}` but "
+        f"{_disagreement(section_a, a, section_b, b)}{also}" + (f", and {more} more" if more > 0 else ""),
+        _entry_location(b, entry), key_path=_rule_key(b),
+        notes=(Note(f"`{a.id}` selects it here", _entry_location(a, entry)),),
+        help="keep one of the two, or make one of them more specific",
+    )
 
 
 def _disagreement(section_a: str, a: Any, section_b: str, b: Any) -> str | None:
