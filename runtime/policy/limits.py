@@ -21,7 +21,7 @@ MAX_LINE_CHARS = 10_000
 MAX_KEY_SEGMENTS = 16
 MAX_KEY_CHARS = 256
 MAX_NUMBER_CHARS = 64
-MAX_TOKENS = 20_000
+MAX_TOKENS = 10_000
 MAX_RULES_PER_SECTION = 500
 
 #: TOML's four strings, matched whole by runs of plain characters. Each always matches (an unterminated one runs
