@@ -111,7 +111,8 @@ class Selector(_Table):
     path: PathGlobs = ()
     """Dotted module-path globs, matched segment by segment against the whole path (`*`, `**`, `?`, `[...]`)."""
     regex: Regexes = ()
-    """Python regexes, full-matched against the dotted module path. Prefer TOML literal strings: '...'."""
+    """Regexes in the part of Python's syntax that RE2 reads alike (no backreferences, no lookarounds), full-matched
+    against the dotted module path in linear time. Prefer TOML literal strings: '...'."""
     subclasses: bool = False
     """Also match subclasses of the named classes (by walking each module's MRO)."""
     holds: Holds | None = None

@@ -209,6 +209,8 @@ def declared_blocks(walk: Walk) -> frozenset[str]:
 
 def _names(value: object) -> list[str]:
     return [name for name in value if isinstance(name, str)] if isinstance(value, (list, tuple, set, frozenset)) else []
+
+
 def walk_modules(model) -> list[tuple[str, object]]:
     """`list(model.named_modules())`, without a generator per level: pre-order, each module once."""
     found = []
