@@ -2,7 +2,9 @@
 
 Everything is checked before the first change (missing, extra and misshapen tensors, dtype
 mismatches, unknown quant formats, a plan that does not fit): on any problem the model is left
-exactly as it was and a `CheckpointError` names the file and every offending tensor. Float
+exactly as it was and a `CheckpointError` names the file and every offending tensor. What fails after
+that (memory, Ctrl-C) is undone through the same journal as `apply`: the model is again as it was, an
+interrupt stays an interrupt, and any other error becomes a `CheckpointError` caused by it. Float
 tensors are views of the file's memory map; GGUF tensors that a `gguf` rule selects stay in
 their raw blocks as residents (other quantized GGUF tensors, embeddings and convolutions, are
 dequantized once); `.comfy_quant` layers load as INT8 residents; int8-family rules quantize the
@@ -21,8 +23,9 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ..engine import protocol
-from ..engine.apply import Journal, apply, check
+from ..engine.apply import ConversionError, Journal, apply, check
 from ..plan import plan_for
+from ..policy.diagnostics import PolicyError
 from ..quant.convrot import check_group_size
 from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
@@ -55,15 +58,21 @@ def load(
     model's is an error. `progress(done, total)` is called as tensors are placed; without one, a
     tqdm bar shows on a terminal.
     """
-    _, plan = plan_for(policy, model)
-    checkpoint = open_checkpoint(path)
-    filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
-    filling.collect()
-    if filling.problems:
-        raise CheckpointError(filling.problems)
-    check(plan, model)  # a plan that cannot be applied fails before the first assignment
-    journal = Journal()  # what can still fail (quantizing on load: memory) undoes the assignments too
-    try:
+
+    def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
+        if isinstance(exc, (CheckpointError, ConversionError, PolicyError)):
+            return None
+        return CheckpointError([f"{path}: loading failed ({exc!r}); the model was restored unchanged"])
+
+    journal = Journal()  # what can still fail after the checks (quantizing on load: memory) undoes everything
+    with journal.atomic(failed):
+        _, plan = plan_for(policy, model)
+        checkpoint = open_checkpoint(path)
+        filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
+        filling.collect()
+        if filling.problems:
+            raise CheckpointError(filling.problems)
+        check(plan, model)  # a plan that cannot be applied fails before the first assignment
         if progress is None:
             from tqdm import tqdm
 
@@ -73,9 +82,6 @@ def load(
         else:
             filling.assign(progress, journal)
         apply(plan, model, journal=journal)
-    except BaseException:
-        journal.rollback()
-        raise
     residents: dict[str, int] = {}
     for module in model.modules():
         handler = protocol.quant_handler(module)

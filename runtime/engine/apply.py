@@ -4,7 +4,8 @@ Invariants:
 - checked in full before the first change (`check`); the heavy part (quantizing int8-family weights) runs
   before any module changes, so problems surface with the tree untouched;
 - atomic: every change goes through a `Journal`, and any failure (Ctrl-C included) puts each one back exactly;
-  an `Exception` surfaces as `ConversionError`, anything else (KeyboardInterrupt) unchanged;
+  an `Exception` surfaces as `ConversionError` (a PolicyError as it is), anything else (KeyboardInterrupt)
+  unchanged; `revert` too: interrupted, the tree is converted as before, and the root state goes last;
 - idempotent: applying the same plan again changes nothing and counts the same;
 - no float tensor is copied: conversion swaps classes and sets a few plain attributes; only an int8-family quant
   rule replaces a layer's weight, with its quantized storage;
@@ -14,20 +15,24 @@ Invariants:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
+from ..policy.diagnostics import PolicyError
 from . import protocol
 from .kinds import COMPUTE_KINDS, GENERIC, fit
 from .probe import probe
 from .relocating import relocating_class
 from .streamed import claimed_below, holds_parameters_below, streaming_class
-from .tree import StreamTree
+from .tree import StreamTree, move_in_place
 
 if TYPE_CHECKING:
+    import torch
+
     from ...schemas import Policy
     from ..plan import ModulePlan, Plan
 
@@ -50,14 +55,14 @@ _ABSENT = object()
 
 
 class _Record:
-    """One module's conversion: the class it had and each instance attribute set (with what it held before).
+    """One object's change: the class it had and each instance attribute set (with what it held before).
 
-    A record is its own undo (a journal entry): calling it restores the module.
+    A record is its own undo (a journal entry): calling it restores the object.
     """
 
     __slots__ = ("module", "original_class", "replaced", "role")
 
-    def __init__(self, module: nn.Module, original_class: type, replaced: dict[str, object], role: str) -> None:
+    def __init__(self, module: object, original_class: type, replaced: dict[str, object], role: str) -> None:
         self.module = module
         self.original_class = original_class
         self.replaced = replaced  # _ABSENT: the instance held nothing under that name
@@ -73,11 +78,31 @@ class _Record:
                 held[name] = previous
 
 
+def _now(target: object, names: Iterable[str], role: str = "") -> _Record:
+    """A record restoring `target`'s class and the instance attributes `names` to what they are now."""
+    held = target.__dict__
+    return _Record(target, type(target), {name: held.get(name, _ABSENT) for name in names}, role)
+
+
 class Journal:
-    """The changes one operation made to a tree, undone newest first when the operation fails (apply, load)."""
+    """The changes one operation made to a tree, undone newest first when the operation fails (apply, revert,
+    offload, load)."""
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+
+    @contextmanager
+    def atomic(self, error: Callable[[Exception], Exception | None]) -> Iterator[Journal]:
+        """Run an operation: on any failure undo everything journaled, then re-raise the failure, an `Exception`
+        as `error(exc)` (from it) unless that gives None, an interrupt as it is."""
+        try:
+            yield self
+        except BaseException as exc:
+            self.rollback()
+            wrapped = error(exc) if isinstance(exc, Exception) else None
+            if wrapped is None:
+                raise
+            raise wrapped from exc
 
     def swap_class(self, module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
         record = swap_class(module, cls, attributes, role)
@@ -88,13 +113,32 @@ class Journal:
         """Put `value` in the parameter or buffer slot `name` of `module` (a parameter if none holds it yet)."""
         slots = module._buffers if name in module._buffers else module._parameters
         previous = slots.get(name, _ABSENT)
+        self._undo.append(lambda: slots.pop(name, None) if previous is _ABSENT else slots.__setitem__(name, previous))
         slots[name] = value
-        self._undo.append(lambda: slots.pop(name) if previous is _ABSENT else slots.__setitem__(name, previous))
 
-    def set_attributes(self, module: nn.Module, attributes: dict[str, object]) -> None:
-        previous = {name: module.__dict__.get(name, _ABSENT) for name in attributes}
-        module.__dict__.update(attributes)
-        self._undo.append(_Record(module, type(module), previous, ""))
+    def move(self, module: nn.Module, name: str, device: torch.device, *, pin: bool = False) -> None:
+        """`move_in_place`, undone by moving back: a parameter to its device and pinning (the same object, never a
+        second copy held meanwhile), a buffer by putting the one it replaced back."""
+        if name in module._parameters:
+            tensor = module._parameters[name]
+            was, pinned = tensor.device, tensor.is_pinned()
+            self._undo.append(lambda: move_in_place(module, name, was, pin=pinned))
+        else:
+            self.set_tensor(module, name, module._buffers[name])
+        move_in_place(module, name, device, pin=pin)
+
+    def keep(self, target: object, names: Iterable[str]) -> None:
+        """Restore `target`'s instance attributes `names` on failure: they are about to change."""
+        self._undo.append(_now(target, names))
+
+    def set_attributes(self, target: object, attributes: dict[str, object]) -> None:
+        self.keep(target, attributes)
+        target.__dict__.update(attributes)
+
+    def restore(self, record: _Record) -> None:
+        """Undo `record` (a completed operation's change), journaling how the object is now."""
+        self._undo.append(_now(record.module, record.replaced, record.role))
+        record()
 
     def rollback(self) -> None:
         while self._undo:
@@ -131,21 +175,26 @@ def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> Co
     With a `journal` (a caller's operation in progress, as `load` has), a failure also undoes what the
     caller journaled before.
     """
-    return _apply(plan, model, check(plan, model), journal or Journal())
+    return _apply(model, lambda: (plan, check(plan, model)), journal or Journal())[1]
 
 
 def apply_policy(
-    model: nn.Module, policy: Policy | str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = ()
+    model: nn.Module, policy: Policy | str | os.PathLike[str], *, dirs: Iterable[str | os.PathLike] = (),
+    journal: Journal | None = None,
 ) -> tuple[Policy, Plan]:
     """Resolve `policy` (a Policy, a name or file to load, or `"auto"`) against `model` and convert it.
 
     Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit. One walk over the
-    tree serves both steps: resolve hands over the modules its plan names.
+    tree serves both steps: resolve hands over the modules its plan names. A `journal` is as for `apply`.
     """
     from ..plan.resolve import plan_and_modules
 
-    policy, plan, modules = plan_and_modules(policy, model, dirs=dirs)
-    _apply(plan, model, _targets(plan, zip(plan.modules, modules, strict=True)), Journal())
+    def planned() -> tuple[Plan, list]:
+        nonlocal policy  # the name or file becomes the loaded Policy
+        policy, plan, modules = plan_and_modules(policy, model, dirs=dirs)
+        return plan, _targets(plan, zip(plan.modules, modules, strict=True))
+
+    plan, _ = _apply(model, planned, journal or Journal())
     return policy, plan
 
 
@@ -167,11 +216,23 @@ def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, typ
     return _targets(plan, located)
 
 
-def _apply(plan: Plan, model: nn.Module, targets: list, journal: Journal) -> ConversionCounts:
+def _apply(
+    model: nn.Module, planned: Callable[[], tuple[Plan, list]], journal: Journal
+) -> tuple[Plan, ConversionCounts]:
+    """Convert `model` by the plan and targets `planned()` gives (it checks them), all or nothing."""
     state = applied_state(model) or AppliedState()
     tree = state.tree
-    step, converting = "quantizing", None  # where a failure happened: the step, and the entry being converted
-    try:
+    step, converting = "checking", None  # where a failure happened: the step, and the entry being converted
+
+    def failed(exc: Exception) -> ConversionError | None:
+        if isinstance(exc, (ConversionError, PolicyError)):  # they say what failed
+            return None
+        where = f"{step} `{converting.path}`" if converting is not None else step
+        return ConversionError(f"{where} failed ({exc!r}); the tree was restored unchanged")
+
+    with journal.atomic(failed):
+        plan, targets = planned()
+        step = "quantizing"
         quantized = _quantized(plan, model)  # the heavy part, before anything changes
         records = []
         step = "converting"
@@ -193,21 +254,17 @@ def _apply(plan: Plan, model: nn.Module, targets: list, journal: Journal) -> Con
             module = model.get_submodule(entry.path) if entry.quant else None
             if module is not None and protocol.is_resident(module) and protocol.tree_of(module) is None:
                 journal.set_attributes(module, {protocol.TREE: tree})
-    except Exception as exc:
-        journal.rollback()
-        where = f"{step} `{converting.path}`" if converting is not None else step
-        raise ConversionError(f"{where} failed ({exc!r}); the tree was restored unchanged") from exc
-    except BaseException:
-        journal.rollback()
-        raise
-    state.records += records
-    state.plan = plan
-    model.__dict__[STATE_ATTRIBUTE] = state
-    return state.counts()
+        step = "recording the conversion"
+        journal.set_attributes(state, {"records": state.records + records, "plan": plan})
+        journal.set_attributes(model, {STATE_ATTRIBUTE: state})
+    return plan, state.counts()
 
 
 def revert(model: nn.Module) -> None:
-    """Restore the original classes and attributes of a converted tree (tensors stay where they are)."""
+    """Restore the original classes and attributes of a converted tree (tensors stay where they are).
+
+    Atomic: interrupted, the tree is converted as before (and can be reverted again).
+    """
     state = applied_state(model)
     if state is None:
         raise ConversionError("this model was not converted by streamwise.apply")
@@ -215,9 +272,11 @@ def revert(model: nn.Module) -> None:
         raise ConversionError(
             "the tree holds quantized residents, whose float weights are gone; reload the model instead"
         )
-    del model.__dict__[STATE_ATTRIBUTE]
-    for record in reversed(state.records):
-        record()
+    journal = Journal()
+    with journal.atomic(lambda exc: ConversionError(f"reverting failed ({exc!r}); the tree is converted as before")):
+        for record in reversed(state.records):
+            journal.restore(record)
+        journal.restore(_Record(model, type(model), {STATE_ATTRIBUTE: _ABSENT}, ""))  # the root state goes last
 
 
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:

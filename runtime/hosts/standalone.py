@@ -8,10 +8,15 @@ leaves only (a generic container with the descendants it claims): relocated and 
 always live on the compute device. On CUDA the
 next streamed leaf's weights are copied on a side stream while the current one computes. With
 offload and compute device both CPU everything still runs, through the same code paths.
+
+The arguments are checked before anything changes, and placing is atomic: on any failure (Ctrl-C
+included) every tensor is moved back and the tree is as it was (converted only if it was before).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
-from ..engine import applied_state, apply_policy, protocol
-from ..engine.tree import TorchFetcher, move_in_place
+from ..engine import ConversionError, applied_state, apply_policy, protocol
+from ..engine.apply import Journal
+from ..engine.tree import TorchFetcher
+from ..policy.diagnostics import PolicyError
+
+
+class OffloadError(RuntimeError):
+    """`offload` was given arguments it cannot place a tree with, or placing failed; the tree is unchanged."""
 
 
 @dataclass(frozen=True)
@@ -48,37 +59,88 @@ def offload(
     compute device; relocated ones follow it on their own. `prefetch` (CUDA only) overlaps the
     next leaf's copy with the current leaf's compute.
     """
-    device, offload_device = torch.device(device), torch.device(offload_device)
-    policy, plan = apply_policy(model, policy)
-    state = applied_state(model)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # compared with tensors' indexed devices
-    leaves = [model.get_submodule(entry.path) for entry in plan.modules if entry.stream]
-    streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
-    resident_bytes = streamed_bytes = resident_count = 0
-    for group, size, resident in _residency(leaves, budget):
-        for leaf in group:
-            for owner in _owners(leaf):
-                _place(owner, device if resident else offload_device, pin=streamer.non_blocking and not resident)
-            protocol.set_fetching(leaf, not resident)
-        if resident:
-            resident_bytes, resident_count = resident_bytes + size, resident_count + len(group)
-        else:
-            streamed_bytes += size
-    converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
-    for module in model.modules():
-        if id(module) not in converted and not protocol.relocated_names(module):
-            _place(module, device, pin=False)
-    state.tree.compute_device = device
-    state.tree.fetcher = streamer
-    from ..compile import is_armed, lazy_compile
+    device, offload_device = _usable(device, "device"), _usable(offload_device, "offload_device")
+    budget = _bytes(budget)
 
-    if policy.compile.enabled:
-        lazy_compile(model, policy)
-    elif is_armed(model):  # armed before: its compiled blocks cannot trace prefetch bookkeeping
-        streamer.inline_for_compile()
+    def failed(exc: Exception) -> OffloadError | None:  # the errors that say what failed pass as they are
+        if isinstance(exc, (ConversionError, PolicyError)):
+            return None
+        return OffloadError(f"placing the tree on {device} failed ({exc!r}); the tree was restored unchanged")
+
+    with Journal().atomic(failed) as journal:
+        policy, plan = apply_policy(model, policy, journal=journal)
+        state = applied_state(model)
+        leaves = [model.get_submodule(entry.path) for entry in plan.modules if entry.stream]
+        streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
+        resident_bytes = streamed_bytes = resident_count = 0
+        for group, size, resident in _residency(leaves, budget):
+            for leaf in group:
+                for owner in _owners(leaf):
+                    _place(journal, owner, device if resident else offload_device,
+                           pin=streamer.non_blocking and not resident)
+                journal.keep(leaf, (protocol.FETCH_FLAG,))
+                protocol.set_fetching(leaf, not resident)
+            if resident:
+                resident_bytes, resident_count = resident_bytes + size, resident_count + len(group)
+            else:
+                streamed_bytes += size
+        converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
+        for module in model.modules():
+            if id(module) not in converted and not protocol.relocated_names(module):
+                _place(journal, module, device, pin=False)
+        journal.set_attributes(state.tree, {"compute_device": device, "fetcher": streamer})
+        from ..compile import is_armed, lazy_compile
+
+        if policy.compile.enabled:
+            _keep_arming(journal, model)
+            lazy_compile(model, policy)
+        elif is_armed(model):  # armed before: its compiled blocks cannot trace prefetch bookkeeping
+            streamer.inline_for_compile()
     return OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
                          resident_bytes, streamed_bytes)
+
+
+def _usable(device: str | torch.device, argument: str) -> torch.device:
+    """`device` as a torch.device that exists here and can hold weights (an accelerator with its index)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise OffloadError(f"{argument}={device!r} is not a device ({exc})") from exc
+    if device.type == "meta":
+        raise OffloadError(f"{argument}='meta' holds no data: the weights placed there would be lost")
+    if device.type == "cpu":
+        return torch.device("cpu")  # as tensors report it: `cpu:0` would move every tensor onto itself
+    backend = getattr(torch, device.type, None)
+    if backend is None or not backend.is_available():
+        raise OffloadError(f"{argument}={str(device)!r}: this torch ({torch.__version__}) has no usable "
+                           f"{device.type} device here")
+    count = backend.device_count()
+    if device.index is None and hasattr(backend, "current_device"):
+        device = torch.device(device.type, backend.current_device())  # compared with tensors' indexed devices
+    if device.index is not None and device.index >= count:
+        raise OffloadError(f"{argument}={str(device)!r}: there are {count} {device.type} device(s) here")
+    return device
+
+
+def _bytes(budget: object) -> int | None:
+    """The budget as a whole number of bytes; anything else is refused, strings such as "1GB" included (a
+    gigabyte is 10**9 bytes to some and 2**30 to others: say `2 * 1024**3`)."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise OffloadError(f"budget={budget!r}: a number of bytes is expected (such as 2 * 1024**3), or None")
+    if not math.isfinite(budget) or budget < 0:
+        raise OffloadError(f"budget={budget!r}: the bytes must be finite and not negative (None: all resident)")
+    return int(budget)
+
+
+def _keep_arming(journal: Journal, model: nn.Module) -> None:
+    """Arming writes the units' instance forwards and the root's compile state: restore them on failure."""
+    from ..compile.arm import STATE_ATTRIBUTE
+
+    journal.keep(model, (STATE_ATTRIBUTE,))
+    for module in model.modules():
+        journal.keep(module, ("forward",))
 
 
 def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[nn.Module], int, bool]]:
@@ -114,7 +176,7 @@ def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
     return groups
 
 
-def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
+def _place(journal: Journal, module: nn.Module, device: torch.device, *, pin: bool) -> None:
     """Move a module's direct parameters and buffers in place (pinned on the CPU when `pin`); those it relocates
     (a generic streamed module's buffers) follow the compute device on their own."""
     relocated = protocol.relocated_names(module)
@@ -122,7 +184,7 @@ def _place(module: nn.Module, device: torch.device, *, pin: bool) -> None:
         if tensor is None or name in relocated:
             continue
         if tensor.device != device or (pin and not tensor.is_pinned()):
-            move_in_place(module, name, device, pin=pin)
+            journal.move(module, name, device, pin=pin)
 
 
 def _nbytes(tensor: Tensor) -> int:

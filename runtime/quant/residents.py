@@ -83,14 +83,16 @@ def make_resident(
     journal: Journal | None = None,
     tree: StreamTree | None = None,
 ) -> None:
-    """Turn a Linear (plain or streamed) into a resident holding `stored` as parameters (journaled when given)."""
+    """Turn a Linear (plain or streamed) into a resident holding `stored` as parameters: all of it or, on any
+    failure, none (with a caller's `journal`, what the caller journaled is undone too, as `apply` does)."""
     journal = journal or Journal()
-    aligned = {}
-    for name, tensor in stored.items():
-        aligned[name] = tensor.clone() if tensor.data_ptr() % _ALIGNMENT else tensor  # packed kernels need it
-        journal.set_tensor(module, name, nn.Parameter(aligned[name], requires_grad=False))
-    leaf = {k: v for k, v in protocol.leaf_attributes(module, tree).items() if k not in module.__dict__}
-    if tree is None:
-        leaf.pop(protocol.TREE, None)
-    attributes = {**leaf, **protocol.stored_dtype_attributes(aligned), **attributes}
-    journal.swap_class(module, resident_class(type(module), format_name), attributes, "resident")
+    with journal.atomic(lambda exc: None):
+        aligned = {}
+        for name, tensor in stored.items():
+            aligned[name] = tensor.clone() if tensor.data_ptr() % _ALIGNMENT else tensor  # packed kernels need it
+            journal.set_tensor(module, name, nn.Parameter(aligned[name], requires_grad=False))
+        leaf = {k: v for k, v in protocol.leaf_attributes(module, tree).items() if k not in module.__dict__}
+        if tree is None:
+            leaf.pop(protocol.TREE, None)
+        attributes = {**leaf, **protocol.stored_dtype_attributes(aligned), **attributes}
+        journal.swap_class(module, resident_class(type(module), format_name), attributes, "resident")
