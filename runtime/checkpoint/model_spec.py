@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..policy.diagnostics import did_you_mean
+from .build_dtype import BUILD_DTYPES, building_in
 
 
 class ModelSpecError(ValueError):
@@ -34,27 +35,34 @@ def read_config(folder: str | os.PathLike):
         raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
 
 
-def auto_model(config) -> nn.Module:
-    """The causal-LM model for a transformers config where one exists, else the base model.
+def auto_model(config, dtype: torch.dtype | None = None) -> nn.Module:
+    """The causal-LM model for a transformers config where one exists, else the base model, built in `dtype`
+    (default: the config's `dtype`) for this thread only (`build_dtype`).
 
-    transformers builds in the config's `dtype` (`torch_dtype`) and reports one it cannot build in as a
-    ValueError, which would read as "no auto class builds this model", so that dtype is checked first."""
+    transformers reports a dtype it cannot build in as a ValueError, which would read as "no auto class builds this
+    model", so the config's dtype is checked first; and it would switch the process's default dtype to build in one,
+    so it is handed none and the dtype is recorded on the config afterwards, as it records it."""
     import transformers
 
-    from .skeleton import BUILD_DTYPES  # skeleton imports this module
-
-    dtype = getattr(config, "dtype", None)
-    if dtype is not None and dtype not in BUILD_DTYPES:
+    stored = getattr(config, "dtype", None)
+    stored = getattr(torch, stored, stored) if isinstance(stored, str) else stored
+    if stored is not None and stored not in BUILD_DTYPES:
         choices = ", ".join(str(d).removeprefix("torch.") for d in BUILD_DTYPES)
         raise ModelSpecError(
-            f"the config's `dtype` {str(dtype).removeprefix('torch.')} is not a floating dtype a model can be built "
+            f"the config's `dtype` {str(stored).removeprefix('torch.')} is not a floating dtype a model can be built "
             f"in; set `dtype` (or `torch_dtype`) in config.json to one of {choices}"
         )
+    dtype = dtype or stored
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
-            return auto.from_config(config)
+            with building_in(dtype):
+                model = auto.from_config(config, dtype=None)
         except ValueError:
             continue
+        for built in (model.config, *(getattr(model.config, key) for key in model.config.sub_configs)):
+            if built is not None:
+                built.dtype = dtype
+        return model
     raise ModelSpecError(f"no transformers auto class builds model_type `{config.model_type}`")
 
 

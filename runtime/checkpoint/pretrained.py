@@ -19,9 +19,10 @@ from torch import nn
 from ...schemas import Policy
 from ..engine import applied_state
 from ..plan.auto import choose_policy
+from .build_dtype import BUILD_DTYPES
 from .fill import LoadReport, load
 from .readers import Checkpoint, open_checkpoint
-from .skeleton import BUILD_DTYPES, build_skeleton, config_folder, model_type
+from .skeleton import build_skeleton, config_folder, model_type
 
 
 class Pretrained(NamedTuple):

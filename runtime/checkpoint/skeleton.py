@@ -9,14 +9,17 @@ the first that recognizes the folder wins.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..registry import Registry
+from .build_dtype import BUILD_DTYPES
 from .model_spec import ModelSpecError, auto_model, read_config
 
 Builder = Callable[[Path, torch.dtype | None], "nn.Module | None"]
@@ -28,29 +31,42 @@ def register_builder(builder: Builder) -> Builder:
     return BUILDERS.register(f"{builder.__module__}.{builder.__qualname__}", builder)
 
 
-# The dtypes torch can build a model in (its default dtype), so the only ones a skeleton can have.
-BUILD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+_ON_META: ContextVar[bool] = ContextVar("streamwise_skeleton", default=False)
+_patch_lock = threading.Lock()
+_patch_users = 0
+_register_parameter = nn.Module.register_parameter  # the function the patch calls through
+
+
+def _register_on_meta(module: nn.Module, name: str, parameter) -> None:
+    _register_parameter(module, name, parameter)
+    if parameter is not None and not parameter.is_meta and _ON_META.get():
+        module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
 
 
 @contextmanager
 def skeleton():
-    """Build a model with its parameters on the meta device and its buffers real.
+    """Build a model with its parameters on the meta device and its buffers real, in this thread (and context) only.
 
-    Non-persistent buffers (rotary tables) are computed in `__init__` and are never in a
-    checkpoint, so they must exist for real; parameters cost nothing until `load` fills them.
+    Non-persistent buffers (rotary tables) are computed in `__init__` and are never in a checkpoint, so they must
+    exist for real; parameters cost nothing until `load` fills them. `register_parameter` is wrapped while any
+    skeleton is being built, and the wrapper acts only where `_ON_META` is set: a model built meanwhile in another
+    thread gets real parameters.
     """
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, parameter):
-        register(module, name, parameter)
-        if parameter is not None and not parameter.is_meta:
-            module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
-
-    nn.Module.register_parameter = register_on_meta
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            nn.Module.register_parameter = _register_on_meta
+        _patch_users += 1
+    token = _ON_META.set(True)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        _ON_META.reset(token)
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0 and nn.Module.register_parameter is _register_on_meta:
+                nn.Module.register_parameter = _register_parameter  # unless someone patched it after us
 
 
 def config_folder(path: Path) -> Path:
@@ -80,17 +96,5 @@ def _transformers(folder: Path, dtype: torch.dtype | None) -> nn.Module | None:
     if not (folder / "config.json").is_file():
         return None
     config = read_config(folder)
-    with skeleton(), _default_dtype(dtype):
-        return auto_model(config)
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype | None):
-    """Build in `dtype` as transformers' `from_pretrained` does: tensors made in float32 on purpose
-    (rotary `inv_freq`) stay float32, where casting the built model would round them."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype or previous)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+    with skeleton():
+        return auto_model(config, dtype)
