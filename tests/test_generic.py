@@ -234,9 +234,10 @@ def test_streamed_modules_compute_from_the_fetched_tensors_only(name):
 def test_what_streams_generically_counts_against_the_standalone_budget(name):
     model, _ = _tiny(name)
     budget = 30_000
-    report = streamwise.offload(model, "auto", device="meta", offload_device="cpu", budget=budget)
-    on_device = sum(p.nbytes for p in {id(p): p for p in model.parameters() if p.is_meta}.values())
-    assert 0 < report.resident_bytes <= budget and on_device == report.resident_bytes
+    report = streamwise.offload(model, "auto", device="cpu", budget=budget)
+    resident = {id(p): p for leaf in model.modules() if protocol.kind_of(leaf) and not protocol.is_fetching(leaf)
+                for owner in (leaf, *protocol.claimed(leaf)) for p in owner.parameters(recurse=False)}
+    assert 0 < report.resident_bytes <= budget and sum(p.nbytes for p in resident.values()) == report.resident_bytes
     assert report.streamed_bytes + report.resident_bytes == sum(p.nbytes for p in model.parameters())
 
 
