@@ -23,7 +23,6 @@ _ENGINE = {
     "apply_policy": ".runtime.engine",
     "revert": ".runtime.engine",
     "offload": ".runtime.hosts.standalone",
-    "OffloadError": ".runtime.hosts.standalone",
     "model_patcher": ".runtime.hosts.comfyui",
     "load": ".runtime.checkpoint",
     "skeleton": ".runtime.checkpoint",

@@ -13,6 +13,7 @@ from torch import nn
 from streamwise.runtime.checkpoint.skeleton import build_skeleton, skeleton
 
 build_dtype = importlib.import_module("streamwise.runtime.checkpoint.build_dtype")
+UNPATCHED = (nn.Module.register_parameter, torch.get_default_dtype)
 
 
 def built_elsewhere(*contexts) -> dict:
@@ -33,7 +34,7 @@ def built_elsewhere(*contexts) -> dict:
         for context in contexts:
             stack.enter_context(context)
         here = nn.Linear(4, 4)
-        seen["here"] = (here.weight.device.type, here.weight.dtype, torch.tensor(0.5).dtype)
+        seen["here"] = (here.weight.device.type, here.weight.dtype, torch.tensor(0.5).dtype, torch.get_default_dtype())
         entered.set()
         assert done.wait(timeout=30)
     thread.join()
@@ -42,10 +43,10 @@ def built_elsewhere(*contexts) -> dict:
 
 def test_a_skeleton_in_bfloat16_leaves_another_threads_models_alone():
     seen = built_elsewhere(skeleton(), build_dtype.building_in(torch.bfloat16))
-    assert seen["here"] == ("meta", torch.bfloat16, torch.bfloat16)  # the skeleton itself: meta, in bfloat16
+    assert seen["here"] == ("meta", torch.bfloat16, torch.bfloat16, torch.bfloat16)  # the skeleton: meta, bfloat16
     assert seen["device"] == "cpu" and seen["dtype"] == torch.float32  # the other thread: as if nothing happened
     assert seen["default"] == torch.float32 and seen["tensor"] == torch.float32
-    assert nn.Module.register_parameter.__module__ == "torch.nn.modules.module"  # unwrapped once nobody builds
+    assert (nn.Module.register_parameter, torch.get_default_dtype) == UNPATCHED  # unwrapped once nobody builds
 
 
 def test_float32_made_on_purpose_stays_float32_and_what_takes_the_default_takes_the_build_dtype():

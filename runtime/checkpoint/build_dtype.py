@@ -2,7 +2,9 @@
 
 `torch.set_default_dtype` is process-wide: a model built in bfloat16 that way turns every tensor made meanwhile by
 another thread into bfloat16 too (transformers' `from_config(dtype=...)` does exactly that). `building_in` scopes
-the same effect to the calling thread with a torch function mode (whose stack is per thread).
+the same effect to the calling thread: a torch function mode (whose stack is per thread) for the tensors made,
+and `torch.get_default_dtype` answering the build dtype in this thread (model code reads it: Musicgen casts its
+position table to it).
 
 Invariants:
 - a tensor takes `dtype` exactly where it would have taken the default dtype: a constructor given no dtype that
@@ -10,32 +12,50 @@ Invariants:
   (`torch.arange(8) / 8`);
 - a tensor made in float32 on purpose (`.float()`, an explicit `dtype=`: rotary `inv_freq`) stays float32, where
   casting the built model would round it;
-- `torch.get_default_dtype()` is never changed.
+- torch's default dtype is never changed; only this thread's `torch.get_default_dtype()` answers otherwise.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .scoped import ContextPatch
+
 # The dtypes torch can build a model in (its default dtype), so the only ones a skeleton can have.
 BUILD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def building_in(dtype: torch.dtype | None) -> AbstractContextManager:
+@contextmanager
+def building_in(dtype: torch.dtype | None) -> Iterator[None]:
     """Make tensors in `dtype` (one of `BUILD_DTYPES`, or None: the default) where they would take the default
     dtype, in this thread only."""
-    return nullcontext() if dtype is None or dtype == torch.get_default_dtype() else _DefaultDtype(dtype)
+    if dtype is None or dtype == torch.get_default_dtype():
+        yield
+        return
+    with _DefaultDtype(dtype), _DEFAULT_DTYPE.active(dtype):
+        yield
+
+
+def _answering(get_default_dtype: Callable[[], torch.dtype], building: Callable[[], torch.dtype | None]) -> Callable:
+    def get_default() -> torch.dtype:
+        return building() or get_default_dtype()
+
+    return get_default
+
+
+_DEFAULT_DTYPE = ContextPatch(torch, "get_default_dtype", _answering)
 
 
 class _DefaultDtype(TorchFunctionMode):
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
-        self.default = torch.get_default_dtype()
+        self.default = torch.get_default_dtype()  # before this thread's answer changes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

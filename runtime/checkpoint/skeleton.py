@@ -9,10 +9,7 @@ the first that recognizes the folder wins.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -21,6 +18,7 @@ from torch import nn
 from ..registry import Registry
 from .build_dtype import BUILD_DTYPES
 from .model_spec import ModelSpecError, auto_model, read_config
+from .scoped import ContextPatch
 
 Builder = Callable[[Path, torch.dtype | None], "nn.Module | None"]
 BUILDERS: Registry[Builder] = Registry("skeleton builder", order="newest-first")
@@ -32,41 +30,26 @@ def register_builder(builder: Builder) -> Builder:
 
 
 
-_ON_META: ContextVar[bool] = ContextVar("streamwise_skeleton", default=False)
-_patch_lock = threading.Lock()
-_patch_users = 0
-_register_parameter = nn.Module.register_parameter  # the function the patch calls through
+def _on_meta(register: Callable, on_meta: Callable[[], bool | None]) -> Callable:
+    def register_parameter(module: nn.Module, name: str, parameter) -> None:
+        register(module, name, parameter)
+        if parameter is not None and not parameter.is_meta and on_meta():
+            module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
+
+    return register_parameter
 
 
-def _register_on_meta(module: nn.Module, name: str, parameter) -> None:
-    _register_parameter(module, name, parameter)
-    if parameter is not None and not parameter.is_meta and _ON_META.get():
-        module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
+_PARAMETERS_ON_META = ContextPatch(nn.Module, "register_parameter", _on_meta)
 
 
-@contextmanager
 def skeleton():
     """Build a model with its parameters on the meta device and its buffers real, in this thread (and context) only.
 
     Non-persistent buffers (rotary tables) are computed in `__init__` and are never in a checkpoint, so they must
-    exist for real; parameters cost nothing until `load` fills them. `register_parameter` is wrapped while any
-    skeleton is being built, and the wrapper acts only where `_ON_META` is set: a model built meanwhile in another
-    thread gets real parameters.
+    exist for real; parameters cost nothing until `load` fills them. A model built meanwhile in another thread
+    gets real parameters (`scoped.ContextPatch`).
     """
-    global _patch_users
-    with _patch_lock:
-        if _patch_users == 0:
-            nn.Module.register_parameter = _register_on_meta
-        _patch_users += 1
-    token = _ON_META.set(True)
-    try:
-        yield
-    finally:
-        _ON_META.reset(token)
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0 and nn.Module.register_parameter is _register_on_meta:
-                nn.Module.register_parameter = _register_parameter  # unless someone patched it after us
+    return _PARAMETERS_ON_META.active(True)
 
 
 def config_folder(path: Path) -> Path:
