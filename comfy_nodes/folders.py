@@ -10,7 +10,8 @@ import folder_paths
 from ..runtime.policy.diagnostics import PolicyError
 from ..runtime.policy.folders import list_policies, policy_dirs, unknown_choice
 
-MODEL_FOLDERS = ("streamwise", "text_encoders", "LLM")
+MODEL_FOLDERS = ("streamwise", "text_encoders", "LLM")  # ComfyUI folder keys the model loader reads
+REGISTERED_FOLDERS = ("streamwise", "LLM")  # no core registers these: added as models/<key> when absent
 
 
 def comfy_policy_dirs() -> list[Path]:
@@ -34,9 +35,11 @@ def chosen_policy(policy: object, dirs: list[Path], *, auto: bool = False) -> st
 
 
 def model_roots() -> dict[str, list[str]]:
-    """ComfyUI's `streamwise` model folder (registered on first use) and the folders LLMs already live in."""
-    if "streamwise" not in folder_paths.folder_names_and_paths:
-        folder_paths.add_model_folder_path("streamwise", os.path.join(folder_paths.models_dir, "streamwise"))
+    """The paths of each of `MODEL_FOLDERS`; `streamwise` and `LLM` are registered on first use (another pack or
+    extra_model_paths.yaml may have registered them already), so models/LLM is read as the tooltip says."""
+    for key in REGISTERED_FOLDERS:
+        if key not in folder_paths.folder_names_and_paths:
+            folder_paths.add_model_folder_path(key, os.path.join(folder_paths.models_dir, key))
     roots = {}
     for key in MODEL_FOLDERS:
         if key in folder_paths.folder_names_and_paths:

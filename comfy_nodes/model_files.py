@@ -1,33 +1,31 @@
-"""Which model files a picker offers: `.safetensors` and `.gguf` files, and folders that hold a
-`config.json` (a Hugging Face checkpoint, listed once as a whole). Labels resolve back to paths
-only inside the folders they were listed from.
+"""Which models a picker offers: only what `load_pretrained` can load, so only weights with a `config.json` beside
+them (a loose file has nothing to build its skeleton from). A folder holding one is offered whole (the weights it
+loads by itself: its shard index, its one `.safetensors`, else its one `.gguf`) and file by file (`folder/model.gguf`),
+shards excepted: they are parts of the folder's weights. Symlinked folders are followed, each real folder once per
+root, so a cycle ends. Labels resolve back only to what was listed. No ComfyUI import: unit-tested without a core.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+SHARD_INDEX = "model.safetensors.index.json"
+MAX_INDEX = 64 * 1024**2  # read on every listing: a larger "index" is not one worth parsing
 
 
 def list_models(roots: dict[str, Iterable[str | os.PathLike]]) -> dict[str, Path]:
-    """`{"<folder key>/<relative path>": path}` for every model under the given roots."""
+    """`{"<folder key>/<relative path>": path}` for every loadable model under the given roots; the first root of a
+    key wins a label two of them hold, as ComfyUI's own lookups do."""
     found: dict[str, Path] = {}
     for key, folders in roots.items():
         for folder in map(Path, folders):
-            if not folder.is_dir():
-                continue
-            for current, dirs, files in os.walk(folder):
-                here = Path(current)
-                if (here / "config.json").is_file() and here != folder:
-                    found[f"{key}/{here.relative_to(folder).as_posix()}"] = here
-                    dirs.clear()  # the folder is one model: its weight files are not listed again
-                    continue
-                for name in sorted(files):
-                    if name.endswith(WEIGHT_SUFFIXES) and not name.endswith(".index.json"):
-                        found[f"{key}/{(here / name).relative_to(folder).as_posix()}"] = here / name
+            for relative, here, files in _folders(folder):
+                for label, path in _offered(relative, here, files):
+                    found.setdefault(f"{key}/{label}", path)
     return dict(sorted(found.items()))
 
 
@@ -36,3 +34,62 @@ def resolve_model(label: str, roots: dict[str, Iterable[str | os.PathLike]]) -> 
     if label not in models:
         raise FileNotFoundError(f"no model `{label}` in the model folders (is it still there?)")
     return models[label]
+
+
+def _folders(root: Path) -> Iterator[tuple[str, Path, set[str]]]:
+    """`(relative label prefix, folder, regular file names)` for each folder under `root`, each real folder once.
+
+    Folders reached by their own path come before symlinked ones, so a link to a listed folder never takes over its
+    label, and a link back up the tree (a cycle) reaches a folder already seen and ends there.
+    """
+    seen: set[str] = set()
+    walk, links = [("", root)], []
+    while walk or links:
+        if not walk:
+            walk, links = sorted(links, reverse=True), []
+        relative, here = walk.pop()
+        real = os.path.realpath(here)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            with os.scandir(here) as scan:
+                entries = list(scan)
+        except OSError:  # unreadable or gone: nothing to offer from it
+            continue
+        files, subfolders = set(), []
+        for entry in entries:
+            try:
+                if entry.is_dir():
+                    (links if entry.is_symlink() else subfolders).append((f"{relative}{entry.name}/", Path(entry.path)))
+                elif entry.is_file():  # a FIFO or device is never offered: opening it would block
+                    files.add(entry.name)
+            except OSError:
+                continue
+        walk += sorted(subfolders, reverse=True)
+        yield relative, here, files
+
+
+def _offered(relative: str, here: Path, files: set[str]) -> Iterator[tuple[str, Path]]:
+    if "config.json" not in files:
+        return
+    weights = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
+    sharded = SHARD_INDEX in files
+    defaults = [name for name in weights if name.endswith(".safetensors")] or weights  # as `open_checkpoint` picks
+    if relative and (sharded or len(defaults) == 1):  # a root has no label of its own
+        yield relative.rstrip("/"), here
+    shards = _shards(here / SHARD_INDEX) if sharded else set()
+    for name in weights:
+        if name.endswith(".gguf") or (shards is not None and name not in shards):
+            yield relative + name, here / name
+
+
+def _shards(index: Path) -> set[str] | None:
+    """The files a shard index names; None when it cannot be read, and then no `.safetensors` beside it is offered
+    alone (any may be a shard; the folder itself still is, and loading it says what is wrong with the index)."""
+    try:
+        if index.stat().st_size > MAX_INDEX:
+            return None
+        return set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None

@@ -18,7 +18,8 @@ class StreamwiseModelLoader:
     TITLE = "Streamwise Model Loader"
     CATEGORY = "streamwise"
     DESCRIPTION = (
-        "Load a transformers-style model (HF folder, .safetensors or .gguf) and convert it with a Streamwise policy."
+        "Load a transformers-style model (an HF folder, or a .safetensors or .gguf file beside its config.json) from "
+        "the model folders streamwise, text_encoders and LLM, and convert it with a Streamwise policy."
     )
     FUNCTION = "load"
     RETURN_TYPES = ("MODEL", "STRING")
@@ -29,7 +30,9 @@ class StreamwiseModelLoader:
         return {"required": {
             "model": (
                 list(list_models(model_roots())) or ["(no models found)"],
-                {"tooltip": "From models/streamwise, text_encoders or LLM."},
+                {"tooltip": "From ComfyUI's model folders streamwise, text_encoders and LLM (models/streamwise, "
+                            "models/text_encoders, models/clip, models/LLM and extra_model_paths.yaml): each folder "
+                            "with a config.json, whole or as one of its .safetensors/.gguf files."},
             ),
             "policy": (policy_choices(auto=True), {"tooltip": "`auto` picks by the policies' [match] tables."}),
             "dtype": (list(DTYPES), {"default": "auto"}),

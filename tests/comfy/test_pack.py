@@ -51,3 +51,30 @@ def test_policy_check_node_reads_user_policies_without_restart(comfy_nodes):
         assert node().check("vibevoice")["result"] == ("policy `vibevoice` is valid",)
     finally:
         path.unlink()
+
+
+def test_the_loader_reads_models_llm_and_picks_a_gguf_beside_a_config(comfy_nodes, tmp_path):
+    """No core registers `LLM`; the pack does, so models/LLM is read as the tooltip says, file by file."""
+    import folder_paths
+
+    from streamwise.runtime.cli.streamwise import main
+
+    load_custom_node(comfy_nodes, REPO)
+    loader = comfy_nodes.NODE_CLASS_MAPPINGS["StreamwiseModelLoader"]
+    model_input = loader.INPUT_TYPES()["required"]["model"]
+    assert Path(folder_paths.models_dir) / "LLM" in map(Path, folder_paths.get_folder_paths("LLM"))
+    assert all(key in model_input[1]["tooltip"] for key in ("streamwise", "text_encoders", "LLM", "models/LLM"))
+
+    tiny_qwen2().save_pretrained(tmp_path / "qwen")
+    assert main(["quantize", str(tmp_path / "qwen"), str(tmp_path / "qwen" / "model.gguf"), "--policy",
+                 "decoder-llm"]) == 0
+    (tmp_path / "loose.gguf").write_bytes(b"no config.json beside it")
+    folder_paths.add_model_folder_path("LLM", str(tmp_path))
+    try:
+        choices = loader.INPUT_TYPES()["required"]["model"][0]
+        assert {"LLM/qwen", "LLM/qwen/model.gguf", "LLM/qwen/model.safetensors"} <= set(choices)
+        assert "LLM/loose.gguf" not in choices
+        _, report = loader().load("LLM/qwen/model.gguf", "auto", "auto")
+        assert "picked `decoder-llm`" in report and report.endswith("tensors from model.gguf")
+    finally:
+        folder_paths.folder_names_and_paths["LLM"][0].remove(str(tmp_path))

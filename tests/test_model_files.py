@@ -1,0 +1,142 @@
+"""What the model loader's picker offers, without ComfyUI: only what loads, symlinks followed, labels never escape."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, tiny_qwen2
+
+# By its file: the `comfy_nodes` package imports ComfyUI's `folder_paths`, which model_files must not need.
+_SPEC = importlib.util.spec_from_file_location("model_files", REPO / "comfy_nodes" / "model_files.py")
+model_files = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(model_files)
+
+
+def model_folder(folder: Path, *weights: str) -> Path:
+    """A folder with a config.json and placeholder weight files (listing never opens them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}), encoding="utf-8")
+    for name in weights:
+        (folder / name).write_bytes(b"weights")
+    return folder
+
+
+def labels(root: Path, key: str = "k") -> list[str]:
+    return list(model_files.list_models({key: [root]}))
+
+
+def test_a_gguf_beside_config_json_is_offered_and_loads_with_that_config(tmp_path):
+    from streamwise.runtime.checkpoint import load_pretrained
+    from streamwise.runtime.cli.streamwise import main
+
+    folder = tmp_path / "qwen"
+    tiny_qwen2().save_pretrained(folder)
+    assert main(["quantize", str(folder), str(folder / "model.gguf"), "--policy", "decoder-llm"]) == 0
+    roots = {"LLM": [tmp_path]}
+    assert list(model_files.list_models(roots)) == ["LLM/qwen", "LLM/qwen/model.gguf", "LLM/qwen/model.safetensors"]
+
+    picked = model_files.resolve_model("LLM/qwen/model.gguf", roots)
+    assert picked == folder / "model.gguf"
+    assert Path(load_pretrained(picked, "decoder-llm").report.file).name == "model.gguf"
+    # The folder's own label keeps loading what it loaded before the .gguf sat beside it.
+    whole = load_pretrained(model_files.resolve_model("LLM/qwen", roots), "decoder-llm")
+    assert Path(whole.report.file).name == "model.safetensors"
+
+
+def test_loose_weights_and_folders_that_cannot_load_are_not_offered(tmp_path):
+    (tmp_path / "loose.gguf").write_bytes(b"weights")
+    (tmp_path / "loose.safetensors").write_bytes(b"weights")
+    (tmp_path / "no-config").mkdir()
+    (tmp_path / "no-config" / "model.gguf").write_bytes(b"weights")
+    model_folder(tmp_path / "config-only")  # a config.json and no weights: nothing to load
+    model_folder(tmp_path / "two-files", "a.safetensors", "b.safetensors")  # as a folder: which one?
+    model_folder(tmp_path / "gguf-only", "model.gguf")
+    model_folder(tmp_path / "gguf-only" / "nested", "model.safetensors")  # a model folder inside one
+    os.mkfifo(tmp_path / "gguf-only" / "pipe.gguf")  # opening it would block: never offered
+    assert labels(tmp_path) == [
+        "k/gguf-only", "k/gguf-only/model.gguf", "k/gguf-only/nested", "k/gguf-only/nested/model.safetensors",
+        "k/two-files/a.safetensors", "k/two-files/b.safetensors",
+    ]
+
+
+def test_a_root_beside_its_own_config_json_offers_its_files_only(tmp_path):
+    model_folder(tmp_path, "model.gguf")
+    assert labels(tmp_path) == ["k/model.gguf"]
+
+
+def test_shards_are_offered_only_as_their_folder(tmp_path):
+    folder = tmp_path / "sharded"
+    tiny_qwen2().save_pretrained(folder, max_shard_size="100KB")
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1 and (folder / model_files.SHARD_INDEX).is_file()
+    (folder / "model-q8_0.gguf").write_bytes(b"weights")
+    (folder / "extra.safetensors").write_bytes(b"weights")  # not in the index: a file of its own
+    assert labels(tmp_path) == ["k/sharded", "k/sharded/extra.safetensors", "k/sharded/model-q8_0.gguf"]
+
+    (folder / model_files.SHARD_INDEX).write_text("not json", encoding="utf-8")  # then any may be a shard
+    assert labels(tmp_path) == ["k/sharded", "k/sharded/model-q8_0.gguf"]
+
+
+def test_symlinked_folders_and_files_are_followed(tmp_path):
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    model_folder(elsewhere / "qwen", "model.gguf")
+    model_folder(elsewhere / "store" / "deep", "model.safetensors")
+    root.mkdir()
+    (root / "linked").symlink_to(elsewhere / "qwen", target_is_directory=True)
+    (root / "store").symlink_to(elsewhere / "store", target_is_directory=True)
+    snapshot = model_folder(root / "snapshot")  # a Hugging Face cache snapshot: every file a link to a blob
+    (elsewhere / "blob").write_bytes(b"weights")
+    (snapshot / "model.gguf").symlink_to(elsewhere / "blob")
+    (snapshot / "broken.gguf").symlink_to(elsewhere / "gone")
+    assert labels(root) == [
+        "k/linked", "k/linked/model.gguf", "k/snapshot", "k/snapshot/model.gguf",
+        "k/store/deep", "k/store/deep/model.safetensors",
+    ]
+    assert model_files.resolve_model("k/linked/model.gguf", {"k": [root]}) == root / "linked" / "model.gguf"
+
+
+def test_a_link_to_a_listed_folder_never_takes_over_its_label(tmp_path):
+    model_folder(tmp_path / "z" / "real", "model.gguf")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "alias").symlink_to(tmp_path / "z" / "real", target_is_directory=True)  # walked first
+    assert labels(tmp_path) == ["k/z/real", "k/z/real/model.gguf"]
+
+
+def test_symlink_cycles_end(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    model_folder(root / "m", "model.gguf")
+    (root / "m" / "up").symlink_to(root, target_is_directory=True)
+    (root / "self").symlink_to(root / "self")  # a link to itself: the system refuses to follow it
+    model_folder(outside / "a", "model.gguf")
+    (outside / "a" / "back").symlink_to(outside / "b", target_is_directory=True)
+    (outside / "b").symlink_to(outside / "a", target_is_directory=True)
+    (root / "out").symlink_to(outside / "a", target_is_directory=True)
+    assert labels(root) == ["k/m", "k/m/model.gguf", "k/out", "k/out/model.gguf"]
+
+
+def test_labels_resolve_only_to_what_was_listed(tmp_path):
+    root = tmp_path / "root"
+    model_folder(root / "m", "model.gguf")
+    model_folder(tmp_path / "outside", "model.gguf")
+    roots = {"k": [root]}
+    assert model_files.resolve_model("k/m", roots) == root / "m"
+    for label in ("k/../outside", "k/../outside/model.gguf", "k/m/../m", str(tmp_path / "outside"), "m", "x/m",
+                  "k/m/config.json", "k/"):
+        with pytest.raises(FileNotFoundError, match="no model"):
+            model_files.resolve_model(label, roots)
+
+
+def test_the_first_root_of_a_key_wins_a_shared_label(tmp_path):
+    first = model_folder(tmp_path / "first" / "m", "model.gguf")
+    model_folder(tmp_path / "second" / "m", "model.gguf")
+    model_folder(tmp_path / "other" / "m", "model.gguf")
+    roots = {"k": [tmp_path / "first", tmp_path / "second", tmp_path / "missing"], "LLM": [tmp_path / "other"]}
+    assert model_files.list_models(roots) == {
+        "LLM/m": tmp_path / "other" / "m", "LLM/m/model.gguf": tmp_path / "other" / "m" / "model.gguf",
+        "k/m": first, "k/m/model.gguf": first / "model.gguf",
+    }
