@@ -2,34 +2,70 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..runtime.engine import applied_state
+
+# transformers' own defaults for the sampling-only flags: values its validator never calls "not valid" when greedy.
+GREEDY_FLAGS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+
+
+class TokenSteps:
+    """A stopping criterion that never stops: it runs once per new token to move ComfyUI's progress bar and to
+    raise ComfyUI's interrupt there, so `/interrupt` ends generation within a token instead of at its end."""
+
+    def __init__(self, progress, check_interrupt):
+        self.progress = progress
+        self.check_interrupt = check_interrupt
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.progress.update(1)
+        self.check_interrupt()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def generation_config(model, max_new_tokens: int, do_sample: bool, pad_token_id, **sampling):
+    """The model's own generation defaults with this node's flags. Sampling flags apply only when sampling; a greedy
+    run sets them neutral, so neither the node's inputs nor the checkpoint's generation_config.json log a warning."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id,
+                  **(sampling if do_sample else GREEDY_FLAGS))
+    return config
 
 
 class StreamwiseGenerateText:
     TITLE = "Streamwise Generate Text"
     CATEGORY = "streamwise"
-    DESCRIPTION = "Generate text with a causal LM loaded by the Streamwise Model Loader (tokenizer from its folder)."
+    DESCRIPTION = "Generate text with a causal LM loaded by the Streamwise Model Loader (tokenizer: its folder)."
     FUNCTION = "generate"
+    OUTPUT_NODE = True
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("text",)
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL",),
-            "prompt": ("STRING", {"multiline": True, "default": ""}),
-            "max_new_tokens": ("INT", {"default": 128, "min": 1, "max": 8192}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**63 - 1}),
-            "do_sample": ("BOOLEAN", {"default": True}),
-            "temperature": ("FLOAT", {"default": 0.7, "min": 0.01, "max": 5.0, "step": 0.01}),
-            "top_p": ("FLOAT", {"default": 0.9, "min": 0.0, "max": 1.0, "step": 0.01}),
-            "top_k": ("INT", {"default": 50, "min": 0, "max": 1000}),
+            "model": ("MODEL", {"tooltip": "A causal LM from the Streamwise Model Loader (tokenizer: its folder)."}),
+            "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "The text to continue."}),
+            "max_new_tokens": ("INT", {"default": 128, "min": 1, "max": 8192,
+                                       "tooltip": "The most tokens to generate; it stops earlier at end-of-text."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**63 - 1,
+                             "tooltip": "Seeds sampling, so a run can be repeated; greedy ignores it."}),
+            "do_sample": ("BOOLEAN", {"default": True,
+                                      "tooltip": "Sample the next token; off picks the most likely one (greedy)."}),
+            "temperature": ("FLOAT", {"default": 0.7, "min": 0.01, "max": 5.0, "step": 0.01,
+                                      "tooltip": "Sampling only: lower is more predictable, higher more varied."}),
+            "top_p": ("FLOAT", {"default": 0.9, "min": 0.0, "max": 1.0, "step": 0.01,
+                                "tooltip": "Sampling only: draw from the likeliest tokens that add up to this share."}),
+            "top_k": ("INT", {"default": 50, "min": 0, "max": 1000,
+                              "tooltip": "Sampling only: draw from this many likeliest tokens (0: no limit)."}),
         }}
 
     def generate(self, model, prompt, max_new_tokens, seed, do_sample, temperature, top_p, top_k):
         import comfy.model_management
+        import comfy.utils
         import transformers
 
         state = applied_state(model.model)
@@ -45,11 +81,15 @@ class StreamwiseGenerateText:
             raise ValueError("the prompt tokenizes to no tokens: write a prompt to continue")
         comfy.model_management.load_models_gpu([model])
         ids = ids.to(model.load_device)
+        pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        config = generation_config(model.model, max_new_tokens, do_sample, pad,
+                                   temperature=temperature, top_p=top_p, top_k=top_k)
+        check_interrupt = getattr(comfy.model_management, "throw_exception_if_processing_interrupted", lambda: None)
+        steps = TokenSteps(comfy.utils.ProgressBar(max_new_tokens), check_interrupt)
         torch.manual_seed(seed)  # sampling draws from torch's global generator
         with torch.no_grad():
             tokens = model.model.generate(
-                ids, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
-                top_k=top_k,
-                pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+                ids, generation_config=config, stopping_criteria=transformers.StoppingCriteriaList([steps]),
             )
-        return (tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True),)
+        text = tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True)
+        return {"ui": {"text": [text]}, "result": (text,)}

@@ -92,7 +92,7 @@ def test_the_generate_text_workflow(nodes):
     mappings, root = nodes
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_generate_text.json").read_text())
     outputs = run_workflow(mappings, workflow)
-    (text,) = outputs["2"]
+    (text,) = outputs["2"]["result"]
     assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
 
 
@@ -128,7 +128,8 @@ def test_a_compiled_model_generates_text(nodes):
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_compile.json").read_text())
     workflow["2"]["inputs"]["backend"] = "aot_eager"
     compiled = run_workflow(mappings, workflow)["2"][0]
-    (text,) = mappings["StreamwiseGenerateText"]().generate(compiled, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)
+    generate = mappings["StreamwiseGenerateText"]().generate
+    (text,) = generate(compiled, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)["result"]
     assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
     assert streamwise.compile_stats(compiled).graphs >= 1 and streamwise.compile_stats(compiled).fallbacks == []
 
@@ -147,7 +148,7 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
     assert main(["quantize", str(root / "tiny-qwen2"), str(folder / "model.gguf"), "--policy", "decoder-llm"]) == 0
     patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2-gguf", "decoder-llm", "auto")
     assert "model.gguf" in report
-    (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
+    (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)["result"]
     assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)  # Q8_0 keeps greedy decoding here
     with pytest.raises(ValueError, match="the prompt tokenizes to no tokens"):
         mappings["StreamwiseGenerateText"]().generate(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
@@ -203,3 +204,102 @@ def test_apply_policy_node_picks_the_policy_by_auto(nodes):
     (converted,) = mappings["ApplyStreamwisePolicy"]().apply(plain, "auto")
     assert applied_state(model).plan.policy == "decoder-llm"
     assert type(model.lm_head).__name__ == "StreamedLinear" and converted.model is model
+
+
+def recording_progress_bar(monkeypatch, on_update=lambda value: None):
+    """Swap in a ComfyUI ProgressBar that records every update (the hook of newer cores is throttled)."""
+    import comfy.utils
+
+    bars = []
+
+    class Recording(comfy.utils.ProgressBar):
+        def __init__(self, total, node_id=None):
+            super().__init__(total, node_id)
+            self.values = []
+            bars.append(self)
+
+        def update_absolute(self, value, total=None, preview=None):
+            super().update_absolute(value, total, preview)
+            self.values.append(value)
+            on_update(value)
+
+    monkeypatch.setattr(comfy.utils, "ProgressBar", Recording)
+    return bars
+
+
+def test_generate_text_is_an_output_node_with_tooltips(nodes):
+    mappings, root = nodes
+    cls = mappings["StreamwiseGenerateText"]
+    assert cls.OUTPUT_NODE is True and cls.RETURN_NAMES == ("text",)
+    inputs = cls.INPUT_TYPES()["required"]
+    assert list(inputs) == ["model", "prompt", "max_new_tokens", "seed", "do_sample", "temperature", "top_p", "top_k"]
+    assert all(spec[1].get("tooltip") for spec in inputs.values())
+    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    out = cls().generate(patcher, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)
+    assert out["ui"] == {"text": list(out["result"])}
+    assert out["result"] == (reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8),)
+
+
+def test_generate_text_moves_the_progress_bar_once_per_token(nodes, monkeypatch):
+    mappings, root = nodes
+    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    bars = recording_progress_bar(monkeypatch)
+    (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 12, 0, False, 0.7, 0.9, 50)["result"]
+    (bar,) = bars
+    assert bar.total == 12 and bar.values == list(range(1, 13))  # the tiny model has no end-of-text: all 12 tokens
+    assert text == reference_text(root / "tiny-qwen2", "a cat", 12)
+
+
+def test_generate_text_stops_within_a_token_of_an_interrupt(nodes, monkeypatch):
+    import comfy.model_management
+
+    mappings, root = nodes
+    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    after = 3
+    bars = recording_progress_bar(
+        monkeypatch, lambda value: value == after and comfy.model_management.interrupt_current_processing(True))
+    node = mappings["StreamwiseGenerateText"]()
+    try:
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            node.generate(patcher, "a cat", 500, 0, False, 0.7, 0.9, 50)
+        assert not comfy.model_management.processing_interrupted()  # raised the way ComfyUI's own check does
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+    assert after <= len(bars[0].values) < after + 3
+    monkeypatch.undo()
+    (text,) = node.generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)["result"]  # the model is still usable
+    assert text == reference_text(root / "tiny-qwen2", "a cat", 4)
+
+
+def test_generate_text_passes_only_the_flags_that_apply(nodes):
+    import io
+    import logging
+    import sys
+
+    from transformers.utils import logging as transformers_logging
+
+    mappings, _ = nodes
+    cls = mappings["StreamwiseGenerateText"]
+    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    # A checkpoint's generation_config.json that samples (as instruction-tuned Qwen2.5 ships) must stay quiet too.
+    patcher.model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.8, top_k=20)
+    config = sys.modules[cls.__module__].generation_config
+    sampled = config(patcher.model, 8, True, 1, temperature=0.7, top_p=0.9, top_k=40)
+    assert (sampled.do_sample, sampled.temperature, sampled.top_p, sampled.top_k) == (True, 0.7, 0.9, 40)
+    assert config(patcher.model, 8, False, 1, temperature=0.7, top_p=0.9, top_k=40).do_sample is False
+    assert patcher.model.generation_config.temperature == 0.6  # the model's own config is left as it was
+    captured = io.StringIO()
+    handler = logging.StreamHandler(captured)
+    library = transformers_logging.get_logger("transformers")  # its records do not propagate to caplog
+    library.addHandler(handler)
+    try:
+        transformers_logging.warning_once.cache_clear()  # it logs each message once per process
+        patcher.model.generate(torch.tensor([[3, 4]]), max_new_tokens=2, do_sample=False, temperature=0.7)
+        assert "generation flags are not valid" in captured.getvalue()  # the capture sees the warning
+        transformers_logging.warning_once.cache_clear()
+        captured.truncate(0)
+        cls().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
+        cls().generate(patcher, "a cat", 4, 0, True, 0.7, 0.9, 50)
+    finally:
+        library.removeHandler(handler)
+    assert "not valid" not in captured.getvalue()
