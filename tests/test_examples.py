@@ -35,3 +35,28 @@ def test_demo_reports_parity_for_both_models_and_formats():
     assert results["vibevoice-tokenizer/gguf q8_0"]["relative_error"] < 0.02
     text = "\n".join(lines)
     assert "coverage 100%" in text and "residents {'gguf': 29}" in text
+
+
+
+WORKFLOWS = sorted(p for p in (REPO / "examples" / "workflows").glob("*.json") if not p.name.endswith(".ui.json"))
+
+
+@pytest.mark.parametrize("api", WORKFLOWS, ids=lambda p: p.stem)
+def test_each_workflow_ships_in_the_ui_format_with_the_same_graph(api):
+    """Without ComfyUI: the same nodes, links and widget values (the API files list inputs in each node's order).
+    tests/comfy/test_server.py checks the whole file against what a server's /object_info makes of it."""
+    import json
+
+    graph, ui = json.loads(api.read_text()), json.loads(api.with_suffix(".ui.json").read_text())
+    nodes = {str(node["id"]): node for node in ui["nodes"]}
+    assert {k: node["type"] for k, node in nodes.items()} == {k: node["class_type"] for k, node in graph.items()}
+    linked = sorted((str(src), out, str(to), nodes[str(to)]["inputs"][slot]["name"])
+                    for _, src, out, to, slot, _ in ui["links"])
+    assert linked == sorted((value[0], value[1], key, name) for key, node in graph.items()
+                            for name, value in node["inputs"].items() if isinstance(value, list))
+    for key, node in graph.items():
+        widgets = []
+        for name, value in node["inputs"].items():
+            if not isinstance(value, list):
+                widgets += [value, "fixed"] if name == "seed" else [value]  # the frontend's control_after_generate
+        assert nodes[key]["widgets_values"] == widgets

@@ -1,0 +1,225 @@
+"""The shipped workflows through a real ComfyUI server: main.py --cpu in its own process group, driven over HTTP
+(queue, history, cache, interrupt, free) as the frontend drives it. One server per module: a start takes 20-40 s."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfy_harness import ROOT_ENV, comfyui_root
+from helpers import REPO, tiny_qwen2
+
+LAUNCHER = Path(__file__).with_name("launch_core.py")
+WORKFLOWS = REPO / "examples" / "workflows"
+PACK = "comfyui-streamwise"  # ComfyUI imports a pack as a module named after its folder: not `streamwise`
+PACK_NODES = {"StreamwiseModelLoader", "ApplyStreamwisePolicy", "INT8LazyTorchCompile", "StreamwiseGenerateText",
+              "StreamwisePolicyCheck"}
+PROMPT = "a cat sat on the mat"
+
+
+def from_file(path: Path):
+    """A module by path: neither the example script nor a sibling test module is importable by name here."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ui_format = from_file(WORKFLOWS / "ui_format.py")
+reference_text, tiny_tokenizer = (getattr(from_file(Path(__file__).with_name("test_nodes.py")), name)
+                                  for name in ("reference_text", "tiny_tokenizer"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, port: int, base: Path):
+        self.process, self.url, self.log = process, f"http://127.0.0.1:{port}", base / "server.log"
+        self.model = base / "models" / "streamwise" / "tiny-qwen2"
+
+    def request(self, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read()
+        return json.loads(text) if text else None
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def queue(self, workflow: dict) -> str:
+        try:
+            return self.request("/prompt", {"prompt": workflow, "client_id": "streamwise-tests"})["prompt_id"]
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"/prompt refused the workflow: {exc.read().decode()}") from None
+
+    def wait(self, prompt_id: str, timeout: float = 120) -> dict:
+        """The prompt's /history entry once it has finished, whichever way."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.request(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("status_str") in ("success", "error"):
+                return entry
+            time.sleep(0.05)
+        raise AssertionError(f"prompt {prompt_id} still unfinished after {timeout} s\n{self.tail()}")
+
+    def run(self, workflow: dict) -> dict:
+        entry = self.wait(self.queue(workflow))
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
+        return entry
+
+
+def cached_nodes(entry: dict) -> set[str]:
+    return {node for kind, data in entry["status"]["messages"] if kind == "execution_cached" for node in data["nodes"]}
+
+
+def core_arguments(root: Path, base: Path) -> list[str]:
+    """Flags this core has (asked through --help) that keep every folder it writes under `base`."""
+    shown = subprocess.run([sys.executable, str(LAUNCHER), str(root), "--help"], capture_output=True, text=True,
+                           timeout=300).stdout
+    folders = ("output", "user", "temp", "input")
+    for name in folders:
+        (base / name).mkdir()
+    arguments = (["--base-directory", str(base)] if "--base-directory" in shown
+                 else [flag for name in folders for flag in (f"--{name}-directory", str(base / name))])
+    if "--database-url" in shown:
+        arguments += ["--database-url", "sqlite:///:memory:"]  # the default file lies inside the core checkout
+    return arguments
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A ComfyUI server on a free loopback port with the pack in a temporary custom_nodes and a tiny Qwen2 (+
+    tokenizer) as models/streamwise/tiny-qwen2, the folder the workflows name; stopped, whole group, at the end."""
+    root = comfyui_root()
+    if root is None:
+        pytest.skip(f"{ROOT_ENV} is not set: point it at a ComfyUI checkout to run the integration tests")
+    base = tmp_path_factory.mktemp("comfy-base")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / PACK).symlink_to(REPO, target_is_directory=True)
+    folder = base / "models" / "streamwise" / "tiny-qwen2"
+    torch.manual_seed(0)
+    tiny_qwen2().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    paths = base / "extra_model_paths.yaml"  # custom_nodes too: a core without --base-directory still finds the pack
+    paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n"
+                     "  custom_nodes: custom_nodes\n")
+    port = free_port()
+    command = [sys.executable, str(LAUNCHER), str(root), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+               "--extra-model-paths-config", str(paths), *core_arguments(root, base)]
+    with open(base / "server.log", "w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=os.environ.copy(), start_new_session=True)
+    started = Server(process, port, base)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None, f"the server exited with {process.returncode}\n{started.tail()}"
+            assert time.monotonic() < deadline, f"the server did not answer within 300 s\n{started.tail()}"
+            try:
+                started.request("/system_stats")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        yield started
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def object_info(server):
+    return server.request("/object_info")
+
+
+def workflow(name: str) -> dict:
+    return json.loads((WORKFLOWS / f"{name}.json").read_text())
+
+
+def generate_node(graph: dict) -> str:
+    (key,) = [k for k, node in graph.items() if node["class_type"] == "StreamwiseGenerateText"]
+    return key
+
+
+def test_the_server_lists_the_packs_nodes_and_the_tiny_model(object_info):
+    assert PACK_NODES <= set(object_info)
+    assert all(PACK in object_info[name]["python_module"] for name in PACK_NODES)
+    assert "streamwise/tiny-qwen2" in object_info["StreamwiseModelLoader"]["input"]["required"]["model"][0]
+    assert object_info["StreamwiseGenerateText"]["output_node"] is True
+
+
+@pytest.mark.parametrize("path", ui_format.api_files(WORKFLOWS), ids=lambda p: p.stem)
+def test_the_shipped_ui_workflow_is_what_the_server_makes_of_the_api_one(object_info, path):
+    expected = ui_format.render(ui_format.to_ui(json.loads(path.read_text()), object_info))
+    assert ui_format.ui_path(path).read_text() == expected, "regenerate: python examples/workflows/ui_format.py URL"
+
+
+@pytest.mark.parametrize("path", ui_format.api_files(WORKFLOWS), ids=lambda p: p.stem)
+def test_every_shipped_workflow_ends_in_an_output_node_and_runs(server, object_info, path):
+    graph = json.loads(path.read_text())
+    used = {value[0] for node in graph.values() for value in node["inputs"].values() if isinstance(value, list)}
+    sinks = set(graph) - used
+    assert sinks and all(object_info[graph[key]["class_type"]]["output_node"] for key in sinks)
+    entry = server.run(graph)
+    key = generate_node(graph)
+    assert entry["outputs"][key]["text"] == [reference_text(server.model, PROMPT, 8)]
+
+
+def test_a_changed_input_re_executes_only_what_depends_on_it(server):
+    graph = workflow("streamwise_generate_text")
+    server.run(graph)
+    again = server.run(graph)
+    assert cached_nodes(again) == {"1", "2"}  # nothing changed: nothing runs
+    graph["2"]["inputs"]["max_new_tokens"] = 4
+    changed = server.run(graph)
+    assert cached_nodes(changed) == {"1"}
+    assert changed["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 4)]
+
+
+def test_interrupt_ends_a_long_generation_within_seconds(server):
+    graph = workflow("streamwise_generate_text")
+    graph["2"]["inputs"]["max_new_tokens"] = 8192
+    prompt_id = server.queue(graph)
+    deadline = time.monotonic() + 60
+    while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(0.05)
+    time.sleep(1.0)  # well into the token loop
+    assert not server.request(f"/history/{prompt_id}"), "the generation ended before it could be interrupted"
+    started = time.monotonic()
+    server.request("/interrupt", {})
+    entry = server.wait(prompt_id, timeout=10)
+    assert time.monotonic() - started < 5
+    assert entry["status"]["status_str"] == "error"
+    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
+    server.run(workflow("streamwise_generate_text"))  # the model stays ready for the next prompt
+
+
+def test_free_unloads_and_drops_the_cache(server):
+    graph = workflow("streamwise_generate_text")
+    server.run(graph)
+    server.request("/free", {"unload_models": True, "free_memory": True})
+    time.sleep(1.0)  # the worker takes the flags between prompts
+    entry = server.run(graph)
+    assert cached_nodes(entry) == set()
+    assert entry["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 8)]
