@@ -236,3 +236,21 @@ def test_offloading_relocated_tensors_sends_them_back(monkeypatch):
     assert moved == []  # already there
     offload_relocated(model, torch.device("meta"))
     assert moved == [("inv_freq", torch.device("meta")), ("original_inv_freq", torch.device("meta"))]
+
+
+def test_a_converted_root_is_freed_by_reference_counting_alone():
+    """The root holds its state, whose records would hold the root: the root's record holds it weakly, so no cycle
+    keeps a dropped model alive until a full collection."""
+    import gc
+    import weakref
+
+    root = torch.nn.Linear(4, 4)
+    streamwise.apply_policy(root, "any-module")
+    assert type(root) is not torch.nn.Linear
+    alive = weakref.ref(root)
+    gc.disable()
+    try:
+        del root
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -84,6 +85,21 @@ def _now(target: object, names: Iterable[str], role: str = "") -> _Record:
     return _Record(target, type(target), {name: held.get(name, _ABSENT) for name in names}, role)
 
 
+class _RootRecord(_Record):
+    """A record of the root, held weakly: the root holds the state that holds the records, so a strong reference back
+    is a cycle that keeps a dropped model alive until a full collection (ComfyUI warns of a potential leak)."""
+
+    __slots__ = ("_root",)
+
+    @property
+    def module(self) -> nn.Module | None:
+        return self._root()
+
+    @module.setter
+    def module(self, value: nn.Module) -> None:
+        self._root = weakref.ref(value)
+
+
 class Journal:
     """The changes one operation made to a tree, undone newest first when the operation fails (apply, revert,
     offload, load)."""
@@ -104,8 +120,9 @@ class Journal:
                 raise
             raise wrapped from exc
 
-    def swap_class(self, module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
-        record = swap_class(module, cls, attributes, role)
+    def swap_class(self, module: nn.Module, cls: type, attributes: dict[str, object], role: str, *,
+                   root: bool = False) -> _Record:
+        record = swap_class(module, cls, attributes, role, root=root)
         self._undo.append(record)
         return record
 
@@ -244,7 +261,8 @@ def _apply(
                     attributes[protocol.RELOCATED] = entry.relocate
                 if entry.stream == GENERIC and holds_parameters_below(module):
                     attributes[protocol.CLAIMED] = claimed_below(module)
-                records.append(journal.swap_class(module, cls, attributes, "stream" if entry.stream else "relocate"))
+                records.append(journal.swap_class(module, cls, attributes, "stream" if entry.stream else "relocate",
+                                                  root=module is model))
         step, converting = "making quantized residents", None
         from ..quant.residents import make_resident
 
@@ -279,14 +297,16 @@ def revert(model: nn.Module) -> None:
         journal.restore(_Record(model, type(model), {STATE_ATTRIBUTE: _ABSENT}, ""))  # the root state goes last
 
 
-def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str) -> _Record:
-    """Give `module` the class `cls` and plain `attributes`, returning how to undo it."""
+def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str, *,
+               root: bool = False) -> _Record:
+    """Give `module` the class `cls` and plain `attributes`, returning how to undo it (holding the module weakly when
+    it is the `root` that will keep the record)."""
     held = module.__dict__
     if held.keys().isdisjoint(attributes):  # a first conversion: undoing it removes each name again
         replaced = dict.fromkeys(attributes, _ABSENT)
     else:
         replaced = {name: held.get(name, _ABSENT) for name in attributes}
-    record = _Record(module, type(module), replaced, role)
+    record = (_RootRecord if root else _Record)(module, type(module), replaced, role)
     object.__setattr__(module, "__class__", cls)  # past nn.Module.__setattr__, which only looks for tensors here
     held.update(attributes)
     return record

@@ -13,7 +13,6 @@ Invariants:
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 
 from ....schemas import Policy
 from ...engine import ConversionError, applied_state, apply_policy, protocol
-from ...engine.apply import _Record, swap_class
+from ...engine.apply import swap_class
 from ...engine.classes import derived_class
 from ...engine.relocating import offload_relocated
 from ...engine.streamed import holds_parameters_below
@@ -70,8 +69,7 @@ def _host(model: nn.Module, policy: Policy | str | None) -> Policy | None:
         if protocol.kind_of(module) is not None and holds_parameters_below(module):
             protocol.set_fetching(module, True)  # a streamed container: core places leaves only, never its tensors
     if not isinstance(type(model).__dict__.get("device"), _SettableDevice):
-        record = swap_class(model, _patchable_class(type(model)), {}, "host")
-        state.records.append(_RootRecord(model, record.original_class, record.replaced, record.role))
+        state.records.append(swap_class(model, _patchable_class(type(model)), {}, "host", root=True))
     archive = getattr(comfy.model_management, "archive_model_dtypes", None)
     if archive is not None:
         archive(model)  # pins each tensor's storage dtype where newer cores read it
@@ -84,21 +82,6 @@ def _armed(patcher: Any, policy: Policy | None) -> Any:
 
         return lazy_compile(patcher, policy)
     return patcher
-
-
-class _RootRecord(_Record):
-    """A record of the root, held weakly: the root holds the state that holds the records, so a strong reference back
-    is a cycle that keeps a dropped model alive until a full collection (ComfyUI warns of a potential leak)."""
-
-    __slots__ = ("_root",)
-
-    @property
-    def module(self) -> nn.Module | None:
-        return self._root()
-
-    @module.setter
-    def module(self, value: nn.Module) -> None:
-        self._root = weakref.ref(value)
 
 
 class _SettableDevice:
