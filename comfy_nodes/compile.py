@@ -5,6 +5,7 @@ Its node id stays `INT8LazyTorchCompile`, the name saved workflows use."""
 from __future__ import annotations
 
 from ..runtime.compile import lazy_compile
+from ..runtime.compile.settings import runnable_backends
 from ..schemas.vocabulary import COMPILE_MODES
 
 
@@ -18,9 +19,7 @@ class QuantizedLazyTorchCompile:
 
     @classmethod
     def INPUT_TYPES(cls):
-        import torch._dynamo
-
-        backends = sorted(torch._dynamo.list_backends())
+        backends = runnable_backends()
         return {"required": {
             "model": ("MODEL",),
             "backend": (backends, {"default": "inductor" if "inductor" in backends else backends[0]}),

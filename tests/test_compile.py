@@ -270,6 +270,27 @@ def test_without_a_policy_the_converting_plans_blocks_compile():
     assert (stats.applied, stats.units, stats.regions) == (True, 3, 1)
 
 
+def test_only_backends_that_can_run_here_are_offered_and_accepted(monkeypatch):
+    """torch lists `tvm` and `openxla` whether or not their packages are installed, and `cudagraphs` without CUDA."""
+    import importlib.util
+
+    from streamwise.runtime.compile.settings import runnable_backends
+
+    installed = {"tvm": None, "torch_xla": None}
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: installed.get(name, real_find_spec(name, *a)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runnable_backends() == ["aot_eager", "eager", "inductor"]
+    model = Net(blocks=1)
+    needs_of = {"tvm": "the `tvm` package", "openxla": "the `torch_xla` package", "cudagraphs": "CUDA"}
+    for backend, needs in needs_of.items():
+        with pytest.raises(ValueError, match=f"backend `{backend}` needs {re.escape(needs)}"):
+            streamwise.lazy_compile(model, POLICY, backend=backend)
+    assert not any("forward" in block.__dict__ for block in model.blocks)  # nothing armed
+    installed["tvm"] = object()  # a spec: the package is there
+    assert "tvm" in runnable_backends()
+
+
 def test_settings_are_validated_and_cache_limits_set():
     with pytest.raises(ValueError, match="not a torch.compile backend"):
         streamwise.lazy_compile(Net(blocks=1), POLICY, backend="inducter")

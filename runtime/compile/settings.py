@@ -2,11 +2,13 @@
 
 Invariants:
 - validated in full before anything changes, with the policy format's own rules (`schemas.CompileSettings`);
-- checked against the running torch: the backend must be one it ships, the mode one its inductor lists.
+- checked against the running torch: the backend must be one it ships and can run here (its package installed,
+  CUDA for `cudagraphs`), the mode one its inductor lists.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from torch import nn
@@ -58,9 +60,38 @@ def _modes() -> set[str]:
     return {"default", *list_mode_options()}
 
 
+def runnable_backends() -> list[str]:
+    """The backends that can compile here: those torch lists whose package is installed (and `cudagraphs` only
+    with CUDA), and the two debugging backends `eager` and `aot_eager`, which tell a compile problem from an
+    inductor one. torch lists `tvm` and `openxla` whether or not their packages are there."""
+    import torch
+    import torch._dynamo
+
+    listed = set(torch._dynamo.list_backends()) | {"eager", "aot_eager"}
+    return sorted(name for name in listed if _missing(name, torch) is None)
+
+
+def _missing(backend: str, torch: Any) -> str | None:
+    """What `backend` lacks to compile here, or None."""
+    package = _BACKEND_PACKAGES.get(backend)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"the `{package}` package, which is not installed"
+    if backend == "cudagraphs" and not torch.cuda.is_available():
+        return "CUDA, which this machine does not have"
+    return None
+
+
+#: The package a backend torch lists imports when it compiles.
+_BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla"}
+
+
 def _check_backend(name: str) -> None:
+    import torch
     import torch._dynamo  # on first use: importing it costs a second of start-up
 
     if name not in torch._dynamo.list_backends(exclude_tags=()):
-        available = ", ".join(torch._dynamo.list_backends())
+        available = ", ".join(runnable_backends())
         raise ValueError(f"`{name}` is not a torch.compile backend here; available: {available}")
+    missing = _missing(name, torch)
+    if missing is not None:
+        raise ValueError(f"backend `{name}` needs {missing}; available here: {', '.join(runnable_backends())}")
