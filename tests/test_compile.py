@@ -280,7 +280,8 @@ def test_only_backends_that_can_run_here_are_offered_and_accepted(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: installed.get(name, real_find_spec(name, *a)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert runnable_backends() == ["aot_eager", "eager", "inductor"]
+    offered = runnable_backends()  # other tests may register backends of their own
+    assert {"aot_eager", "eager", "inductor"} <= set(offered) and not {"tvm", "openxla", "cudagraphs"} & set(offered)
     model = Net(blocks=1)
     needs_of = {"tvm": "the `tvm` package", "openxla": "the `torch_xla` package", "cudagraphs": "CUDA"}
     for backend, needs in needs_of.items():
