@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_harness import ROOT_ENV, comfyui_root
 from helpers import REPO, tiny_qwen2
 
 LAUNCHER = Path(__file__).with_name("launch_core.py")
@@ -104,12 +103,10 @@ def core_arguments(root: Path, base: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(comfy_root, tmp_path_factory):
     """A ComfyUI server on a free loopback port with the pack in a temporary custom_nodes and a tiny Qwen2 (+
     tokenizer) as models/streamwise/tiny-qwen2, the folder the workflows name; stopped, whole group, at the end."""
-    root = comfyui_root()
-    if root is None:
-        pytest.skip(f"{ROOT_ENV} is not set: point it at a ComfyUI checkout to run the integration tests")
+    root = comfy_root
     base = tmp_path_factory.mktemp("comfy-base")
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK).symlink_to(REPO, target_is_directory=True)
