@@ -2,16 +2,18 @@
 compile under low VRAM.
 
 This folder is imported two ways: by pip users as the package `streamwise`, and by ComfyUI as a
-custom-node pack (under the folder's own name). Importing it is light (no torch, no ComfyUI);
-the ComfyUI nodes are registered only when ComfyUI itself is running. A bare import of this file
-outside any package (pytest collecting a checkout whose folder name is no identifier, such as
-`ComfyUI-Streamwise`) finds nothing to import from and exports nothing.
+custom-node pack (under the folder's own path). Importing it is light (no torch, no ComfyUI);
+the ComfyUI nodes (V3 schema, through `comfy_entrypoint`) are exposed only when ComfyUI itself is
+running. A bare import of this file outside any package (pytest collecting a checkout whose folder
+name is no identifier, such as `ComfyUI-Streamwise`) finds nothing to import from and exports nothing.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 
 __all__: list[str] = []
 
@@ -39,7 +41,33 @@ def _running_in_comfyui() -> bool:
         return False
 
 
-if __package__:
+def _streamwise_nodes():
+    """`streamwise.comfy_nodes`: from the installed `streamwise` where there is one, else from this folder imported
+    under that name."""
+    try:
+        return importlib.import_module("streamwise.comfy_nodes")
+    except ModuleNotFoundError as missing:
+        if missing.name != "streamwise":
+            raise
+    spec = importlib.util.spec_from_file_location(
+        "streamwise", __file__, submodule_search_locations=[os.path.dirname(os.path.abspath(__file__))])
+    module = sys.modules["streamwise"] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["streamwise"]
+        raise
+    return importlib.import_module("streamwise.comfy_nodes")
+
+
+if __package__ and __package__ != "streamwise" and _running_in_comfyui():
+    # ComfyUI imports a pack under its folder's path, so every module below it, and the type of every error a node
+    # raises (`/…/custom_nodes/ComfyUI-Streamwise.runtime.policy.diagnostics.PolicyError`), would be named by
+    # that path. The nodes come from the package `streamwise` instead: one engine per process, shared with other
+    # packs that `import streamwise`, and errors that read `streamwise.…`.
+    comfy_entrypoint = _streamwise_nodes().comfy_entrypoint
+    __all__ = ["comfy_entrypoint"]
+elif __package__:
     from .runtime import PolicyError, load_policy
     from .schemas import Policy
 
@@ -51,11 +79,6 @@ if __package__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
     if _running_in_comfyui():
-        # One engine per process: where `streamwise` is also installed (other packs `import streamwise`),
-        # the nodes come from that installation, so MODELs made either way share their classes.
-        if __package__ != "streamwise" and importlib.util.find_spec("streamwise") is not None:
-            from streamwise.comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
-        else:
-            from .comfy_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+        from .comfy_nodes import comfy_entrypoint
 
-        __all__ += ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+        __all__ += ["comfy_entrypoint"]

@@ -1,7 +1,10 @@
-"""ComfyUI nodes: thin translations between ComfyUI's inputs and outputs and `runtime/`.
+"""ComfyUI nodes in ComfyUI's V3 schema: thin translations between ComfyUI's inputs and outputs and `runtime/`.
 
-Node ids are the keys saved workflows use: never rename one. Display names come from each node's `TITLE`.
+Each node's schema names its node id, the key saved workflows use: never rename one. ComfyUI loads the list through
+`comfy_entrypoint`, which the repository root re-exports inside ComfyUI.
 """
+
+from comfy_api.latest import ComfyExtension, io
 
 from .apply_policy import ApplyStreamwisePolicy
 from .compile import QuantizedLazyTorchCompile
@@ -9,11 +12,19 @@ from .generate_text import StreamwiseGenerateText
 from .model_loader import StreamwiseModelLoader
 from .policy_check import StreamwisePolicyCheck
 
-NODE_CLASS_MAPPINGS = {
-    "StreamwiseModelLoader": StreamwiseModelLoader,
-    "ApplyStreamwisePolicy": ApplyStreamwisePolicy,
-    "INT8LazyTorchCompile": QuantizedLazyTorchCompile,
-    "StreamwiseGenerateText": StreamwiseGenerateText,
-    "StreamwisePolicyCheck": StreamwisePolicyCheck,
-}
-NODE_DISPLAY_NAME_MAPPINGS = {node_id: node.TITLE for node_id, node in NODE_CLASS_MAPPINGS.items()}
+NODES: list[type[io.ComfyNode]] = [
+    StreamwiseModelLoader,
+    ApplyStreamwisePolicy,
+    QuantizedLazyTorchCompile,
+    StreamwiseGenerateText,
+    StreamwisePolicyCheck,
+]
+
+
+class StreamwiseExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)
+
+
+async def comfy_entrypoint() -> StreamwiseExtension:
+    return StreamwiseExtension()

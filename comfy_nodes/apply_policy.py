@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+from comfy_api.latest import io
+
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import choose_policy
-from .folders import chosen_policy, comfy_policy_dirs, policy_choices
+from .folders import chosen_policy, comfy_policy_dirs, policy_input
 
 
-class ApplyStreamwisePolicy:
-    TITLE = "Apply Streamwise Policy"
-    CATEGORY = "streamwise"
-    DESCRIPTION = "Make a foreign model tree stream under ComfyUI's low-VRAM loading, by a Streamwise policy."
-    FUNCTION = "apply"
-    RETURN_TYPES = ("MODEL",)
+class ApplyStreamwisePolicy(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ApplyStreamwisePolicy",
+            display_name="Apply Streamwise Policy",
+            category="streamwise",
+            description="Make a model another pack loaded stream under ComfyUI's low-VRAM loading, by a Streamwise "
+                        "policy.",
+            inputs=[
+                io.Model.Input("model", tooltip="A MODEL from any loader (a transformers-style module tree inside)."),
+                policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
+            ],
+            outputs=[io.Model.Output("model", display_name="model", tooltip="The same model, converted.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "policy": (policy_choices(auto=True),)}}
-
-    def apply(self, model, policy):
+    def execute(cls, model, policy: str) -> io.NodeOutput:
         dirs = comfy_policy_dirs()
         policy, _ = choose_policy(chosen_policy(policy, dirs, auto=True), model.model, dirs=dirs)
-        return (adopt(model, policy),)
+        return io.NodeOutput(adopt(model, policy))

@@ -1,39 +1,58 @@
 """Quantized Lazy Torch Compile: arm regional torch.compile on a MODEL (see runtime/compile/).
 
-Its node id stays `INT8LazyTorchCompile`, the name saved workflows use."""
+Its node id stays `INT8LazyTorchCompile`, the name saved workflows use. Input names are the policy's `[compile]`
+keys (`dynamic_shape_tracing` is `dynamic`); their defaults and tooltips come from that table's schema, so the node
+and a policy file cannot disagree."""
 
 from __future__ import annotations
 
+from comfy_api.latest import io
+
 from ..runtime.compile import lazy_compile
 from ..runtime.compile.settings import runnable_backends
+from ..schemas.policy import CompileSettings
 from ..schemas.vocabulary import COMPILE_MODES
 
+FIELDS = CompileSettings.model_fields
 
-class QuantizedLazyTorchCompile:
-    TITLE = "Quantized Lazy Torch Compile"
-    CATEGORY = "streamwise"
-    DESCRIPTION = "Compile a MODEL's repeated blocks lazily (on the first run), quantization- and streaming-aware."
-    FUNCTION = "compile"
-    RETURN_TYPES = ("MODEL",)
-    RETURN_NAMES = ("model",)
+
+def _setting(kind: type[io.ComfyTypeIO], name: str, key: str | None = None, **options) -> io.Input:
+    field = FIELDS[key or name]
+    return kind.Input(name, default=field.default, tooltip=field.description, **options)
+
+
+class QuantizedLazyTorchCompile(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        backends = runnable_backends()
+        return io.Schema(
+            node_id="INT8LazyTorchCompile",
+            display_name="Quantized Lazy Torch Compile",
+            category="streamwise",
+            description="Compile a MODEL's repeated blocks lazily (on the first run), quantization- and "
+                        "streaming-aware. The model is compiled where it runs next, not here.",
+            inputs=[
+                io.Model.Input("model", tooltip="A MODEL to compile: from the Streamwise loader, the Apply node, or "
+                                                "any loader."),
+                io.Combo.Input("backend", options=backends, tooltip=FIELDS["backend"].description + " Only the "
+                               "backends that can run on this machine are offered.",
+                               default="inductor" if "inductor" in backends else backends[0]),
+                _setting(io.Boolean, "fullgraph"),
+                _setting(io.Combo, "mode", options=list(COMPILE_MODES)),
+                _setting(io.Boolean, "dynamic_shape_tracing", "dynamic"),
+                io.Boolean.Input("compile_transformer_blocks_only", default=True,
+                                 tooltip="Compile each repeated block (one graph reused by every layer); off "
+                                         "compiles the whole model as one unit."),
+                _setting(io.Int, "dynamo_cache_size_limit", min=1, max=65536),
+                _setting(io.Boolean, "use_guard_filter"),
+                _setting(io.Boolean, "disable_dynamic_vram"),
+                _setting(io.Boolean, "verbose"),
+            ],
+            outputs=[io.Model.Output("model", display_name="model", tooltip="The same model, armed to compile.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        backends = runnable_backends()
-        return {"required": {
-            "model": ("MODEL",),
-            "backend": (backends, {"default": "inductor" if "inductor" in backends else backends[0]}),
-            "fullgraph": ("BOOLEAN", {"default": False}),
-            "mode": (list(COMPILE_MODES), {"default": "default"}),
-            "dynamic_shape_tracing": ("BOOLEAN", {"default": False}),
-            "compile_transformer_blocks_only": ("BOOLEAN", {"default": True}),
-            "dynamo_cache_size_limit": ("INT", {"default": 64, "min": 1, "max": 65536}),
-            "use_guard_filter": ("BOOLEAN", {"default": True}),
-            "disable_dynamic_vram": ("BOOLEAN", {"default": False}),
-            "verbose": ("BOOLEAN", {"default": False}),
-        }}
-
-    def compile(self, model, compile_transformer_blocks_only, **settings):
-        return (
-            lazy_compile(model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only, **settings),
-        )
+    def execute(cls, model, compile_transformer_blocks_only: bool, **settings) -> io.NodeOutput:
+        compiled = lazy_compile(model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only,
+                                **settings)
+        return io.NodeOutput(compiled)

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import folder_paths
+from comfy_api.latest import io
 
 from ..runtime.policy.diagnostics import PolicyError
 from ..runtime.policy.folders import list_policies, policy_dirs, unknown_choice
@@ -21,9 +22,11 @@ def comfy_policy_dirs() -> list[Path]:
     return policy_dirs([user])
 
 
-def policy_choices(auto: bool = False) -> list[str]:
-    """Re-read on every call, so edited or new user policies appear without a restart."""
-    return (["auto"] if auto else []) + list(list_policies(comfy_policy_dirs()))
+def policy_input(tooltip: str, *, auto: bool = False) -> io.Combo.Input:
+    """The policy picker, re-read whenever ComfyUI asks for a node's schema, so edited or new user policies appear
+    without a restart."""
+    choices = (["auto"] if auto else []) + list(list_policies(comfy_policy_dirs()))
+    return io.Combo.Input("policy", options=choices, tooltip=tooltip)
 
 
 def chosen_policy(policy: object, dirs: list[Path], *, auto: bool = False) -> str:

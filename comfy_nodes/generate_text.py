@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from comfy_api.latest import io, ui
 
 from ..runtime.engine import applied_state
 
@@ -35,35 +36,39 @@ def generation_config(model, max_new_tokens: int, do_sample: bool, pad_token_id,
     return config
 
 
-class StreamwiseGenerateText:
-    TITLE = "Streamwise Generate Text"
-    CATEGORY = "streamwise"
-    DESCRIPTION = "Generate text with a causal LM loaded by the Streamwise Model Loader (tokenizer: its folder)."
-    FUNCTION = "generate"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("text",)
+class StreamwiseGenerateText(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="StreamwiseGenerateText",
+            display_name="Streamwise Generate Text",
+            category="streamwise",
+            description="Generate text with a causal LM loaded by the Streamwise Model Loader (tokenizer: its "
+                        "folder), e.g. as a prompt enhancer; the text shows on the node.",
+            is_output_node=True,
+            inputs=[
+                io.Model.Input("model",
+                               tooltip="A causal LM from the Streamwise Model Loader (tokenizer: its folder)."),
+                io.String.Input("prompt", multiline=True, default="", tooltip="The text to continue."),
+                io.Int.Input("max_new_tokens", default=128, min=1, max=8192,
+                             tooltip="The most tokens to generate; it stops earlier at end-of-text."),
+                io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True,
+                             tooltip="Seeds sampling, so a run can be repeated; greedy ignores it."),
+                io.Boolean.Input("do_sample", default=True,
+                                 tooltip="Sample the next token; off picks the most likely one (greedy)."),
+                io.Float.Input("temperature", default=0.7, min=0.01, max=5.0, step=0.01,
+                               tooltip="Sampling only: lower is more predictable, higher more varied."),
+                io.Float.Input("top_p", default=0.9, min=0.0, max=1.0, step=0.01,
+                               tooltip="Sampling only: draw from the likeliest tokens that add up to this share."),
+                io.Int.Input("top_k", default=50, min=0, max=1000,
+                             tooltip="Sampling only: draw from this many likeliest tokens (0: no limit)."),
+            ],
+            outputs=[io.String.Output("text", display_name="text", tooltip="The generated text, without the prompt.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "A causal LM from the Streamwise Model Loader (tokenizer: its folder)."}),
-            "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "The text to continue."}),
-            "max_new_tokens": ("INT", {"default": 128, "min": 1, "max": 8192,
-                                       "tooltip": "The most tokens to generate; it stops earlier at end-of-text."}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**63 - 1,
-                             "tooltip": "Seeds sampling, so a run can be repeated; greedy ignores it."}),
-            "do_sample": ("BOOLEAN", {"default": True,
-                                      "tooltip": "Sample the next token; off picks the most likely one (greedy)."}),
-            "temperature": ("FLOAT", {"default": 0.7, "min": 0.01, "max": 5.0, "step": 0.01,
-                                      "tooltip": "Sampling only: lower is more predictable, higher more varied."}),
-            "top_p": ("FLOAT", {"default": 0.9, "min": 0.0, "max": 1.0, "step": 0.01,
-                                "tooltip": "Sampling only: draw from the likeliest tokens that add up to this share."}),
-            "top_k": ("INT", {"default": 50, "min": 0, "max": 1000,
-                              "tooltip": "Sampling only: draw from this many likeliest tokens (0: no limit)."}),
-        }}
-
-    def generate(self, model, prompt, max_new_tokens, seed, do_sample, temperature, top_p, top_k):
+    def execute(cls, model, prompt: str, max_new_tokens: int, seed: int, do_sample: bool, temperature: float,
+                top_p: float, top_k: int) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
         import transformers
@@ -92,4 +97,4 @@ class StreamwiseGenerateText:
                 ids, generation_config=config, stopping_criteria=transformers.StoppingCriteriaList([steps]),
             )
         text = tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True)
-        return {"ui": {"text": [text]}, "result": (text,)}
+        return io.NodeOutput(text, ui=ui.PreviewText(text))

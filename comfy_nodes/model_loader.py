@@ -5,40 +5,47 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from comfy_api.latest import io
 
 from ..runtime.checkpoint import load_pretrained
 from ..runtime.hosts.comfyui import model_patcher
-from .folders import chosen_policy, comfy_policy_dirs, model_roots, policy_choices
+from .folders import chosen_policy, comfy_policy_dirs, model_roots, policy_input
 from .model_files import list_models, resolve_model
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class StreamwiseModelLoader:
-    TITLE = "Streamwise Model Loader"
-    CATEGORY = "streamwise"
-    DESCRIPTION = (
-        "Load a transformers-style model (an HF folder, or a .safetensors or .gguf file beside its config.json) from "
-        "the model folders streamwise, text_encoders and LLM, and convert it with a Streamwise policy."
-    )
-    FUNCTION = "load"
-    RETURN_TYPES = ("MODEL", "STRING")
-    RETURN_NAMES = ("model", "report")
+class StreamwiseModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="StreamwiseModelLoader",
+            display_name="Streamwise Model Loader",
+            category="streamwise",
+            description="Load a transformers-style model (an HF folder, or a .safetensors or .gguf file beside its "
+                        "config.json) from the model folders streamwise, text_encoders and LLM, and convert it "
+                        "with a Streamwise policy.",
+            inputs=[
+                io.Combo.Input(
+                    "model", options=list(list_models(model_roots())) or ["(no models found)"],
+                    tooltip="From ComfyUI's model folders streamwise, text_encoders and LLM (models/streamwise, "
+                            "models/text_encoders, models/clip, models/LLM and extra_model_paths.yaml): each folder "
+                            "with a config.json, whole or as one of its .safetensors/.gguf files.",
+                ),
+                policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
+                io.Combo.Input("dtype", options=list(DTYPES), default="auto",
+                               tooltip="The dtype of the floating-point weights; `auto` takes the one most of the "
+                                       "checkpoint's values are stored in."),
+            ],
+            outputs=[
+                io.Model.Output("model", display_name="model", tooltip="The converted model, ready to partial-load."),
+                io.String.Output("report", display_name="report",
+                                 tooltip="The policy chosen and what was loaded from which file."),
+            ],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": (
-                list(list_models(model_roots())) or ["(no models found)"],
-                {"tooltip": "From ComfyUI's model folders streamwise, text_encoders and LLM (models/streamwise, "
-                            "models/text_encoders, models/clip, models/LLM and extra_model_paths.yaml): each folder "
-                            "with a config.json, whole or as one of its .safetensors/.gguf files."},
-            ),
-            "policy": (policy_choices(auto=True), {"tooltip": "`auto` picks by the policies' [match] tables."}),
-            "dtype": (list(DTYPES), {"default": "auto"}),
-        }}
-
-    def load(self, model, policy, dtype):
+    def execute(cls, model: str, policy: str, dtype: str) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -54,4 +61,4 @@ class StreamwiseModelLoader:
                                 offload_device=comfy.model_management.unet_offload_device())
         text = (f"{chosen}; {report.tensors} tensors from {Path(report.file).name}"
                 + (f"; residents {report.residents}" if report.residents else ""))
-        return (patcher, text)
+        return io.NodeOutput(patcher, text)

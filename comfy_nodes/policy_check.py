@@ -2,34 +2,38 @@
 
 from __future__ import annotations
 
+from comfy_api.latest import io, ui
+
 from ..runtime import check_policy, render_text
 from ..runtime.policy.folders import unknown_choice
-from .folders import comfy_policy_dirs, policy_choices
+from .folders import comfy_policy_dirs, policy_input
 
 
-class StreamwisePolicyCheck:
-    TITLE = "Streamwise Policy Check"
-    CATEGORY = "streamwise"
-    DESCRIPTION = "Validate a Streamwise policy (shipped or from your user folder) and show its diagnostics."
-    FUNCTION = "check"
-    OUTPUT_NODE = True
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("report",)
+class StreamwisePolicyCheck(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="StreamwisePolicyCheck",
+            display_name="Streamwise Policy Check",
+            category="streamwise",
+            description="Validate a Streamwise policy (shipped or from your user folder) and show its diagnostics.",
+            is_output_node=True,
+            inputs=[policy_input("A shipped policy or one of yours (<user>/streamwise/policies).")],
+            outputs=[io.String.Output("report", display_name="report",
+                                      tooltip="The diagnostics, or that the policy is valid.")],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"policy": (policy_choices(), {"tooltip": "A shipped policy or one of yours."})}}
-
-    @classmethod
-    def IS_CHANGED(cls, policy):
+    def fingerprint_inputs(cls, policy: str) -> float:
         """Always re-check: any file of the policy's `extends` chain may have changed, and checking is cheap."""
         return float("nan")
 
-    def check(self, policy):
+    @classmethod
+    def execute(cls, policy: str) -> io.NodeOutput:
         dirs = comfy_policy_dirs()
         refused = unknown_choice(policy, dirs)  # a name from the picker, never a path: no other file is read
         loaded, diagnostics = (None, [refused]) if refused else check_policy(policy, dirs=dirs)
         report = render_text(diagnostics) if diagnostics else f"policy `{policy}` is valid"
         if loaded is not None and diagnostics:
             report += f"\n\npolicy `{policy}` is valid (with warnings)"
-        return {"ui": {"text": [report]}, "result": (report,)}
+        return io.NodeOutput(report, ui=ui.PreviewText(report))

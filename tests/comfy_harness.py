@@ -48,6 +48,41 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+class Uninstalled(importlib.abc.MetaPathFinder):
+    """Hides installed top-level packages, as a ComfyUI user who only cloned the pack into custom_nodes has none."""
+
+    def __init__(self, *names: str):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.names:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+
+
+class _Recorded:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+class _RecordedType:
+    Input = Output = _Recorded
+
+
+def stand_in_comfy_api() -> types.ModuleType:
+    """A `comfy_api.latest` whose schema and output types keep what they are given (`.args`, `.kwargs`): enough to
+    define and run the nodes where no core is checked out."""
+    latest = types.ModuleType("comfy_api.latest")
+    latest.__spec__ = importlib.machinery.ModuleSpec(latest.__name__, None)
+    latest.ComfyExtension = type("ComfyExtension", (), {})
+    latest.io = types.SimpleNamespace(ComfyNode=object, Schema=_Recorded, NodeOutput=_Recorded, Input=_Recorded,
+                                      ComfyTypeIO=_RecordedType, Model=_RecordedType, Combo=_RecordedType,
+                                      String=_RecordedType, Int=_RecordedType, Float=_RecordedType,
+                                      Boolean=_RecordedType)
+    latest.ui = types.SimpleNamespace(PreviewText=_Recorded)
+    return latest
+
+
 def comfyui_root() -> Path | None:
     root = os.environ.get(ROOT_ENV)
     return Path(root).resolve() if root else None

@@ -40,6 +40,8 @@ from streamwise.runtime.policy.limits import (
 from streamwise.runtime.policy.source import MAX_POLICY_BYTES
 from streamwise.runtime.policy.validate import _show
 
+from comfy_harness import stand_in_comfy_api
+
 HEADER = 'schema_version = 1\n[policy]\nname = "{name}"\n'
 # The most one rendered diagnostic can take: its lines are clipped (message, notes, a snippet window).
 ONE_RENDERED = 12 * MAX_TEXT_CHARS
@@ -232,6 +234,7 @@ def test_the_policy_check_node_reads_no_path_it_is_handed(tmp_path, monkeypatch)
     fake = types.ModuleType("folder_paths")
     fake.get_user_directory = lambda: str(tmp_path)
     monkeypatch.setitem(sys.modules, "folder_paths", fake)
+    monkeypatch.setitem(sys.modules, "comfy_api.latest", stand_in_comfy_api())
     from streamwise.comfy_nodes.policy_check import StreamwisePolicyCheck
 
     secret = tmp_path / "secret.toml"
@@ -239,10 +242,10 @@ def test_the_policy_check_node_reads_no_path_it_is_handed(tmp_path, monkeypatch)
     opened = []
     monkeypatch.setattr(source_module, "open", lambda *a, **k: opened.append(a) or open(*a, **k), raising=False)
     for value in ("../../../../etc/passwd", str(secret)):
-        (report,) = StreamwisePolicyCheck().check(value)["result"]
+        (report,) = StreamwisePolicyCheck.execute(value).args
         assert report.startswith("error[unknown-policy]:") and "hunter2" not in report and "root:" not in report
     assert opened == []
-    (report,) = StreamwisePolicyCheck().check("decoder-llm")["result"]
+    (report,) = StreamwisePolicyCheck.execute("decoder-llm").args
     assert report == "policy `decoder-llm` is valid"
 
 

@@ -9,7 +9,7 @@ import sys
 import textwrap
 import zipfile
 
-from helpers import REPO, write_policy
+from helpers import REPO, TESTS, write_policy
 
 
 def run_python(code: str, *paths) -> subprocess.CompletedProcess:
@@ -21,7 +21,7 @@ def run_python(code: str, *paths) -> subprocess.CompletedProcess:
 def test_plain_import_is_light_and_registers_no_nodes():
     result = run_python("""
         import sys, streamwise
-        assert not hasattr(streamwise, "NODE_CLASS_MAPPINGS")
+        assert not hasattr(streamwise, "comfy_entrypoint")
         heavy = {"torch", "folder_paths", "comfy"} & set(sys.modules)
         assert not heavy, heavy
     """)
@@ -41,9 +41,10 @@ def test_a_bare_import_of_the_root_file_raises_nothing():
 
 
 def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
-    """What ComfyUI's loader does: import the folder as a package named after the folder.
+    """What ComfyUI's loader does: import the folder as a package named after the folder, here with no `streamwise`
+    installed, as a user who cloned the pack into custom_nodes has it.
 
-    `folder_paths` and `comfy` here are minimal stand-ins; tests/comfy/ runs the real loader.
+    `folder_paths`, `comfy` and `comfy_api.latest` here are minimal stand-ins; tests/comfy/ runs the real loader.
     """
     fake = tmp_path / "fake_comfyui"
     (fake / "comfy").mkdir(parents=True)
@@ -54,25 +55,43 @@ def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
     policies.mkdir(parents=True)
     write_policy(policies, "my-llm", 'extends = "decoder-llm"\n\n[compile]\nmode = "turbo"\n')
     result = run_python(f"""
-        import importlib.util, sys
+        import asyncio, importlib.util, sys
+        from comfy_harness import Uninstalled, stand_in_comfy_api
+        sys.meta_path.insert(0, Uninstalled("streamwise"))
+        sys.modules["comfy_api.latest"] = stand_in_comfy_api()
         spec = importlib.util.spec_from_file_location(
             "ComfyUI-Streamwise", {str(REPO / "__init__.py")!r}, submodule_search_locations=[{str(REPO)!r}])
         pack = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = pack
         spec.loader.exec_module(pack)
-        node = pack.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"]
-        assert pack.NODE_DISPLAY_NAME_MAPPINGS["StreamwisePolicyCheck"] == "Streamwise Policy Check"
-        choices = node.INPUT_TYPES()["required"]["policy"][0]
-        assert choices == ["any-module", "decoder-llm", "my-llm", "transformers", "vibevoice"], choices
-        ok = node().check("vibevoice")
-        assert ok["result"] == ("policy `vibevoice` is valid",), ok
-        bad = node().check("my-llm")["result"][0]
-        assert "error[invalid-value]" in bad and "my-llm.toml:8:8" in bad, bad
-        assert sorted(pack.NODE_CLASS_MAPPINGS) == [
-            "ApplyStreamwisePolicy", "INT8LazyTorchCompile", "StreamwiseGenerateText", "StreamwiseModelLoader",
+
+        async def listed():
+            return await (await pack.comfy_entrypoint()).get_node_list()
+
+        nodes = {{node.__name__: node for node in asyncio.run(listed())}}  # the node ids: tests/comfy/test_server.py
+        assert sorted(nodes) == [
+            "ApplyStreamwisePolicy", "QuantizedLazyTorchCompile", "StreamwiseGenerateText", "StreamwiseModelLoader",
             "StreamwisePolicyCheck",
         ]
-    """, fake)
+        node = nodes["StreamwisePolicyCheck"]
+        schema = node.define_schema().kwargs
+        assert (schema["node_id"], schema["display_name"]) == ("StreamwisePolicyCheck", "Streamwise Policy Check")
+        (policy,) = schema["inputs"]
+        choices = policy.kwargs["options"]
+        assert choices == ["any-module", "decoder-llm", "my-llm", "transformers", "vibevoice"], choices
+        ok = node.execute("vibevoice").args
+        assert ok == ("policy `vibevoice` is valid",), ok
+        (bad,) = node.execute("my-llm").args
+        assert "error[invalid-value]" in bad and "my-llm.toml:8:8" in bad, bad
+
+        # Below the folder ComfyUI named, the pack is `streamwise`: so are the errors' types ComfyUI shows.
+        assert sys.modules["streamwise"].__file__ == {str(REPO / "__init__.py")!r}
+        try:
+            nodes["ApplyStreamwisePolicy"].execute(None, "../../secret")
+        except Exception as error:
+            shown = f"{{type(error).__module__}}.{{type(error).__qualname__}}"
+        assert shown == "streamwise.runtime.policy.diagnostics.PolicyError", shown
+    """, fake, TESTS)
     assert result.returncode == 0, result.stderr
 
 

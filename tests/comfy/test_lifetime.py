@@ -48,12 +48,12 @@ def mappings(comfy_nodes, tmp_path_factory):
 
 def through_the_loader(mappings, compiled: bool) -> list:
     """Loader (-> Compile) -> Generate Text, as a workflow runs them."""
-    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/lifetime-qwen2", "decoder-llm", "auto")
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/lifetime-qwen2", "decoder-llm", "auto").args
     outputs = [patcher]
     if compiled:
-        outputs += mappings["INT8LazyTorchCompile"]().compile(patcher, True, **COMPILE)
-    generated = mappings["StreamwiseGenerateText"]().generate(outputs[-1], "a cat sat", 4, 0, False, 0.7, 0.9, 50)
-    assert generated["result"][0]
+        outputs += mappings["INT8LazyTorchCompile"].execute(patcher, True, **COMPILE).args
+    (text,) = mappings["StreamwiseGenerateText"].execute(outputs[-1], "a cat sat", 4, 0, False, 0.7, 0.9, 50).args
+    assert text
     return outputs
 
 
@@ -63,9 +63,9 @@ def through_apply(mappings, compiled: bool) -> list:
     import comfy.model_patcher
 
     foreign = comfy.model_patcher.ModelPatcher(tiny_qwen2(), load_device=CPU, offload_device=CPU)
-    outputs = [foreign, *mappings["ApplyStreamwisePolicy"]().apply(foreign, "auto")]
+    outputs = [foreign, *mappings["ApplyStreamwisePolicy"].execute(foreign, "auto").args]
     if compiled:
-        outputs += mappings["INT8LazyTorchCompile"]().compile(outputs[-1], True, **COMPILE)
+        outputs += mappings["INT8LazyTorchCompile"].execute(outputs[-1], True, **COMPILE).args
     comfy.model_management.load_models_gpu([outputs[-1]])
     with torch.no_grad():
         outputs[-1].model(torch.tensor([[3, 4, 5]]), use_cache=False)

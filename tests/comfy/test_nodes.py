@@ -61,9 +61,9 @@ def reference_text(folder: Path, prompt: str, tokens: int) -> str:
 def test_loader_lists_models_and_policies_and_picks_a_policy(nodes):
     mappings, _ = nodes
     inputs = mappings["StreamwiseModelLoader"].INPUT_TYPES()["required"]
-    assert "streamwise/tiny-qwen2" in inputs["model"][0]
-    assert inputs["policy"][0] == ["auto", "any-module", "decoder-llm", "transformers", "vibevoice"]
-    patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    assert "streamwise/tiny-qwen2" in inputs["model"][1]["options"]
+    assert inputs["policy"][1]["options"] == ["auto", "any-module", "decoder-llm", "transformers", "vibevoice"]
+    patcher, report = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     assert "`auto` picked `decoder-llm` by root class `Qwen2ForCausalLM`" in report
     assert type(patcher).__name__.startswith("Streamwise")
     patcher.load(torch.device("cpu"), lowvram_model_memory=30_000)  # partial load: streamed leaves flagged
@@ -80,7 +80,7 @@ def run_workflow(mappings, workflow: dict) -> dict:
             node = workflow[node_id]
             cls = mappings[node["class_type"]]
             inputs = {k: run(v[0])[v[1]] if isinstance(v, list) else v for k, v in node["inputs"].items()}
-            outputs[node_id] = getattr(cls(), cls.FUNCTION)(**inputs)
+            outputs[node_id] = cls.execute(**inputs)
         return outputs[node_id]
 
     for node_id in workflow:
@@ -92,7 +92,7 @@ def test_the_generate_text_workflow(nodes):
     mappings, root = nodes
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_generate_text.json").read_text())
     outputs = run_workflow(mappings, workflow)
-    (text,) = outputs["2"]["result"]
+    (text,) = outputs["2"].args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
 
 
@@ -129,8 +129,8 @@ def test_a_compiled_model_generates_text(nodes):
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_compile.json").read_text())
     workflow["2"]["inputs"]["backend"] = "aot_eager"
     compiled = run_workflow(mappings, workflow)["2"][0]
-    generate = mappings["StreamwiseGenerateText"]().generate
-    (text,) = generate(compiled, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)["result"]
+    generate = mappings["StreamwiseGenerateText"].execute
+    (text,) = generate(compiled, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50).args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
     assert streamwise.compile_stats(compiled).graphs >= 1 and streamwise.compile_stats(compiled).fallbacks == []
 
@@ -147,12 +147,13 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
     from streamwise.runtime.cli.streamwise import main
 
     assert main(["quantize", str(root / "tiny-qwen2"), str(folder / "model.gguf"), "--policy", "decoder-llm"]) == 0
-    patcher, report = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2-gguf", "decoder-llm", "auto")
+    loader = mappings["StreamwiseModelLoader"]
+    patcher, report = loader.execute("streamwise/tiny-qwen2-gguf", "decoder-llm", "auto").args
     assert "model.gguf" in report
-    (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)["result"]
+    (text,) = mappings["StreamwiseGenerateText"].execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)  # Q8_0 keeps greedy decoding here
     with pytest.raises(ValueError, match="the prompt tokenizes to no tokens"):
-        mappings["StreamwiseGenerateText"]().generate(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
+        mappings["StreamwiseGenerateText"].execute(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
 
 
 def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
@@ -173,8 +174,8 @@ def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
         '[[stream.rule]]\nid = "n"\nkind = "layer_norm"\nselect = { class = "LayerNorm" }\n'
     )
     try:
-        assert "tiny-mlp" in mappings["ApplyStreamwisePolicy"].INPUT_TYPES()["required"]["policy"][0]
-        (converted,) = mappings["ApplyStreamwisePolicy"]().apply(plain, "tiny-mlp")
+        assert "tiny-mlp" in mappings["ApplyStreamwisePolicy"].INPUT_TYPES()["required"]["policy"][1]["options"]
+        (converted,) = mappings["ApplyStreamwisePolicy"].execute(plain, "tiny-mlp").args
     finally:
         (user / "tiny-mlp.toml").unlink()
     assert type(tree[0]).__name__ == "StreamedLinear" and list(converted.patches) == ["0.weight"]
@@ -190,9 +191,8 @@ def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
 
 def test_errors_reach_the_ui_as_rendered_diagnostics(nodes):
     mappings, _ = nodes
-    with pytest.raises(Exception) as raised:  # the pack's own PolicyError class (ComfyUI imports the pack anew)
-        mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "vibevoice", "auto")
-    assert type(raised.value).__name__ == "PolicyError"
+    with pytest.raises(streamwise.PolicyError) as raised:  # the package's own class, however ComfyUI named the pack
+        mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "vibevoice", "auto")
     assert str(raised.value).startswith("error[unmatched-rule]") and "vibevoice.toml:46:1" in str(raised.value)
 
 
@@ -202,7 +202,7 @@ def test_apply_policy_node_picks_the_policy_by_auto(nodes):
     mappings, _ = nodes
     model = tiny_qwen2()
     plain = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
-    (converted,) = mappings["ApplyStreamwisePolicy"]().apply(plain, "auto")
+    (converted,) = mappings["ApplyStreamwisePolicy"].execute(plain, "auto").args
     assert applied_state(model).plan.policy == "decoder-llm"
     assert type(model.lm_head).__name__ == "StreamedLinear" and converted.model is model
 
@@ -231,21 +231,21 @@ def recording_progress_bar(monkeypatch, on_update=lambda value: None):
 def test_generate_text_is_an_output_node_with_tooltips(nodes):
     mappings, root = nodes
     cls = mappings["StreamwiseGenerateText"]
-    assert cls.OUTPUT_NODE is True and cls.RETURN_NAMES == ("text",)
+    assert cls.OUTPUT_NODE is True and list(cls.RETURN_NAMES) == ["text"]
     inputs = cls.INPUT_TYPES()["required"]
     assert list(inputs) == ["model", "prompt", "max_new_tokens", "seed", "do_sample", "temperature", "top_p", "top_k"]
     assert all(spec[1].get("tooltip") for spec in inputs.values())
-    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
-    out = cls().generate(patcher, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)
-    assert out["ui"] == {"text": list(out["result"])}
-    assert out["result"] == (reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8),)
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
+    out = cls.execute(patcher, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)
+    assert out.ui.as_dict() == {"text": out.args}
+    assert out.args == (reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8),)
 
 
 def test_generate_text_moves_the_progress_bar_once_per_token(nodes, monkeypatch):
     mappings, root = nodes
-    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     bars = recording_progress_bar(monkeypatch)
-    (text,) = mappings["StreamwiseGenerateText"]().generate(patcher, "a cat", 12, 0, False, 0.7, 0.9, 50)["result"]
+    (text,) = mappings["StreamwiseGenerateText"].execute(patcher, "a cat", 12, 0, False, 0.7, 0.9, 50).args
     (bar,) = bars
     assert bar.total == 12 and bar.values == list(range(1, 13))  # the tiny model has no end-of-text: all 12 tokens
     assert text == reference_text(root / "tiny-qwen2", "a cat", 12)
@@ -255,20 +255,20 @@ def test_generate_text_stops_within_a_token_of_an_interrupt(nodes, monkeypatch):
     import comfy.model_management
 
     mappings, root = nodes
-    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     after = 3
     bars = recording_progress_bar(
         monkeypatch, lambda value: value == after and comfy.model_management.interrupt_current_processing(True))
-    node = mappings["StreamwiseGenerateText"]()
+    node = mappings["StreamwiseGenerateText"]
     try:
         with pytest.raises(comfy.model_management.InterruptProcessingException):
-            node.generate(patcher, "a cat", 500, 0, False, 0.7, 0.9, 50)
+            node.execute(patcher, "a cat", 500, 0, False, 0.7, 0.9, 50)
         assert not comfy.model_management.processing_interrupted()  # raised the way ComfyUI's own check does
     finally:
         comfy.model_management.interrupt_current_processing(False)
     assert after <= len(bars[0].values) < after + 3
     monkeypatch.undo()
-    (text,) = node.generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)["result"]  # the model is still usable
+    (text,) = node.execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args  # the model is still usable
     assert text == reference_text(root / "tiny-qwen2", "a cat", 4)
 
 
@@ -281,7 +281,7 @@ def test_generate_text_passes_only_the_flags_that_apply(nodes):
 
     mappings, _ = nodes
     cls = mappings["StreamwiseGenerateText"]
-    patcher, _ = mappings["StreamwiseModelLoader"]().load("streamwise/tiny-qwen2", "auto", "auto")
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     # A checkpoint's generation_config.json that samples (as instruction-tuned Qwen2.5 ships) must stay quiet too.
     patcher.model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.8, top_k=20)
     config = sys.modules[cls.__module__].generation_config
@@ -299,8 +299,8 @@ def test_generate_text_passes_only_the_flags_that_apply(nodes):
         assert "generation flags are not valid" in captured.getvalue()  # the capture sees the warning
         transformers_logging.warning_once.cache_clear()
         captured.truncate(0)
-        cls().generate(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
-        cls().generate(patcher, "a cat", 4, 0, True, 0.7, 0.9, 50)
+        cls.execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
+        cls.execute(patcher, "a cat", 4, 0, True, 0.7, 0.9, 50)
     finally:
         library.removeHandler(handler)
     assert "not valid" not in captured.getvalue()

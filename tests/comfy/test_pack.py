@@ -26,7 +26,7 @@ def test_an_installed_streamwise_and_the_pack_share_one_engine(comfy_nodes):
     model = tiny_qwen2()
     patcher = streamwise.model_patcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"),
                                        policy="decoder-llm")
-    (adopted,) = apply_node().apply(patcher, "decoder-llm")  # the same classes: re-applying changes nothing
+    (adopted,) = apply_node.execute(patcher, "decoder-llm").args  # the same classes: re-applying changes nothing
     assert adopted.model is model
 
 
@@ -36,19 +36,20 @@ def test_policy_check_node_reads_user_policies_without_restart(comfy_nodes):
     load_custom_node(comfy_nodes, REPO)
     node = comfy_nodes.NODE_CLASS_MAPPINGS["StreamwisePolicyCheck"]
     shipped = ["any-module", "decoder-llm", "transformers", "vibevoice"]
-    assert node.INPUT_TYPES()["required"]["policy"][0] == shipped
+    assert node.INPUT_TYPES()["required"]["policy"][1]["options"] == shipped
 
     policies = Path(folder_paths.get_user_directory()) / "streamwise" / "policies"
     path = write_policy(policies, "vibevoice", 'extends = "decoder-llm"\n\n[compile]\nmode = "fastest"\n')
     try:
-        assert node.INPUT_TYPES()["required"]["policy"][0] == shipped  # the user copy shadows the shipped one
-        report = node().check("vibevoice")["result"][0]
+        # The user copy shadows the shipped one.
+        assert node.INPUT_TYPES()["required"]["policy"][1]["options"] == shipped
+        report = node.execute("vibevoice").args[0]
         assert report.startswith("error[invalid-value]: `mode` must be one of the allowed values")
         assert "vibevoice.toml:8:8" in report
         # Never equal to itself, so ComfyUI re-runs the node after an edit anywhere in the extends chain.
-        assert node.IS_CHANGED("vibevoice") != node.IS_CHANGED("vibevoice")
+        assert node.fingerprint_inputs(policy="vibevoice") != node.fingerprint_inputs(policy="vibevoice")
         path.write_text(path.read_text().replace('"fastest"', '"max-autotune"'))
-        assert node().check("vibevoice")["result"] == ("policy `vibevoice` is valid",)
+        assert node.execute("vibevoice").args == ("policy `vibevoice` is valid",)
     finally:
         path.unlink()
 
@@ -71,10 +72,10 @@ def test_the_loader_reads_models_llm_and_picks_a_gguf_beside_a_config(comfy_node
     (tmp_path / "loose.gguf").write_bytes(b"no config.json beside it")
     folder_paths.add_model_folder_path("LLM", str(tmp_path))
     try:
-        choices = loader.INPUT_TYPES()["required"]["model"][0]
+        choices = loader.INPUT_TYPES()["required"]["model"][1]["options"]
         assert {"LLM/qwen", "LLM/qwen/model.gguf", "LLM/qwen/model.safetensors"} <= set(choices)
         assert "LLM/loose.gguf" not in choices
-        _, report = loader().load("LLM/qwen/model.gguf", "auto", "auto")
+        _, report = loader.execute("LLM/qwen/model.gguf", "auto", "auto").args
         assert "picked `decoder-llm`" in report and report.endswith("tensors from model.gguf")
     finally:
         folder_paths.folder_names_and_paths["LLM"][0].remove(str(tmp_path))

@@ -161,8 +161,31 @@ def generate_node(graph: dict) -> str:
 def test_the_server_lists_the_packs_nodes_and_the_tiny_model(object_info):
     assert PACK_NODES <= set(object_info)
     assert all(PACK in object_info[name]["python_module"] for name in PACK_NODES)
-    assert "streamwise/tiny-qwen2" in object_info["StreamwiseModelLoader"]["input"]["required"]["model"][0]
+    assert "streamwise/tiny-qwen2" in object_info["StreamwiseModelLoader"]["input"]["required"]["model"][1]["options"]
     assert object_info["StreamwiseGenerateText"]["output_node"] is True
+
+
+def test_every_node_describes_itself_and_names_its_outputs_by_type(object_info):
+    """A description and display name on every node, a tooltip on every input, and one output name per type."""
+    names = {}
+    for node in map(object_info.get, sorted(PACK_NODES)):
+        assert node["description"] and node["display_name"].startswith(("Streamwise", "Apply", "Quantized"))
+        untipped = [name for specs in node["input"].values() for name, spec in specs.items()
+                    if not spec[1].get("tooltip")]
+        assert untipped == [], node["name"]
+        for kind, name in zip(node["output"], node["output_name"], strict=True):
+            names.setdefault(kind, set()).add(name)
+    assert names == {"MODEL": {"model"}, "STRING": {"report", "text"}}
+
+
+def test_an_error_names_its_type_by_the_package_not_the_folder(server):
+    """ComfyUI shows an error's type as its module and name; the pack's folder path is no part of it."""
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["policy"] = "vibevoice"  # its rules match nothing in a Qwen2: a PolicyError
+    entry = server.wait(server.queue(graph))
+    (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert error["exception_type"] == "streamwise.runtime.policy.diagnostics.PolicyError"
+    assert error["exception_message"].startswith("error[unmatched-rule]")
 
 
 @pytest.mark.parametrize("path", ui_format.api_files(WORKFLOWS), ids=lambda p: p.stem)
