@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import warnings
@@ -56,9 +57,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def run(model, x):
+def run(model, *inputs):
     with torch.no_grad():
-        return model(x)
+        return model(*inputs)
 
 
 def test_nothing_is_traced_until_the_first_forward():
@@ -292,7 +293,7 @@ def test_only_backends_that_can_run_here_are_offered_and_accepted(monkeypatch):
     assert "tvm" in runnable_backends()
 
 
-def test_settings_are_validated_and_cache_limits_set():
+def test_settings_are_validated():
     with pytest.raises(ValueError, match="not a torch.compile backend"):
         streamwise.lazy_compile(Net(blocks=1), POLICY, backend="inducter")
     armed = streamwise.lazy_compile(Net(blocks=2), POLICY, backend="aot_eager")
@@ -305,9 +306,75 @@ def test_settings_are_validated_and_cache_limits_set():
         streamwise.lazy_compile(Net(blocks=1), POLICY, mode="turbo")
     with pytest.raises(TypeError, match="unknown compile setting"):
         streamwise.lazy_compile(Net(blocks=1), POLICY, fullgraf=True)
-    streamwise.lazy_compile(Net(blocks=1), POLICY, backend="aot_eager", dynamo_cache_size_limit=17)
-    assert getattr(torch._dynamo.config, "recompile_limit", None) in (17, None)
-    assert getattr(torch._dynamo.config, "cache_size_limit", 17) == 17
+
+
+class Tagged(nn.Module):
+    """A block that recompiles for every new `tag` (a string: no dynamic shape can absorb it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x, tag: str):
+        return self.block(x) + len(tag)
+
+
+def in_a_thread(function):
+    """Run `function` in a fresh thread, as ComfyUI runs a prompt: a fresh context, none of the caller's config."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(function).result()
+
+
+def test_the_cache_limit_set_at_arming_holds_in_the_thread_that_runs_the_forward():
+    model = Tagged()
+    streamwise.lazy_compile(model, make_policy(compile={"blocks": {"class": "Tagged"}}), backend="aot_eager",
+                            dynamo_cache_size_limit=12)
+    in_a_thread(lambda: [run(model, torch.randn(2, 32), tag) for tag in "abcdefghij"])
+    stats = compile_stats(model)
+    assert (stats.graphs, stats.fallbacks) == (10, [])  # torch's default limit (8) would have stopped at 8
+    assert torch._dynamo.config.recompile_limit == 8  # and no setting of this thread's changed
+
+
+def test_hitting_the_limit_is_recorded_told_and_does_not_stop_the_next_arming():
+    policy = make_policy(compile={"blocks": {"class": "Tagged"}})
+    model = Tagged()
+    x = torch.randn(2, 32)
+    streamwise.lazy_compile(model, policy, backend="aot_eager", dynamo_cache_size_limit=2)
+    with pytest.warns(UserWarning, match=r"stopped compiling: Tagged: hit the recompile limit \(2 graphs\)"):
+        results = [run(model, x, tag) for tag in "abcd"]
+    expected = run(model.block, x)  # the eager block: the unit is the Tagged module around it
+    assert all(torch.allclose(result, expected + len(tag)) for result, tag in zip(results, "abcd", strict=True))
+    stats = compile_stats(model)
+    assert stats.graphs == 2 and len(stats.fallbacks) == 1 and "dynamo_cache_size_limit" in stats.fallbacks[0]
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:  # torch 2.13+: each arming its own
+        streamwise.lazy_compile(model, policy, backend="aot_eager", dynamo_cache_size_limit=2)
+        run(model, x, "e")
+        assert (compile_stats(model).graphs, compile_stats(model).fallbacks) == (1, [])
+
+
+def test_a_decoder_compiles_a_fixed_number_of_graphs_however_many_tokens_it_decodes():
+    from helpers import tiny_qwen2
+
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+
+    def generate(tokens: int):
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+
+    expected = generate(32)
+    streamwise.lazy_compile(model, "decoder-llm", backend="aot_eager")  # dynamic_shape_tracing off, the default
+    assert torch.equal(generate(8), expected[:, :14])
+    graphs = compile_stats(model).graphs
+    assert torch.equal(generate(32), expected)
+    stats = compile_stats(model)
+    # per layer (each guards on its index): the prompt, the first step, then the step that makes the KV length
+    # dynamic; none for the 24 further tokens
+    assert stats.graphs == graphs <= 3 * model.config.num_hidden_layers and stats.fallbacks == []
+    assert any("size mismatch" in reason for reason in stats.recompiles)
 
 
 def test_disarm_restores_eager_forwards():

@@ -8,7 +8,8 @@ Invariants:
   arming turns a host's side-stream prefetch off);
 - a tree holding residents of a format that cannot compile (ConvRot INT4) is left eager, and says why;
 - a host's model (a ComfyUI MODEL) is armed through its host (`hosts.comfyui.compile`); this module never learns
-  what a MODEL is. Dynamo's cache limits are process-wide torch settings: arming sets them for the process.
+  what a MODEL is;
+- arming changes no torch setting: the cache limit is patched around each compiled call (`regions`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ...schemas import CompileSettings, Policy
 from ..engine import applied_state, protocol
 from ..plan.selectors import CompiledSelector, outermost
 from .regions import CompileStats, Region, is_region_forward, log
-from .settings import compile_settings, set_cache_limits
+from .settings import compile_settings
 
 STATE_ATTRIBUTE = "_sw_compile"
 INT4_MESSAGE = "Native ConvRot INT4 detected; torch.compile was not applied."
@@ -67,6 +68,11 @@ class Target:
             else:
                 unit.__dict__["forward"] = own
 
+    @staticmethod
+    def notify(message: str) -> None:
+        """Tell the user, beyond the warning, that compiling stopped (a host shows it where its users look).
+        Static: a region holding it must not hold the target, whose holder holds the region (a cycle)."""
+
     def regions(self) -> list[Region]:
         """The regions armed on this target now (a host may hold them where arming state is not copied)."""
         armed = self.holder.__dict__.get(STATE_ATTRIBUTE)
@@ -93,7 +99,6 @@ def lazy_compile(
         armed.stats.reason = INT4_MESSAGE
         return target.holder
     _inline_fetchers(target.module, settings)
-    set_cache_limits(settings.dynamo_cache_size_limit)
     whole_model = settings.model_copy(update={"blocks": None})
     units = _units(target.module, settings if compile_transformer_blocks_only else whole_model)
     regions: dict[Any, Region] = {}
@@ -102,7 +107,8 @@ def lazy_compile(
         if is_region_forward(own):  # another clone's compiled forward, set on the shared tree while it is loaded
             own = None
         function = _unbound_forward(unit, own)
-        region = regions.setdefault(function, Region(function, settings, armed.stats, target.per_call_names))
+        region = regions.setdefault(function, Region(function, settings, armed.stats, target.per_call_names,
+                                                                target.notify))
         target.install(path, unit, functools.partial(region, unit), own, armed)
     armed.stats.applied, armed.stats.units, armed.stats.regions = True, len(units), len(regions)
     if settings.verbose:

@@ -4,14 +4,21 @@ Invariants:
 - compiled on its first call, never at arming;
 - a compiler failure runs the region eagerly from then on, once warned and recorded; an error the eager forward
   raises too is the caller's own, and propagates with compilation left on;
+- shapes are static until one changes, then dynamic in the dimensions that changed (torch's automatic dynamic):
+  a decoder's growing sequence and KV cache cost one recompile, not one per token;
+- the cache limit holds in the thread and context that runs a call (torch 2.13 keeps config per context): torch
+  takes it per compiled callable, else it is patched around every call; hitting it is recorded
+  and told, as a compiler failure is (through the host's `notify` as well as a warning);
 - what each call compiled (graphs, breaks, seconds, recompile reasons) is folded into the shared `CompileStats`.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -19,6 +26,7 @@ import torch
 from torch import nn
 
 from ...schemas import CompileSettings
+from .settings import cache_limits
 
 log = logging.getLogger("streamwise.compile")
 
@@ -33,6 +41,8 @@ class CompileStats:
     recompiles: list[str] = field(default_factory=list)
     graph_breaks: int = 0
     fallbacks: list[str] = field(default_factory=list)
+    """Why compiling stopped, per region: a compiler failure (the region runs eagerly), or the recompile limit
+    (shapes no compiled graph takes run eagerly)."""
     compile_seconds: float = 0.0
 
 
@@ -42,33 +52,46 @@ class Region:
     _sw_region = True  # a marker, not a class check: ComfyUI may import this pack twice under two names
 
     def __init__(self, function: Callable, settings: CompileSettings, stats: CompileStats,
-                 per_call_names: tuple[str, ...] = ()) -> None:
+                 per_call_names: tuple[str, ...] = (), notify: Callable[[str], None] = lambda message: None) -> None:
         self.function, self.settings, self.stats = function, settings, stats
-        self.per_call_names = per_call_names
+        self.per_call_names, self.notify = per_call_names, notify
         self.compiled = None
         self.failed = False
         self.has_graph = False
+        self.at_limit = False
+        self.limits = cache_limits(settings.dynamo_cache_size_limit, per_code="recompile_limit" not in _COMPILE_TAKES)
 
     def _compile(self):
+        # `dynamic=False` would force every shape static (a decoder: one graph per token); None is torch's
+        # automatic dynamic, static until a dimension changes. True traces every dimension symbolically at once.
+        dynamic = True if self.settings.dynamic else None
         options = {"guard_filter_fn": guard_filter(self.per_call_names)} if self.settings.use_guard_filter else {}
         if self.settings.mode != "default":  # torch takes a mode or options, not both: the mode's own options
             from torch._inductor import list_mode_options
 
-            options = {**list_mode_options(self.settings.mode, self.settings.dynamic), **options}
+            options = {**list_mode_options(self.settings.mode, dynamic), **options}
         return torch.compile(self.function, backend=self.settings.backend, fullgraph=self.settings.fullgraph,
-                             dynamic=self.settings.dynamic, options=options or None)
+                             dynamic=dynamic, options=options or None, **self._per_region())
+
+    def _per_region(self) -> dict:
+        """What torch (2.13+) keeps per compiled callable: its own recompile limit, applied where its frames
+        compile, and its own cache entries, so one arming that hit its limit, or was armed with other settings,
+        does not use up the next one's."""
+        limit = {"recompile_limit": self.settings.dynamo_cache_size_limit}
+        return {key: value for key, value in {**limit, "isolate_recompiles": True}.items() if key in _COMPILE_TAKES}
 
     def __call__(self, module: nn.Module, *args, **kwargs):
         if self.failed:
             return self.function(module, *args, **kwargs)
         if self.compiled is None:
             self.compiled = self._compile()
-        from torch._dynamo.exc import TorchDynamoException
+        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
         before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
         try:
-            result = self.compiled(module, *args, **kwargs)
-        except TorchDynamoException as exc:
+            with torch._dynamo.config.patch(self.limits) if self.limits else nullcontext():
+                result = self.compiled(module, *args, **kwargs)
+        except (TorchDynamoException, FailOnRecompileLimitHit) as exc:  # the second: the limit under fullgraph
             failure = exc
         else:
             self._count(module, *before)
@@ -83,13 +106,20 @@ class Region:
         cause = getattr(failure, "inner_exception", None) or failure.__cause__ or failure
         reason = f"{type(module).__name__}: {type(cause).__name__}: {cause}".splitlines()[0]
         self.stats.fallbacks.append(reason)
-        warnings.warn(f"torch.compile failed, running it eagerly from now on ({reason})", stacklevel=3)
+        self._tell(f"torch.compile failed, running it eagerly from now on ({reason})")
         return result
 
+    def _tell(self, message: str) -> None:
+        warnings.warn(message, stacklevel=4)
+        self.notify(message)
+
     def _count(self, module: nn.Module, graphs: int, breaks: int, start: float, failures: int) -> None:
-        """Fold what a call compiled into the stats: new graphs, their breaks and time, recompile reasons."""
+        """Fold what a call compiled into the stats: new graphs, their breaks and time, recompile reasons. A call
+        whose guards all failed (a recompile reason) yet made no graph hit the recompile limit."""
         new_graphs = _graphs() - graphs
         if not new_graphs:
+            if len(self._failures()) > failures and not self.at_limit:
+                self._note_limit(module, self._failures()[failures:])
             return
         self.stats.graphs += new_graphs
         self.stats.compile_seconds += perf_counter() - start
@@ -105,6 +135,15 @@ class Region:
         from torch._dynamo.utils import guard_failures
 
         return guard_failures.get(self.function.__code__, [])
+
+    def _note_limit(self, module: nn.Module, new_failures: list) -> None:
+        self.at_limit = True
+        limit = self.settings.dynamo_cache_size_limit
+        reason = (f"{type(module).__name__}: hit the recompile limit ({limit} graphs): inputs no compiled graph takes "
+                  f"run eagerly from now on (last reason: {str(new_failures[-1]).splitlines()[0]}); raise "
+                  "dynamo_cache_size_limit or turn dynamic_shape_tracing on")
+        self.stats.fallbacks.append(reason)
+        self._tell(f"torch.compile stopped compiling: {reason}")
 
     def _note_recompile(self, new_failures: list) -> None:
         """Keep the guard failure behind a recompile: the newest cache entry's, first line."""
@@ -126,6 +165,9 @@ def guard_filter(per_call_names: tuple[str, ...]) -> Callable[[list], list[bool]
         return [not any(name in entry.name for name in per_call_names) for entry in entries]
 
     return keep
+
+
+_COMPILE_TAKES = set(inspect.signature(torch.compile).parameters)
 
 
 def _graphs() -> int:

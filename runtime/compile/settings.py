@@ -41,17 +41,19 @@ def compile_settings(policy: Policy | str | None, module: nn.Module, overrides: 
     return settings
 
 
-def set_cache_limits(limit: int) -> None:
-    """Set only the limits this torch has (their names changed across releases)."""
+def cache_limits(limit: int, *, per_code: bool = True) -> dict[str, int]:
+    """The dynamo config patch that holds `limit` where a compiled forward runs: the per-code limit (unless
+    `torch.compile` takes it itself, as from 2.13), and the accumulated one where `limit` exceeds it, by the
+    names this torch has (they changed across releases). A patch around each call, not a setting made once:
+    torch 2.13 keeps config overrides per thread and context, so a limit set where a model was armed is not
+    the one where its forward runs (a ComfyUI prompt's worker)."""
     import torch._dynamo
 
     config = torch._dynamo.config
-    for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(config, name):
-            setattr(config, name, limit)
-    for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), limit))
+    names = [next(name for name in (new, old) if hasattr(config, name)) for new, old in (
+        ("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"))]
+    patch = {names[0]: limit} if per_code else {}
+    return {**patch, names[1]: limit} if limit > getattr(config, names[1]) else patch
 
 
 def _modes() -> set[str]:
