@@ -164,7 +164,8 @@ def test_the_policy_front_end_imports_neither_torch_nor_what_a_policy_names(tmp_
 def test_model_mode_prints_the_plan_and_coverage(capsys):
     assert main(["--model", "transformers:Qwen2ForCausalLM", "decoder-llm"]) == EXIT_OK
     out = capsys.readouterr().out
-    assert "plan: policy `decoder-llm` on transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM" in out
+    assert out.startswith("model: transformers:Qwen2ForCausalLM (built on the meta device)\nplan: policy `decoder-llm` "
+                          "on transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM\n")
     assert "stream:linear" in out and "Linear x225" in out  # the full-size default config, on meta
     assert "covered                       100.00%" in out
 

@@ -61,8 +61,8 @@ def test_vibevoice_acoustic_tokenizer_round_trip_is_identical():
 
 def test_budget_none_keeps_everything_resident():
     model = tiny_qwen2()
-    report = streamwise.offload(model, "decoder-llm", device="cpu")
-    assert report.streamed_modules == 0 and report.streamed_bytes == 0
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=None)
+    assert report.budget is None and report.streamed_modules == 0 and report.streamed_bytes == 0
     assert not any(getattr(m, "comfy_cast_weights", False) for m in model.modules())
 
 

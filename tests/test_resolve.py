@@ -8,6 +8,7 @@ import transformers
 
 import streamwise
 from streamwise.runtime.policy.diagnostics import render_text
+from streamwise.runtime.sizes import human
 
 from helpers import make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2, write_policy
 
@@ -193,3 +194,14 @@ def test_a_problem_repeated_in_every_layer_is_one_diagnostic_with_a_count():
     (problem,) = [d for d in streamwise.resolve(container, tiny_qwen2(num_hidden_layers=3)).diagnostics
                   if d.code == "stream-container"]
     assert problem.message.endswith("(3 modules: `model.layers.0.mlp`, `model.layers.1.mlp`, `model.layers.2.mlp`)")
+
+
+def test_a_plan_prints_as_the_cli_prints_it():
+    plan = streamwise.resolve(streamwise.load_policy("decoder-llm"), tiny_qwen2())
+    text = str(plan)
+    lines = text.splitlines()
+    assert lines[0] == f"plan: policy `decoder-llm` on {plan.root_class}"
+    streamed = plan.summary()["modules"]["stream:linear"]
+    assert f"  {'stream:linear':<24} {sum(streamed.values()):>6}  Linear x{streamed['Linear']}" in lines
+    assert any(line.split() == ["streamed", *human(plan.coverage.bytes["streamed"]).split()] for line in lines)
+    assert f"  {'covered':<24} {plan.coverage.percent:>12}" in lines

@@ -91,33 +91,10 @@ def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespa
     elif plan is None:
         _print_text({args.paths[0]: diagnostics}, quiet=args.quiet)
     else:
-        print(_render_plan(args.model, plan))
+        print(f"model: {args.model} (built on the meta device)\n{plan}")
         if diagnostics:
             print("\n" + render_text(diagnostics))
     return EXIT_PROBLEMS if errors_in(diagnostics) else EXIT_OK
-
-
-def _render_plan(spec: str, plan) -> str:
-    summary = plan.summary()
-    lines = [f"plan: policy `{plan.policy}` on {plan.root_class} ({spec}, meta device)"]
-    for role, classes in summary["modules"].items():
-        lines.append(f"  {role:<24} {sum(classes.values()):>6}  " + ", ".join(f"{c} x{n}" for c, n in classes.items()))
-    lines.append("coverage:")
-    for role, size in summary["bytes"].items():
-        lines.append(f"  {role:<24} {_bytes(size):>12}")
-    lines.append(f"  {'covered':<24} {plan.coverage.percent:>12}")
-    lines.append("rules:")
-    lines += [f"  {rule:<40} {count:>6} modules" for rule, count in summary["rule_matches"].items()]
-    if summary["tied"]:
-        lines.append("tied: " + "; ".join(" = ".join(group) for group in summary["tied"]))
-    return "\n".join(lines)
-
-
-def _bytes(size: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
 
 
 def _collect(paths: Sequence[str]) -> list[Path]:

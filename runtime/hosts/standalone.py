@@ -15,8 +15,9 @@ included) every tensor is moved back and the tree is as it was (converted only i
 
 from __future__ import annotations
 
-import math
-import numbers
+import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,13 @@ from ..engine import ConversionError, applied_state, apply_policy, protocol
 from ..engine.apply import Journal
 from ..engine.tree import TorchFetcher
 from ..policy.diagnostics import PolicyError
+from ..sizes import SizeError, human, parse_size
+
+AUTO_MARGIN = 0.10
+"""The share of a device's total memory `budget="auto"` leaves free: for activations, the KV cache and the
+allocator's slack."""
+_SHARE = re.compile(r"\d+(\.\d*)?|\.\d+")
+_log = logging.getLogger("streamwise.offload")
 
 
 class OffloadError(RuntimeError):
@@ -42,6 +50,14 @@ class OffloadReport:
     streamed_modules: int
     resident_bytes: int
     streamed_bytes: int
+    budget: int | None = None
+    """The budget in bytes it was placed within (None: everything resident)."""
+
+    def __str__(self) -> str:
+        budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
+        return (f"{budget} on {self.device}: {self.resident_modules} streamed leaves resident "
+                f"({human(self.resident_bytes)}), {self.streamed_modules} stream from {self.offload_device} "
+                f"({human(self.streamed_bytes)})")
 
 
 def offload(
@@ -49,18 +65,19 @@ def offload(
     policy: Policy | str | Path,
     *,
     device: str | torch.device,
-    budget: int | None = None,
+    budget: int | str | None = "auto",
     offload_device: str | torch.device = "cpu",
     prefetch: bool = True,
 ) -> OffloadReport:
-    """Convert `model` by `policy` and stream it from `offload_device` to `device` within `budget` bytes.
+    """Convert `model` by `policy` and stream it from `offload_device` to `device` within `budget`.
 
-    `budget=None` makes every streamed leaf resident. Tensors outside the plan are moved to the
-    compute device; relocated ones follow it on their own. `prefetch` (CUDA only) overlaps the
+    `budget`: bytes, a size such as `"2GiB"` or `"1.5GB"`, a share of the device such as `"50%"`, `"auto"` (the
+    device's free memory less `AUTO_MARGIN` of its total) or None (every streamed leaf resident). Tensors outside
+    the plan are moved to the compute device; relocated ones follow it on their own. `prefetch` (CUDA only) overlaps the
     next leaf's copy with the current leaf's compute.
     """
     device, offload_device = _usable(device, "device"), _usable(offload_device, "offload_device")
-    budget = _bytes(budget)
+    budget = _budget(budget, device)
 
     def failed(exc: Exception) -> OffloadError | None:  # the errors that say what failed pass as they are
         if isinstance(exc, (ConversionError, PolicyError)):
@@ -96,8 +113,10 @@ def offload(
             lazy_compile(model, policy)
         elif is_armed(model):  # armed before: its compiled blocks cannot trace prefetch bookkeeping
             streamer.inline_for_compile()
-    return OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
-                         resident_bytes, streamed_bytes)
+    report = OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
+                           resident_bytes, streamed_bytes, budget)
+    _log.info("offload: policy `%s`, %s", policy.name, report)
+    return report
 
 
 def _usable(device: str | torch.device, argument: str) -> torch.device:
@@ -122,16 +141,39 @@ def _usable(device: str | torch.device, argument: str) -> torch.device:
     return device
 
 
-def _bytes(budget: object) -> int | None:
-    """The budget as a whole number of bytes; anything else is refused, strings such as "1GB" included (a
-    gigabyte is 10**9 bytes to some and 2**30 to others: say `2 * 1024**3`)."""
+def _budget(budget: object, device: torch.device) -> int | None:
+    """The budget in bytes: None (everything resident), bytes or a size string (`"2GiB"`, `"1.5GB"`), a share of
+    the device (`"50%"` of its total memory) or `"auto"` (its free memory less `AUTO_MARGIN` of its total)."""
     if budget is None:
         return None
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
-        raise OffloadError(f"budget={budget!r}: a number of bytes is expected (such as 2 * 1024**3), or None")
-    if not math.isfinite(budget) or budget < 0:
-        raise OffloadError(f"budget={budget!r}: the bytes must be finite and not negative (None: all resident)")
-    return int(budget)
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        free, total = device_memory(device)
+        return max(0, free - int(total * AUTO_MARGIN))
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        share = budget.strip()[:-1].strip()
+        if not _SHARE.fullmatch(share) or not 0 <= float(share) <= 100:
+            raise OffloadError(f"budget={budget!r}: a share of the device is a percentage from 0% to 100%")
+        return int(device_memory(device)[1] * float(share) / 100)
+    try:
+        return parse_size(budget, "budget")
+    except SizeError as exc:
+        raise OffloadError(f"{exc}; or a share such as '50%', 'auto' or None (everything resident)") from None
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of `device`'s memory: the accelerator's own count, the machine's memory for the CPU."""
+    try:
+        if device.type != "cpu":
+            return getattr(torch, device.type).mem_get_info(device)
+        try:
+            import psutil
+        except ImportError:  # the POSIX counts; free pages understate what the page cache would give back
+            page = os.sysconf("SC_PAGE_SIZE")
+            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+    except (AttributeError, ValueError, OSError, RuntimeError) as exc:
+        raise OffloadError(f"cannot tell how much memory {device} has ({exc}): give the budget in bytes") from None
 
 
 def _keep_arming(journal: Journal, model: nn.Module) -> None:

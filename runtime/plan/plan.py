@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from ...schemas import CompileSettings
 from ..policy.diagnostics import Diagnostic
+from ..sizes import human
 
 
 class ModulePlan(NamedTuple):
@@ -112,3 +113,20 @@ class Plan:
             "rule_matches": dict(sorted(self.rule_matches.items())),
             "diagnostics": [f"{d.severity}[{d.code}]: {d.message}" for d in self.diagnostics],
         }
+
+    def __str__(self) -> str:
+        """The plan for people, as `policy-validate --model` prints it: modules per role and class, bytes per role,
+        rule match counts, tied tensors (the diagnostics print on their own)."""
+        summary = self.summary()
+        lines = [f"plan: policy `{self.policy}` on {self.root_class}"]
+        for role, classes in summary["modules"].items():
+            listed = ", ".join(f"{name} x{count}" for name, count in classes.items())
+            lines.append(f"  {role:<24} {sum(classes.values()):>6}  {listed}")
+        lines.append("coverage:")
+        lines += [f"  {role:<24} {human(size):>12}" for role, size in summary["bytes"].items()]
+        lines.append(f"  {'covered':<24} {self.coverage.percent:>12}")
+        lines.append("rules:")
+        lines += [f"  {rule:<40} {count:>6} modules" for rule, count in summary["rule_matches"].items()]
+        if summary["tied"]:
+            lines.append("tied: " + "; ".join(" = ".join(group) for group in summary["tied"]))
+        return "\n".join(lines)
