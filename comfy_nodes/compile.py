@@ -2,14 +2,15 @@
 
 Its node id stays `INT8LazyTorchCompile`, the name saved workflows use. Input names are the policy's `[compile]`
 keys (`dynamic_shape_tracing` is `dynamic`); their defaults and tooltips come from that table's schema, so the node
-and a policy file cannot disagree."""
+and a policy file cannot disagree. It shows what it armed and any warning; a compile that stops later is told on the
+node that runs the model (`runtime/hosts/comfyui/compile.py`)."""
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
-from ..runtime.compile import lazy_compile
 from ..runtime.compile.settings import runnable_backends
+from ..runtime.hosts.comfyui.compile import armed_with_report
 from ..schemas.policy import CompileSettings
 from ..schemas.vocabulary import COMPILE_MODES
 
@@ -53,6 +54,6 @@ class QuantizedLazyTorchCompile(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, compile_transformer_blocks_only: bool, **settings) -> io.NodeOutput:
-        compiled = lazy_compile(model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only,
-                                **settings)
-        return io.NodeOutput(compiled)
+        compiled, report = armed_with_report(
+            model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only, **settings)
+        return io.NodeOutput(compiled, ui=ui.PreviewText(report))

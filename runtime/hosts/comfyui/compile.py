@@ -4,6 +4,9 @@ Invariants:
 - core sets object patches while the MODEL is loaded and undoes them on unload, so the tree it shares with
   other MODELs (the one it was cloned from) is left alone;
 - guards on core's per-call dictionaries are dropped (their contents change every call);
+- when compiling stops during a prompt, the user is told where ComfyUI shows a node's news: as text on the node
+  that is executing (core's `send_progress_text`, which the frontend draws on that node) and in the log, which
+  the frontend's log panel shows;
 - a dynamic-VRAM MODEL is demoted only when asked, when core can, and never once Streamwise converted it
   (core demotes by rebuilding the model from its file, without the conversion).
 """
@@ -17,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from ....schemas import CompileSettings
-from ...compile.arm import Armed, Target
+from ...compile.arm import Armed, Target, compile_stats, lazy_compile
 from ...compile.regions import Region, is_region_forward, log
 from ...engine import applied_state
 
@@ -57,8 +60,35 @@ class _PatcherTarget(Target):
         for key in [k for k, v in patches.items() if is_region_forward(v)]:
             del patches[key]
 
+    @staticmethod
+    def notify(message: str) -> None:
+        log.warning(message)
+        try:
+            from comfy_execution.utils import get_executing_context
+            from server import PromptServer
+        except ImportError:  # a core without either: the log and the warning stay
+            return
+        context, server = get_executing_context(), getattr(PromptServer, "instance", None)
+        if context is not None and server is not None:
+            server.send_progress_text(message, context.node_id, server.client_id)
+
     def regions(self) -> list[Region]:
         return [value.func for value in self.holder.object_patches.values() if is_region_forward(value)]
+
+
+def armed_with_report(patcher: Any, **options) -> tuple[Any, str]:
+    """`lazy_compile(patcher, **options)` and what the compile node shows of it: what was armed (or why nothing
+    was) and each warning arming gave, which is also told the user as a stop is (the log, the node's text)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        armed = lazy_compile(patcher, **options)
+    said = [str(warning.message) for warning in caught]
+    for message in said:
+        _PatcherTarget.notify(message)
+    stats = compile_stats(armed)
+    head = (f"armed {stats.units} block(s) in {stats.regions} region(s); they compile where the model runs next"
+            if stats.applied else f"not compiled: {stats.reason}")
+    return armed, "\n".join([head, *(message for message in said if message != stats.reason)])
 
 
 def _handle_dynamic_vram(patcher: Any, settings: CompileSettings) -> Any:
