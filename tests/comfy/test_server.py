@@ -170,8 +170,8 @@ def test_every_node_describes_itself_and_names_its_outputs_by_type(object_info):
     names = {}
     for node in map(object_info.get, sorted(PACK_NODES)):
         assert node["description"] and node["display_name"].startswith(("Streamwise", "Apply", "Quantized"))
-        untipped = [name for specs in node["input"].values() for name, spec in specs.items()
-                    if not spec[1].get("tooltip")]
+        inputs = {**node["input"]["required"], **node["input"].get("optional", {})}  # `hidden` is ComfyUI's own
+        untipped = [name for name, spec in inputs.items() if not spec[1].get("tooltip")]
         assert untipped == [], node["name"]
         for kind, name in zip(node["output"], node["output_name"], strict=True):
             names.setdefault(kind, set()).add(name)
