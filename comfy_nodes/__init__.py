@@ -8,6 +8,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from .apply_policy import ApplyStreamwisePolicy
 from .compile import QuantizedLazyTorchCompile
+from .generate_speech import StreamwiseGenerateSpeech
 from .generate_text import StreamwiseGenerateText
 from .model_loader import StreamwiseModelLoader
 from .policy_check import StreamwisePolicyCheck
@@ -17,6 +18,7 @@ NODES: list[type[io.ComfyNode]] = [
     ApplyStreamwisePolicy,
     QuantizedLazyTorchCompile,
     StreamwiseGenerateText,
+    StreamwiseGenerateSpeech,
     StreamwisePolicyCheck,
 ]
 

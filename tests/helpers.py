@@ -177,3 +177,53 @@ def tiny_sample(name: str) -> tuple[nn.Module, dict]:
 
 
 SAMPLE = ["dense", "moe", "state-space", "gemma", "gpt2", "encoder-decoder", "audio", "vision", "custom"]
+
+
+# The chat template of the tiny VibeVoice folder: VibeVoice's prompt layout (voice section for speakers that bring a
+# recording, then the script, then the start of speech), written for these tests.
+VIBEVOICE_TEMPLATE = (
+    "{{- ' Transform the text provided by various speakers into speech output.\\n' -}}"
+    "{%- set ns = namespace(voiced=[]) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] | selectattr('type', 'equalto', 'audio') | list"
+    " and message['role'] not in ns.voiced -%}{%- set ns.voiced = ns.voiced + [message['role']] -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.voiced -%}{{- ' Voice input:\\n' -}}{%- for speaker in ns.voiced -%}"
+    "{{- ' Speaker ' ~ speaker ~ ':<|vision_start|><|vision_pad|><|vision_end|>\\n' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- ' Text input:\\n' -}}"
+    "{%- for message in messages -%}{%- for item in message['content'] | selectattr('type', 'equalto', 'text') -%}"
+    "{{- ' Speaker ' ~ message['role'] ~ ': ' ~ item['text'] ~ '\\n' -}}"
+    "{%- endfor -%}{%- endfor -%}"
+    "{{- ' Speech output:\\n<|vision_start|>' -}}"
+)
+
+
+def tiny_vibevoice_folder(folder: Path) -> Path:
+    """A VibeVoice folder as the real libraries save one: tiny_vibevoice's weights, a word-level tokenizer whose
+    special tokens sit at the config's ids, VibeVoice's feature extractor at the tiny tokenizer's hop (4 samples a
+    frame), a chat template, and a generation config under which the random model never ends speech early (it
+    masks end-of-text and the audio start/end tokens), so every run makes exactly max_new_tokens frames."""
+    import math
+
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    special = ["[PAD]", "[EOS]", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "[UNK]"]  # ids 0..5
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "Speaker 0 1 2 3 : . , Transform text speech output Voice Text Speech input hello there how are you"
+    tokenizer.train_from_iterator([words], trainers.WordLevelTrainer(vocab_size=64, special_tokens=special))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]",
+        additional_special_tokens=special[2:5],
+    )
+    torch.manual_seed(0)
+    model = tiny_vibevoice()
+    hop = math.prod(model.config.audio_config.downsampling_ratios)
+    extractor = transformers.VibeVoiceAcousticTokenizerFeatureExtractor(pad_to_multiple_of=hop)
+    transformers.VibeVoiceProcessor(extractor, fast, chat_template=VIBEVOICE_TEMPLATE).save_pretrained(folder)
+    model.generation_config.suppress_tokens = [model.config.eos_token_id, model.config.audio_bos_token_id,
+                                               model.config.audio_eos_token_id]
+    model.save_pretrained(folder)
+    return folder
