@@ -3,8 +3,13 @@
 GGUF weights are streamed to the compute device as their raw block bytes (a uint8 tensor, the
 smallest thing to move) and expanded there, right before use. Every kernel is vectorized over
 blocks, so it runs on CPU and CUDA alike, and is bit-exact with `gguf.quants.dequantize` for
-float32 output: products are formed in float32 in the same order as the reference, with the
-float16 scales widened to float32 first.
+float32 output, NaN payloads included: products are formed in float32 in the same order as the
+reference, with the float16 scales widened to float32 first. The supported set is the one table
+at the end of this module.
+
+The IQ, E2M1 and UE4M3 types decode through lookup tables read from the gguf package (its grids,
+sign patterns and value tables), built once per device; each lookup fetches several values, since
+a per-element gather is what makes lookup tables slow in torch on CPU.
 
 The expansion is memory-bound, so kernels write the integer quants once into the float32 output
 and scale it in place, and decode the few scale bytes of each block without narrow strided
@@ -18,6 +23,8 @@ import math
 from collections.abc import Callable
 
 import gguf
+import gguf.quants as reference
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,8 +35,8 @@ QType = gguf.GGMLQuantizationType
 
 Kernel = Callable[[Tensor, Tensor], None]
 #: A kernel per GGML type: (n_blocks, type_size) uint8 blocks -> fills a (n_blocks, block_size) float32 output.
+#: Filled from the one table at the end of this module; extensions register more.
 DEQUANTIZERS: Registry[Kernel] = Registry("GGUF dequantizer")
-dequantizer = DEQUANTIZERS.decorator
 # Types stored as plain floats: their bytes are reinterpreted, not dequantized.
 STORED_FLOATS: dict[QType, torch.dtype] = {
     QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16,
@@ -118,31 +125,36 @@ def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
     return fields.movedim(0, dim)
 
 
-def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
-    """Fill `out` with float32(q) * scale (+ offset), in q's element order, in place.
-
-    `scale` and `offset` are (n_blocks, groups): one term per group of consecutive values. The
-    reference's `scale * q - m` is the same float as `scale * q + (-m)`, so callers negate m.
-    """
+def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None, minus: Tensor | None = None) -> None:
+    """Fill `out` with float32(q) * scale (+ offset, or - minus), in q's element order, in place."""
     out.view(q.shape).copy_(q)
+    _scale(out, scale, offset, minus)
+
+
+def _scale(out: Tensor, scale: Tensor, offset: Tensor | None = None, minus: Tensor | None = None) -> None:
+    """Multiply each group of consecutive values of `out` by its term of `scale` (n_blocks, groups), in place,
+    then add `offset` or subtract `minus` (same shape).
+
+    The reference's `d * q - m` stays a subtraction: with a NaN m, x86 returns m's NaN, and negating
+    m first would flip that NaN's sign bit.
+    """
     groups = out.view(*scale.shape, -1).mul_(scale.unsqueeze(-1))
     if offset is not None:
         groups.add_(offset.unsqueeze(-1))
+    if minus is not None:
+        groups.sub_(minus.unsqueeze(-1))
 
 
-@dequantizer(QType.Q8_0)
 def _q8_0(blocks: Tensor, out: Tensor) -> None:
     """34 bytes: d (f16), 32 int8 quants."""
     _affine(out, blocks[:, 2:].view(torch.int8), _half(blocks, 0))
 
 
-@dequantizer(QType.Q4_0)
 def _q4_0(blocks: Tensor, out: Tensor) -> None:
     """18 bytes: d (f16), 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31."""
     _affine(out, _unpack(blocks[:, 2:], 4, -2).view(torch.int8).sub_(8), _half(blocks, 0))
 
 
-@dequantizer(QType.Q4_1)
 def _q4_1(blocks: Tensor, out: Tensor) -> None:
     """20 bytes: d (f16), m (f16), nibbles as in Q4_0; value = d * q + m."""
     _affine(out, _unpack(blocks[:, 4:], 4, -2), _half(blocks, 0), _half(blocks, 2))
@@ -155,19 +167,16 @@ def _q5(blocks: Tensor) -> Tensor:
     return ql.bitwise_or_(qh.bitwise_left_shift_(4))
 
 
-@dequantizer(QType.Q5_0)
 def _q5_0(blocks: Tensor, out: Tensor) -> None:
     """22 bytes: d (f16), qh (4 bytes), 16 bytes of low nibbles."""
     _affine(out, _q5(blocks[:, 2:]).view(torch.int8).sub_(16), _half(blocks, 0))
 
 
-@dequantizer(QType.Q5_1)
 def _q5_1(blocks: Tensor, out: Tensor) -> None:
     """24 bytes: d (f16), m (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * q + m."""
     _affine(out, _q5(blocks[:, 4:]), _half(blocks, 0), _half(blocks, 2))
 
 
-@dequantizer(QType.Q2_K)
 def _q2_k(blocks: Tensor, out: Tensor) -> None:
     """84 bytes: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit quants, d, dmin.
 
@@ -176,10 +185,9 @@ def _q2_k(blocks: Tensor, out: Tensor) -> None:
     scales = blocks[:, :16].contiguous()
     dl = _half(blocks, 80) * (scales & 0xF)
     ml = _half(blocks, 82) * (scales >> 4)
-    _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, ml.neg_())
+    _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, minus=ml)
 
 
-@dequantizer(QType.Q3_K)
 def _q3_k(blocks: Tensor, out: Tensor) -> None:
     """110 bytes: hmask (32), 2-bit quants (64, laid out as in Q2_K), 12 scale bytes, d (f16).
 
@@ -212,10 +220,9 @@ def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
 def _k4_affine(blocks: Tensor, q: Tensor, out: Tensor) -> None:
     """d * scale * q - dmin * min over the eight 32-value sub-blocks of a Q4_K/Q5_K block."""
     scale, minimum = _scale_min_k4(blocks)
-    _affine(out, q, _half(blocks, 0) * scale, (_half(blocks, 2) * minimum).neg_())
+    _affine(out, q, _half(blocks, 0) * scale, minus=_half(blocks, 2) * minimum)
 
 
-@dequantizer(QType.Q4_K)
 def _q4_k(blocks: Tensor, out: Tensor) -> None:
     """144 bytes: d, dmin (f16), 12 scale bytes, 128 bytes of nibbles.
 
@@ -224,7 +231,6 @@ def _q4_k(blocks: Tensor, out: Tensor) -> None:
     _k4_affine(blocks, _unpack(blocks[:, 16:].reshape(-1, 4, 32), 4, -2), out)
 
 
-@dequantizer(QType.Q5_K)
 def _q5_k(blocks: Tensor, out: Tensor) -> None:
     """176 bytes: d, dmin (f16), 12 scale bytes, qh (32), 128 bytes of nibbles laid out as in Q4_K.
 
@@ -235,7 +241,6 @@ def _q5_k(blocks: Tensor, out: Tensor) -> None:
     _k4_affine(blocks, ql.bitwise_or_(qh.bitwise_left_shift_(4)), out)
 
 
-@dequantizer(QType.Q6_K)
 def _q6_k(blocks: Tensor, out: Tensor) -> None:
     """210 bytes: ql (128), qh (64), 16 int8 scales, d (f16).
 
@@ -247,3 +252,240 @@ def _q6_k(blocks: Tensor, out: Tensor) -> None:
     qh = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), 2, -2).unflatten(-2, (2, 2))
     q = ql.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
     _affine(out, q, _half(blocks, 208) * _reinterpret(blocks[:, 192:208], torch.int8))
+
+
+def _bits(word: Tensor, width: int, count: int) -> Tensor:
+    """The `count` fields of `width` bits of each (int32) `word`, lowest first, along a new last axis."""
+    mask = (1 << width) - 1
+    return torch.stack([(word >> (index * width)) & mask for index in range(count)], -1)
+
+
+def _u16(blocks: Tensor, start: int, stop: int) -> Tensor:
+    """The little-endian uint16 words of bytes `start:stop` of every block, as int32."""
+    return _reinterpret(blocks[:, start:stop], torch.int16).int().bitwise_and_(0xFFFF)
+
+
+# Lookup tables, read from the gguf package (grids, sign patterns, value tables) and built once per device.
+# A per-element gather is slow on CPU, so each table answers several values per index: a grid row with its
+# signs applied, or the values of four nibbles.
+
+
+def _sign_patterns(bits: np.ndarray, width: int) -> np.ndarray:
+    """(len(bits), width) float32 of +-1: bit j of bits[p] set negates value j."""
+    set_bits = (bits.astype(np.uint32)[:, None] >> np.arange(width, dtype=np.uint32)) & 1
+    return np.where(set_bits == 1, np.float32(-1), np.float32(1))
+
+
+def _signed_grid(quant: type, patterns: np.ndarray) -> np.ndarray:
+    """Row `p * rows + g`: grid row g (of patterns' width) with sign pattern p applied.
+
+    Grid values are finite and nonzero, so negating one is exact, and `(d * g) * -1` is `d * -g` bit
+    for bit (a NaN d passes through either product unchanged): the reference's sign multiply folds in.
+    """
+    quant.init_grid()
+    grid = quant.grid.reshape(-1, patterns.shape[-1])
+    return (patterns[:, None, :] * grid[None]).reshape(-1, grid.shape[-1])
+
+
+_KSIGNS = np.frombuffer(reference.IQ2_XXS.ksigns, dtype=np.uint8)  # 7-bit index -> 8 sign bits (even parity)
+_NIBBLE_SIGNS = _sign_patterns(np.arange(16), 4)
+
+
+def _iq1_grid() -> np.ndarray:
+    """Row `s * 2048 + g`: IQ1 grid row g plus delta, or minus it where the sign bit s is set."""
+    reference.IQ1_S.init_grid()
+    grid, delta = reference.IQ1_S.grid.reshape(-1, 8), reference.IQ1_S.delta
+    return np.concatenate([grid + delta, grid - delta])
+
+
+def _nibble_quads(values: tuple[int, ...]) -> np.ndarray:
+    """For each little-endian byte pair (b0, b1): int8 values[lo b0], [lo b1], [hi b0], [hi b1] in one int32."""
+    pair = np.arange(1 << 16, dtype=np.uint32)
+    b0, b1 = pair & 0xFF, pair >> 8
+    return np.array(values, dtype=np.int8)[np.stack([b0 & 15, b1 & 15, b0 >> 4, b1 >> 4], -1)].view(np.int32)[:, 0]
+
+
+_TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
+    "iq1": _iq1_grid,
+    "iq2_xxs": lambda: _signed_grid(reference.IQ2_XXS, _sign_patterns(_KSIGNS, 8)),
+    "iq2_xs": lambda: _signed_grid(reference.IQ2_XS, _sign_patterns(_KSIGNS, 8)),
+    "iq2_s": lambda: _signed_grid(reference.IQ2_S, _NIBBLE_SIGNS),  # rows split in halves of 4 values
+    # pattern 2 * s + h: the signs of half h of ksigns[s]
+    "iq3_xxs": lambda: _signed_grid(reference.IQ3_XXS, _sign_patterns((_KSIGNS[:, None] >> [0, 4]).ravel() & 15, 4)),
+    "iq3_s": lambda: _signed_grid(reference.IQ3_S, _NIBBLE_SIGNS),
+    "iq4_nl": lambda: _nibble_quads(reference.IQ4_NL.kvalues),
+    "mxfp4": lambda: _nibble_quads(reference.MXFP4.kvalues),
+    "nvfp4": lambda: _nibble_quads(reference.NVFP4.kvalues),
+    "ue4m3": lambda: reference.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32),
+}
+_TABLES: dict[tuple[str, torch.device], Tensor] = {}
+
+
+@torch.compiler.disable
+def _table(name: str, device: torch.device) -> Tensor:
+    table = _TABLES.get((name, device))
+    if table is None:
+        table = _TABLES[name, device] = torch.from_numpy(np.ascontiguousarray(_TABLE_SOURCES[name]())).to(device)
+    return table
+
+
+def _lookup(name: str, index: Tensor, out: Tensor) -> None:
+    """Fill `out` with the rows of table `name` that `index` picks, in index order, gathered straight into it."""
+    table = _table(name, out.device)
+    torch.index_select(table, 0, index.reshape(-1), out=out.view(-1, table.shape[-1]))
+
+
+def _nibble_values(qs: Tensor, name: str) -> Tensor:
+    """The int8 table values of the nibbles of qs (m, k bytes): low nibbles are values 0..k-1, high ones k..2k-1.
+
+    One gather per byte pair, giving four values; shaped (m, 2, k / 2, 2) in value order (a permuted view).
+    """
+    m, k = qs.shape
+    quads = _table(name, qs.device).index_select(0, _u16(qs, 0, k).view(-1))
+    return quads.view(torch.int8).view(m, k // 2, 2, 2).transpose(1, 2)
+
+
+def _iq_scale(d: Tensor, scale: Tensor, step: float) -> Tensor:
+    """The reference's `d * (0.5 + scale) * step`, in its order."""
+    return d * (scale.float() + 0.5) * step
+
+
+def _iq2_xxs(blocks: Tensor, out: Tensor) -> None:
+    """66 bytes: d (f16), then per 32 values two u32: four grid indices (bytes), and four 7-bit sign indices
+    under a 4-bit scale; value = d * (0.5 + scale) / 4 * grid * signs."""
+    aux = _reinterpret(blocks[:, 2:], torch.int32)[:, 1::2]
+    grid = blocks[:, 2:].reshape(-1, 8, 8)[..., :4].int()
+    _lookup("iq2_xxs", _bits(aux, 7, 4).mul_(256).add_(grid), out)
+    _scale(out, _iq_scale(_half(blocks, 0), (aux >> 28) & 15, 0.25))
+
+
+def _iq2_xs(blocks: Tensor, out: Tensor) -> None:
+    """74 bytes: d (f16), 32 u16 (a 9-bit grid index under a 7-bit sign index, per 8 values), 8 bytes of
+    4-bit scales (per 16 values). The table is laid out so that the u16 itself is the row."""
+    _lookup("iq2_xs", _u16(blocks, 2, 66), out)
+    _scale(out, _iq_scale(_half(blocks, 0), _unpack(blocks[:, 66:], 4, -1).flatten(1), 0.25))
+
+
+def _iq2_s(blocks: Tensor, out: Tensor) -> None:
+    """82 bytes: d (f16), 32 grid index low bytes, 32 sign bytes, 8 bytes of the indices' top 2 bits, 8 bytes
+    of 4-bit scales (per 16 values). Grid rows are looked up in halves of 4, each with its 4 sign bits."""
+    grid = blocks[:, 2:34].int().bitwise_or_(_unpack(blocks[:, 66:74], 2, -1).flatten(1).int() << 8)
+    halves = torch.stack([grid * 2, grid * 2 + 1], -1)
+    _lookup("iq2_s", _unpack(blocks[:, 34:66], 4, -1).int().mul_(2048).add_(halves), out)
+    _scale(out, _iq_scale(_half(blocks, 0), _unpack(blocks[:, 74:], 4, -1).flatten(1), 0.25))
+
+
+def _iq3_xxs(blocks: Tensor, out: Tensor) -> None:
+    """98 bytes: d (f16), 64 grid indices (4 values each), 8 u32 of four 7-bit sign indices (per 8 values)
+    under a 4-bit scale (per 32); value = d * (0.5 + scale) / 2 * grid * signs."""
+    aux = _reinterpret(blocks[:, 66:], torch.int32)
+    pattern = _bits(aux, 7, 4).unsqueeze(-1).mul(2) + torch.arange(2, device=blocks.device)
+    _lookup("iq3_xxs", pattern.mul_(256).add_(blocks[:, 2:66].reshape(-1, 8, 4, 2)), out)
+    _scale(out, _iq_scale(_half(blocks, 0), (aux >> 28) & 15, 0.5))
+
+
+def _iq3_s(blocks: Tensor, out: Tensor) -> None:
+    """110 bytes: d (f16), 64 grid index low bytes (4 values each), 8 bytes of their 9th bits, 32 sign bytes
+    (per 8 values), 4 bytes of 4-bit scales (per 32); value = d * (1 + 2 * scale) * grid * signs."""
+    grid = blocks[:, 2:66].int().bitwise_or_(_unpack(blocks[:, 66:74], 1, -1).flatten(1).int() << 8)
+    _lookup("iq3_s", _unpack(blocks[:, 74:106], 4, -1).flatten(1).int().mul_(512).add_(grid), out)
+    _scale(out, _half(blocks, 0) * (_unpack(blocks[:, 106:], 4, -1).flatten(1) * 2 + 1))
+
+
+def _iq1_s(blocks: Tensor, out: Tensor) -> None:
+    """50 bytes: d (f16), 32 grid index low bytes (8 values each), 8 u16 (per 32 values): four 3-bit index
+    tops, a 3-bit scale and delta's sign; value = d * (2 * scale + 1) * (grid +- 1/8)."""
+    qh = _u16(blocks, 34, 50)
+    top = _bits(qh, 3, 4).bitwise_or_(((qh >> 15) << 3).unsqueeze(-1))
+    _lookup("iq1", top.mul_(256).add_(blocks[:, 2:34].reshape(-1, 8, 4)), out)
+    _scale(out, _half(blocks, 0) * (((qh >> 12) & 7) * 2 + 1))
+
+
+def _iq1_m(blocks: Tensor, out: Tensor) -> None:
+    """56 bytes: 32 grid index low bytes (8 values each), 16 bytes of nibbles (3 index top bits and delta's
+    sign, per 8 values), 4 u16 of four 3-bit scales (per 16 values) with d's f16 bits in their top nibbles."""
+    _lookup("iq1", _unpack(blocks[:, 32:48], 4, -1).flatten(1).int().mul_(256).add_(blocks[:, :32]), out)
+    words = _u16(blocks, 48, 56)
+    d = torch.zeros_like(words[:, :1])
+    for index in range(4):
+        d |= (words[:, index : index + 1] >> 12) << (4 * index)
+    d = (d - ((d >> 15) << 16)).short().view(torch.float16).float()  # as int16 first: values above 0x7FFF wrap
+    _scale(out, d * (_bits(words, 3, 4).flatten(1) * 2 + 1))
+
+
+def _iq4_nl(blocks: Tensor, out: Tensor) -> None:
+    """18 bytes: d (f16), 16 bytes whose low nibbles index values 0-15 and high nibbles 16-31 in a 16-value table."""
+    _affine(out, _nibble_values(blocks[:, 2:], "iq4_nl"), _half(blocks, 0))
+
+
+def _iq4_xs(blocks: Tensor, out: Tensor) -> None:
+    """136 bytes: d (f16), a u16 of 2-bit scale tops, 4 bytes of 4-bit scale bottoms (per 32 values), then
+    128 bytes laid out as eight IQ4_NL blocks without d; value = d * (scale - 32) * table value."""
+    scale = _unpack(blocks[:, 4:8], 4, -1).flatten(1).int() | (_bits(_u16(blocks, 2, 4), 2, 8).flatten(1) << 4)
+    _affine(out, _nibble_values(blocks[:, 8:].reshape(-1, 16), "iq4_nl"), _half(blocks, 0) * (scale - 32))
+
+
+def _mxfp4(blocks: Tensor, out: Tensor) -> None:
+    """17 bytes: an E8M0 exponent e, 16 bytes of E2M1 nibbles (doubled, as ggml keeps them), low then high;
+    value = 2^(e - 128) * kvalue, the scale a float32 subnormal for e < 2."""
+    e = blocks[:, :1].int()
+    bits = torch.where(e < 2, (e + 1) << 21, (e - 1) << 23)
+    _affine(out, _nibble_values(blocks[:, 1:], "mxfp4"), bits.view(torch.float32))
+
+
+def _nvfp4(blocks: Tensor, out: Tensor) -> None:
+    """36 bytes: four UE4M3 scales (per 16 values), then per 16 values 8 bytes of E2M1 nibbles, low then high."""
+    scale = _table("ue4m3", blocks.device).index_select(0, blocks[:, :4].reshape(-1).int())
+    _affine(out, _nibble_values(blocks[:, 4:].reshape(-1, 8), "nvfp4"), scale.view(-1, 4))
+
+
+_POWERS_OF_3 = (1, 3, 9, 27, 81)
+
+
+def _tq1_0(blocks: Tensor, out: Tensor) -> None:
+    """54 bytes: 48 bytes of five base-3 digits each, 4 bytes of four, d (f16) at 52. A byte b keeps its digits
+    as a fixed-point fraction: digit k is ((b * 3^k mod 256) * 3) >> 8, value d * (digit - 1).
+
+    Digit k of each byte of a run is value k * run + byte: runs of 32, 16 and 4 bytes.
+    """
+
+    def digits(run: Tensor, count: int) -> Tensor:
+        powers = torch.tensor(_POWERS_OF_3[:count], dtype=torch.uint8, device=run.device).view(-1, 1)
+        return (run.unsqueeze(-2) * powers).short().mul_(3).bitwise_right_shift_(8).flatten(1)
+
+    q = torch.cat([digits(blocks[:, :32], 5), digits(blocks[:, 32:48], 5), digits(blocks[:, 48:52], 4)], -1)
+    _affine(out, q.sub_(1), _half(blocks, 52))
+
+
+def _tq2_0(blocks: Tensor, out: Tensor) -> None:
+    """66 bytes: 64 bytes of 2-bit fields laid out as Q2_K's quants, d (f16) at 64; value = d * (field - 1)."""
+    _affine(out, _unpack(blocks[:, :64].reshape(-1, 2, 32), 2, -2).view(torch.int8).sub_(1), _half(blocks, 64))
+
+
+#: Every GGML type dequantized here (the stored floats, F32/F16/BF16, are in STORED_FLOATS).
+for _qtype, _kernel in {
+    QType.Q8_0: _q8_0,
+    QType.Q4_0: _q4_0,
+    QType.Q4_1: _q4_1,
+    QType.Q5_0: _q5_0,
+    QType.Q5_1: _q5_1,
+    QType.Q2_K: _q2_k,
+    QType.Q3_K: _q3_k,
+    QType.Q4_K: _q4_k,
+    QType.Q5_K: _q5_k,
+    QType.Q6_K: _q6_k,
+    QType.IQ1_S: _iq1_s,
+    QType.IQ1_M: _iq1_m,
+    QType.IQ2_XXS: _iq2_xxs,
+    QType.IQ2_XS: _iq2_xs,
+    QType.IQ2_S: _iq2_s,
+    QType.IQ3_XXS: _iq3_xxs,
+    QType.IQ3_S: _iq3_s,
+    QType.IQ4_NL: _iq4_nl,
+    QType.IQ4_XS: _iq4_xs,
+    QType.TQ1_0: _tq1_0,
+    QType.TQ2_0: _tq2_0,
+    QType.MXFP4: _mxfp4,
+    QType.NVFP4: _nvfp4,
+}.items():
+    DEQUANTIZERS.register(_qtype, _kernel)
