@@ -1,0 +1,342 @@
+"""`dispatch(model, policy, max_memory=...)`: several devices through accelerate, streaming inside each share.
+
+accelerate places a model across devices from a device map (`dispatch_model`); Streamwise knows the model's
+blocks (the policy's compile units), its streamed leaves and their bytes. `infer_device_map` turns a Plan and a
+budget per device into that map: whole blocks (and accelerate's `_no_split_modules`) per accelerator, in order,
+tied weights on one device, and what fits no accelerator in the `"cpu"` entry, bounded by its budget. Those
+modules are not accelerate's to offload: their leaves stay in (pinned) CPU memory and Streamwise streams them to
+the device their inputs arrive on, which is the last accelerator for the tail the greedy fill leaves over, so
+that accelerator keeps room for the largest leaf fetched there.
+
+`dispatch` applies the policy, places every tensor in place (the same Parameter objects, so tied weights stay
+tied and a failure moves them back), and attaches accelerate's own device hooks to the accelerator shares and the
+root, as `dispatch_model` does for the entries it does not offload. `dispatch_model` itself would offload the
+`"cpu"` entry with its hooks (parameters to meta, copied per forward), replacing Streamwise's streaming.
+
+accelerate is an optional extra (`pip install streamwise[accelerate]`): this module imports it on first use.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...schemas import Policy
+from ..engine import ConversionError, applied_state, apply_policy, protocol
+from ..engine.apply import Journal
+from ..engine.tree import TorchFetcher
+from ..plan import Plan, plan_for
+from ..policy.diagnostics import PolicyError
+
+CPU = "cpu"
+_HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")  # what accelerate's add_hook_to_module sets
+
+
+class DispatchError(RuntimeError):
+    """`dispatch` or `infer_device_map` was given budgets or devices it cannot place a tree with, or placing
+    failed; the tree is unchanged."""
+
+
+@dataclass(frozen=True)
+class DispatchReport:
+    device_map: dict[str, str]
+    """The map accelerate's `dispatch_model` takes (also set as `model.hf_device_map`)."""
+    bytes: dict[str, int]
+    """Bytes of parameters and buffers per device (tied ones counted once)."""
+    streamed_modules: int
+    """Streamed leaves in the `"cpu"` entry: Streamwise fetches them per forward."""
+    resident_modules: int
+    """Streamed leaves on an accelerator: resident, computing with the original forward."""
+
+
+def _accelerate():
+    """accelerate, or a DispatchError saying what to install."""
+    try:
+        import accelerate
+        import accelerate.hooks
+        import accelerate.utils
+    except ModuleNotFoundError as missing:
+        if (missing.name or "").split(".")[0] != "accelerate":
+            raise
+        raise DispatchError("several devices go through accelerate, which is not installed: "
+                            "pip install 'streamwise[accelerate]' (or pip install 'accelerate>=1.0')") from None
+    return accelerate
+
+
+def budgets(max_memory: Mapping | None) -> dict[str, int]:
+    """`max_memory` as {device: bytes}, accelerators in the order given, then `"cpu"`.
+
+    Keys: "cpu", an accelerator ("cuda:1", a torch.device, or an index as accelerate takes it); values: bytes,
+    or strings with units read by accelerate's own parser ("20GiB", "1.5GB"). None: accelerate's
+    `get_max_memory()`, the free memory of every device here. Disk offload is not Streamwise's: refused.
+    """
+    accelerate = _accelerate()
+    if max_memory is None:
+        max_memory = accelerate.utils.get_max_memory()
+    if not isinstance(max_memory, Mapping) or not max_memory:
+        raise DispatchError(f"max_memory={max_memory!r}: a mapping of devices to budgets is expected, such as "
+                            '{"cuda:0": "20GiB", "cuda:1": "20GiB", "cpu": "64GiB"}')
+    parsed: dict[str, int] = {}
+    for key, value in max_memory.items():
+        device = _device_name(key)
+        if device in parsed:
+            raise DispatchError(f"max_memory names {device!r} twice (as {key!r})")
+        parsed[device] = _bytes(value, device, accelerate)
+    cpu = parsed.pop(CPU, 0)
+    return {**parsed, CPU: cpu}
+
+
+def _device_name(key: object) -> str:
+    if isinstance(key, bool):
+        raise DispatchError(f"max_memory key {key!r} is not a device")
+    if isinstance(key, int):  # accelerate's spelling of an accelerator index
+        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        key = torch.device(accelerator.type if accelerator is not None else "cuda", key)
+    if key in ("disk", "meta"):
+        raise DispatchError(f"max_memory key {key!r}: Streamwise streams from CPU memory; weights on {key} "
+                            "would not be there to stream (give the CPU a budget instead)")
+    try:
+        device = torch.device(key)
+    except (RuntimeError, TypeError) as exc:
+        raise DispatchError(f"max_memory key {key!r} is not a device ({exc})") from exc
+    if device.type == "meta":
+        raise DispatchError(f"max_memory key {key!r}: meta holds no data")
+    if device.type == CPU:
+        return CPU
+    return str(torch.device(device.type, 0 if device.index is None else device.index))
+
+
+def _bytes(value: object, device: str, accelerate) -> int:
+    if isinstance(value, str):
+        try:
+            value = accelerate.utils.convert_file_size_to_int(value.strip())
+        except (ValueError, AttributeError) as exc:
+            raise DispatchError(f"max_memory[{device!r}]={value!r}: not a size ({exc})") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise DispatchError(f"max_memory[{device!r}]={value!r}: bytes or a size with units (\"20GiB\") expected")
+    if not math.isfinite(value) or value < 0:
+        raise DispatchError(f"max_memory[{device!r}]={value!r}: the bytes must be finite and not negative")
+    return int(value)
+
+
+def infer_device_map(model: nn.Module, plan: Plan | Policy | str | Path, max_memory: Mapping | None) -> dict[str, str]:
+    """The device map for `model` under `plan` (or a policy, resolved here) within `max_memory`; pure (works on meta).
+
+    Atoms: the compile blocks, accelerate's `_no_split_modules`, streamed entries, and whatever subtree holds none
+    of them; containers above them are split (their direct tensors become `path.name` entries). Atoms sharing a
+    tied parameter (accelerate's `find_tied_parameters`) form one unit, placed where its first atom goes. Units
+    fill the accelerators greedily in registration order (forward order for transformers models), moving to the
+    next accelerator when one is full; the rest go to `"cpu"`, which may hold only what Streamwise streams (a
+    tensor outside every streamed entry goes to the accelerator with most room left). The last accelerator keeps
+    room for the largest leaf of the `"cpu"` entry, fetched there per forward.
+    """
+    accelerate = _accelerate()
+    if not isinstance(plan, Plan):
+        plan = plan_for(plan, model)
+    limits = budgets(max_memory)
+    accelerators = [device for device in limits if device != CPU]
+    sizes = accelerate.utils.compute_module_sizes(model)
+    units, movable, streamed = _units(model, plan, accelerate)
+    reserve = 0
+    while True:
+        placement = _fill(units, sizes, movable, accelerators, limits, reserve)
+        need = max((sizes.get(path, 0) for path in streamed if _on_cpu(path, placement)), default=0)
+        if not accelerators or need <= reserve:
+            return placement
+        reserve = need  # only grows, and the cpu entry with it: this ends
+
+
+def _on_cpu(path: str, placement: dict[str, str]) -> bool:
+    while True:
+        if path in placement:
+            return placement[path] == CPU
+        if not path:
+            return False
+        path = path.rpartition(".")[0]
+
+
+def _units(model: nn.Module, plan: Plan, accelerate) -> tuple[list[list[str]], dict[str, bool], list[str]]:
+    """(units of atoms in registration order, whether each atom is all streamed parameters, streamed paths)."""
+    blocks = {entry.path for entry in plan.modules if entry.compile_unit}
+    streamed = [entry.path for entry in plan.modules if entry.stream]
+    whole = blocks | set(streamed)
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    holding = {""}  # paths at or above an atom that must stay whole
+    for path in whole:
+        while path:
+            path = path.rpartition(".")[0]
+            holding.add(path)
+
+    atoms: list[str] = []
+    tensors_of: dict[str, list[str]] = {}
+
+    def walk(module: nn.Module, path: str) -> None:
+        named = [f"{path}.{n}" if path else n for n, t in [*module._parameters.items(), *module._buffers.items()]
+                 if t is not None]
+        split = path in holding and path not in whole and type(module).__name__ not in no_split
+        if not split:
+            below = [f"{path}.{n}" if path else n for n, _ in
+                     [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]]
+            if below:
+                atoms.append(path)
+                tensors_of[path] = below
+            return
+        for name in named:
+            atoms.append(name)
+            tensors_of[name] = [name]
+        for name, child in module.named_children():
+            walk(child, f"{path}.{name}" if path else name)
+
+    walk(model, "")
+    streamed_tensors = {f"{path}.{name}" if path else name
+                        for path in streamed for name, _ in model.get_submodule(path).named_parameters(
+                            remove_duplicate=False)}
+    generic = [entry.path for entry in plan.modules if entry.stream == "generic"]
+    for path in generic:  # a generic entry's buffers follow its own forward's device
+        streamed_tensors.update(f"{path}.{name}" if path else name
+                                for name, _ in model.get_submodule(path).named_buffers(remove_duplicate=False))
+    movable = {atom: all(t in streamed_tensors for t in tensors_of[atom]) for atom in atoms}
+
+    atom_of = {tensor: atom for atom in atoms for tensor in tensors_of[atom]}
+    group: dict[str, list[str]] = {atom: [atom] for atom in atoms}
+    for tied in accelerate.utils.find_tied_parameters(model):
+        members = sorted({atom_of[name] for name in tied if name in atom_of}, key=atoms.index)
+        merged = [atom for member in members for atom in group[member]]
+        merged = sorted(dict.fromkeys(merged), key=atoms.index)
+        for atom in merged:
+            group[atom] = merged
+    units, seen = [], set()
+    for atom in atoms:
+        if atom not in seen:
+            units.append(group[atom])
+            seen.update(group[atom])
+    return units, movable, streamed
+
+
+def _fill(units, sizes, movable, accelerators, limits, reserve) -> dict[str, str]:
+    used = dict.fromkeys(limits, 0)
+    room = {device: limits[device] for device in accelerators}
+    if accelerators:
+        room[accelerators[-1]] = max(0, room[accelerators[-1]] - reserve)
+    placement: dict[str, str] = {}
+    current = 0
+    for unit in units:
+        size = sum(sizes.get(atom, 0) for atom in unit)
+        while current < len(accelerators) and used[accelerators[current]] + size > room[accelerators[current]]:
+            current += 1
+        if current < len(accelerators):
+            device = accelerators[current]
+        elif not accelerators or all(movable[atom] for atom in unit):
+            device = CPU
+            if used[CPU] + size > limits[CPU]:
+                raise DispatchError(
+                    f"{unit[0]!r} ({size} bytes) fits no device: the accelerators are full and the cpu entry "
+                    f"holds {used[CPU]} of its {limits[CPU]} bytes; raise max_memory")
+        else:  # tensors Streamwise does not stream: on the accelerator with most room left
+            device = max(accelerators, key=lambda d: room[d] - used[d])
+            if used[device] + size > room[device]:
+                raise DispatchError(
+                    f"{unit[0]!r} ({size} bytes) holds tensors no streamed leaf holds, so it must live on an "
+                    f"accelerator, and none has {size} bytes left; raise max_memory")
+        used[device] += size
+        placement.update(dict.fromkeys(unit, device))
+    return placement
+
+
+def dispatch(
+    model: nn.Module,
+    policy: Policy | str | Path,
+    *,
+    max_memory: Mapping | None = None,
+) -> DispatchReport:
+    """Convert `model` by `policy`, place it across the devices of `max_memory` and attach accelerate's hooks.
+
+    Accelerator shares are resident on their device (accelerate moves inputs between them); the `"cpu"` entry
+    streams through Streamwise onto the device its inputs come from. Budgets and devices are checked before
+    anything changes; on any failure the tree is as it was.
+    """
+    accelerate = _accelerate()
+    limits = budgets(max_memory)
+    accelerators = [torch.device(device) for device in limits if device != CPU]
+    for device in accelerators:
+        _check_present(device)
+    main = accelerators[0] if accelerators else torch.device(CPU)
+    pin = main.type == "cuda"
+
+    def failed(exc: Exception) -> Exception | None:
+        if isinstance(exc, (ConversionError, PolicyError, DispatchError)):
+            return None
+        return DispatchError(f"dispatching the tree failed ({exc!r}); the tree was restored unchanged")
+
+    with Journal().atomic(failed) as journal:
+        policy, plan = apply_policy(model, policy, journal=journal)
+        device_map = infer_device_map(model, plan, limits)
+        state = applied_state(model)
+        leaves = {entry.path for entry in plan.modules if entry.stream}
+        streamed = resident = 0
+        placed_bytes = dict.fromkeys(limits, 0)
+        seen: set[int] = set()
+        for atom, device in device_map.items():
+            on_cpu = device == CPU
+            target = torch.device(device)
+            owner, slot = _target(model, atom)
+            modules = [owner] if slot is not None else list(owner.modules())
+            for module in modules:
+                if not on_cpu and protocol.relocated_names(module):  # accelerate places them: keep them there
+                    journal.set_attributes(module, {protocol.RELOCATED: ()})
+                relocated = protocol.relocated_names(module)
+                for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                    if tensor is None or (slot is not None and name != slot):
+                        continue
+                    if id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        placed_bytes[device] += tensor.numel() * tensor.element_size()
+                    if name in relocated:
+                        continue
+                    pinned = pin and on_cpu and name in module._parameters
+                    if tensor.device != target or (pinned and not tensor.is_pinned()):
+                        journal.move(module, name, target, pin=pinned)
+            prefix = f"{atom}." if atom else ""
+            for path in leaves:
+                if path == atom or path.startswith(prefix):
+                    leaf = model.get_submodule(path)
+                    journal.keep(leaf, (protocol.FETCH_FLAG,))
+                    protocol.set_fetching(leaf, on_cpu)
+                    streamed, resident = streamed + on_cpu, resident + (not on_cpu)
+        fetcher = TorchFetcher()
+        fetcher.non_blocking = pin
+        journal.set_attributes(state.tree, {"compute_device": main, "fetcher": fetcher})
+        for module in model.modules():
+            journal.keep(module, _HOOK_ATTRIBUTES)
+        journal.keep(model, ("hf_device_map",))
+        execution = {atom: device for atom, device in device_map.items() if device != CPU}
+        accelerate.hooks.attach_align_device_hook_on_blocks(
+            model, execution_device={**execution, "": main}, offload=dict.fromkeys(execution, False),
+            skip_keys=getattr(model, "_skip_keys_device_placement", None))
+        model.hf_device_map = dict(device_map)
+    return DispatchReport(dict(device_map), placed_bytes, streamed, resident)
+
+
+def _target(model: nn.Module, atom: str) -> tuple[nn.Module, str | None]:
+    """The module an entry names, or (its owner, the tensor's name) for a `path.name` tensor entry."""
+    try:
+        return model.get_submodule(atom), None
+    except AttributeError:
+        path, _, name = atom.rpartition(".")
+        return model.get_submodule(path), name
+
+
+def _check_present(device: torch.device) -> None:
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise DispatchError(f"max_memory names {str(device)!r}: this torch ({torch.__version__}) has no usable "
+                            f"{device.type} device here")
+    count = backend.device_count()
+    if device.index >= count:
+        raise DispatchError(f"max_memory names {str(device)!r}: there are {count} {device.type} device(s) here")
