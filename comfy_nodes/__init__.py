@@ -1,7 +1,8 @@
 """ComfyUI nodes in ComfyUI's V3 schema: thin translations between ComfyUI's inputs and outputs and `runtime/`.
 
-Each node's schema names its node id, the key saved workflows use: never rename one. ComfyUI loads the list through
-`comfy_entrypoint`, which the repository root re-exports inside ComfyUI.
+Each node's schema names its node id, the key saved workflows use: never rename one. A MODEL output is named `model`
+with the id `model_out`: the older core refuses an output id that an input (the `model` it takes) already has.
+ComfyUI loads the list through `comfy_entrypoint`, which the repository root re-exports inside ComfyUI.
 """
 
 from comfy_api.latest import ComfyExtension, io

@@ -22,7 +22,7 @@ class ApplyStreamwisePolicy(io.ComfyNode):
                 io.Model.Input("model", tooltip="A MODEL from any loader (a transformers-style module tree inside)."),
                 policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
             ],
-            outputs=[io.Model.Output("model", display_name="model", tooltip="The same model, converted.")],
+            outputs=[io.Model.Output("model_out", display_name="model", tooltip="The same model, converted.")],
         )
 
     @classmethod

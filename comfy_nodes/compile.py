@@ -49,7 +49,7 @@ class QuantizedLazyTorchCompile(io.ComfyNode):
                 _setting(io.Boolean, "disable_dynamic_vram"),
                 _setting(io.Boolean, "verbose"),
             ],
-            outputs=[io.Model.Output("model", display_name="model", tooltip="The same model, armed to compile.")],
+            outputs=[io.Model.Output("model_out", display_name="model", tooltip="The same model, armed to compile.")],
         )
 
     @classmethod

@@ -38,7 +38,8 @@ class StreamwiseModelLoader(io.ComfyNode):
                                        "checkpoint's values are stored in."),
             ],
             outputs=[
-                io.Model.Output("model", display_name="model", tooltip="The converted model, ready to partial-load."),
+                io.Model.Output("model_out", display_name="model",
+                                tooltip="The converted model, ready to partial-load."),
                 io.String.Output("report", display_name="report",
                                  tooltip="The policy chosen and what was loaded from which file."),
             ],
