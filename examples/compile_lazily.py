@@ -1,6 +1,6 @@
 """Convert a transformers model, arm lazy regional compile, and read what torch compiled.
 
-    python examples/compile_lazily.py [--backend aot_eager|inductor]
+    python examples/compile_lazily.py [--backend aot_eager|inductor] [--policy NAME|FILE]
 """
 
 from __future__ import annotations
@@ -16,14 +16,18 @@ import streamwise
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="aot_eager")
+    parser.add_argument("--policy", default="decoder-llm", help="a policy with [compile] blocks (a name or file)")
     args = parser.parse_args()
+    try:
+        policy = streamwise.load_policy(args.policy)
+    except streamwise.PolicyError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     config = transformers.Qwen2Config(
         hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=512,
     )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).eval()
-    policy = streamwise.load_policy("decoder-llm")
     streamwise.apply(streamwise.resolve(policy, model), model)
     streamwise.lazy_compile(model, policy, backend=args.backend)  # instant: nothing traced yet
     print("before the first forward:", streamwise.compile_stats(model))

@@ -4,7 +4,7 @@ Builds a small Qwen2 (random weights, no download), saves it, loads it back into
 the shipped `decoder-llm` policy, keeps what fits the budget on the compute device and streams
 the rest, then generates. Point --model at a Hugging Face folder to use a real checkpoint.
 
-    python examples/stream_llm.py [--device cuda] [--budget-mib 64] [--model FOLDER]
+    python examples/stream_llm.py [--device cuda] [--budget 64MiB|50%|auto] [--policy NAME|FILE|auto] [--model FOLDER]
 """
 
 from __future__ import annotations
@@ -16,15 +16,24 @@ import torch
 import transformers
 
 import streamwise
+from streamwise.runtime.checkpoint import CheckpointError
+from streamwise.runtime.hosts.standalone import OffloadError
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--budget-mib", type=float, default=1.0)
+    parser.add_argument("--budget", default="1MiB", help="bytes, a size (64MiB, 1.5GB), a share (50%%) or auto")
+    parser.add_argument("--policy", default="decoder-llm", help="a policy name, a policy file, or auto")
     parser.add_argument("--model", help="a Hugging Face folder (config.json + safetensors)")
     args = parser.parse_args()
+    try:
+        run(args)
+    except (streamwise.PolicyError, CheckpointError, OffloadError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
+
+def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.model
         if folder is None:
@@ -36,10 +45,9 @@ def main() -> None:
         config = transformers.AutoConfig.from_pretrained(folder)
         with streamwise.skeleton():
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        streamwise.load(model, folder, "decoder-llm")
-        report = streamwise.offload(model, "decoder-llm", device=args.device, budget=int(args.budget_mib * 2**20))
-        print(f"resident {report.resident_modules} leaves ({report.resident_bytes} B), "
-              f"streamed {report.streamed_modules} leaves ({report.streamed_bytes} B) on {report.device}")
+        streamwise.load(model, folder, args.policy, progress=lambda done, total: None)
+        report = streamwise.offload(model, args.policy, device=args.device, budget=args.budget)
+        print(report)
         prompt = torch.tensor([[1, 2, 3, 4]], device=args.device)
         with torch.no_grad():
             tokens = model.generate(prompt, max_new_tokens=12, do_sample=False)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO
 
@@ -23,7 +24,21 @@ def test_example_runs(script, expected):
     assert expected in result.stdout
 
 
-def test_demo_reports_parity_for_both_models_and_formats():
+@pytest.mark.parametrize("script, arguments, message", [
+    ("stream_llm.py", ["--budget", "2 gigs"], "budget='2 gigs': write bytes with a unit"),
+    pytest.param("stream_llm.py", ["--device", "cuda"], "no usable cuda device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+    ("compile_lazily.py", ["--policy", "no-such-policy"], "no policy named `no-such-policy`"),
+    ("quantize_convrot.py", ["--policy", "no-such-policy"], "no policy named `no-such-policy`"),
+])
+def test_examples_take_a_policy_and_refuse_what_cannot_run_in_one_clear_line(script, arguments, message):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), *arguments], capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_demo_compares_every_model_the_same_way_with_warm_timings():
     from streamwise.runtime.cli.demo import run_demo
 
     lines = []
@@ -31,11 +46,18 @@ def test_demo_reports_parity_for_both_models_and_formats():
     assert {k for k in results if k != "peak_rss_mib"} == {
         "qwen2/safetensors", "qwen2/gguf q8_0", "vibevoice-tokenizer/safetensors", "vibevoice-tokenizer/gguf q8_0",
     }
-    assert results["qwen2/safetensors"]["identical"] and results["vibevoice-tokenizer/safetensors"]["identical"]
+    for name, result in results.items():
+        if name != "peak_rss_mib":
+            assert {"max_error", "relative_error", "seconds", "eager_seconds"} <= result.keys(), name
+    for name in ("qwen2/safetensors", "vibevoice-tokenizer/safetensors"):
+        assert results[name]["identical"] and results[name]["max_error"] == results[name]["relative_error"] == 0
+    assert results["qwen2/safetensors"]["tokens_agree"] == 16  # token agreement: LLMs only
+    assert "tokens_agree" not in results["vibevoice-tokenizer/gguf q8_0"]
     assert results["vibevoice-tokenizer/gguf q8_0"]["relative_error"] < 0.02
     text = "\n".join(lines)
-    assert "coverage 100%" in text and "residents {'gguf': 29}" in text
-
+    assert "covered                       100.00%" in text and "residents {'gguf': 29}" in text
+    assert text.count("(warm, median of 5)") == 2 and "budget " in text and " KiB" in text
+    assert "rules:" not in text and "16/16 greedy tokens agree" in text
 
 
 WORKFLOWS = sorted(p for p in (REPO / "examples" / "workflows").glob("*.json") if not p.name.endswith(".ui.json"))

@@ -2,15 +2,24 @@
 
 A tiny transformers Qwen2 and a tiny VibeVoice acoustic tokenizer get random weights, are saved
 as safetensors and as GGUF Q8_0, and are loaded back into skeletons with the shipped policies
-under a small memory budget with the standalone host. Each is run against its eager reference.
+under a small memory budget with the standalone host. Each is compared with its eager reference
+the same way:
+- the outputs of one forward: max and relative error (0 and 0: identical);
+- for the LLM also greedy generation: how many new tokens agree;
+- warm timings on both sides: the median of `RUNS` calls after one untimed call.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import resource
+import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +30,10 @@ from ..checkpoint.skeleton import skeleton
 from ..hosts.standalone import offload
 from ..plan.resolve import resolve
 from ..policy.load import load_policy
+from ..sizes import human
+
+RUNS = 5
+NEW_TOKENS = 16
 
 
 def _qwen2():
@@ -43,11 +56,15 @@ def _tokenizer():
     return transformers.VibeVoiceAcousticTokenizerModel(config).eval()
 
 
-def _run_qwen(model, inputs):
-    return model.generate(inputs, max_new_tokens=16, do_sample=False)
+def _qwen_forward(model, inputs):
+    return model(inputs).logits
 
 
-def _run_tokenizer(model, audio):
+def _qwen_tokens(model, inputs):
+    return model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs.shape[1]:]
+
+
+def _tokenizer_forward(model, audio):
     latents = model.encode(audio, sample=False).latents
     return model.decode(latents).audio
 
@@ -58,63 +75,104 @@ def with_q8_0(policy: Policy) -> Policy:
     return policy.model_copy(update={"quant": QuantSection(rule=(rule,))})
 
 
+class Case(NamedTuple):
+    """One model of the demo: how to build it, its policy and input, its forward and (LLMs) its greedy tokens."""
+
+    build: Callable[[], torch.nn.Module]
+    policy: str
+    make_input: Callable[[], torch.Tensor]
+    forward: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    tokens: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+
 CASES = {
-    "qwen2": (
-        _qwen2, "decoder-llm",
-        lambda: torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)), _run_qwen,
-    ),
-    "vibevoice-tokenizer": (
-        _tokenizer, "vibevoice",
-        lambda: torch.randn(1, 1, 512, generator=torch.Generator().manual_seed(0)), _run_tokenizer,
-    ),
+    "qwen2": Case(_qwen2, "decoder-llm",
+                  lambda: torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)),
+                  _qwen_forward, _qwen_tokens),
+    "vibevoice-tokenizer": Case(_tokenizer, "vibevoice",
+                                lambda: torch.randn(1, 1, 512, generator=torch.Generator().manual_seed(0)),
+                                _tokenizer_forward),
 }
 
 
+def warm_seconds(call: Callable[[], object]) -> float:
+    """The median of `RUNS` timed calls after one untimed call (which pays for first-call work on either side)."""
+    call()
+    times = []
+    for _ in range(RUNS):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare(output: torch.Tensor, expected: torch.Tensor) -> dict:
+    """Max and relative error of `output` against `expected` (both 0.0 when they are identical)."""
+    difference = (output.float() - expected.float())
+    return {"identical": bool(torch.equal(output, expected)), "max_error": float(difference.abs().max()),
+            "relative_error": float(difference.norm() / expected.float().norm())}
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Other libraries' progress bars and notices off for the report (transformers' saving and generation)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
 def run_demo(print=print, budget_fraction: float = 0.25) -> dict:
+    """Run every case; returns per case and format the comparison with eager and both warm timings."""
     torch.manual_seed(0)
     results = {}
-    with tempfile.TemporaryDirectory() as folder, torch.inference_mode(False), torch.no_grad():
-        for name, (build, policy_name, make_input, run) in CASES.items():
-            policy = load_policy(policy_name)
-            reference_model = build()
-            inputs = make_input()
-            start = time.perf_counter()
-            expected = run(reference_model, inputs)
-            eager_seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as folder, torch.inference_mode(False), torch.no_grad(), quiet_libraries():
+        for name, case in CASES.items():
+            policy = load_policy(case.policy)
+            reference_model = case.build()
+            inputs = case.make_input()
+            expected = case.forward(reference_model, inputs)
+            expected_tokens = case.tokens(reference_model, inputs) if case.tokens else None
+            eager_seconds = warm_seconds(functools.partial(case.forward, reference_model, inputs))
             directory = Path(folder) / name
             reference_model.save_pretrained(directory)
             gguf_path = directory / "model-q8_0.gguf"
             quantized = with_q8_0(policy)
             quantize_to_gguf(directory / "model.safetensors", gguf_path, quantized, reference_model)
             plan = resolve(policy, reference_model)
-            summary = plan.summary()
-            print(f"\n== {name}: policy `{policy.name}` on {plan.root_class.rsplit('.', 1)[-1]}")
-            for role, classes in summary["modules"].items():
-                print(f"   {role:<24} " + ", ".join(f"{c} x{n}" for c, n in classes.items()))
-            print(f"   coverage {plan.coverage.fraction:.0%}: streamed {summary['bytes']['streamed']} B, "
-                  f"relocated {summary['bytes']['relocated']} B, stranded {summary['bytes']['stranded']} B")
-            total = summary["bytes"]["streamed"]
+            budget = int(plan.coverage.bytes["streamed"] * budget_fraction)
+            print(f"\n== {name}: " + plan.render(rules=False).replace("\n", "\n   "))
+            print(f"   budget {human(budget)} ({budget_fraction:.0%} of the streamed bytes); eager forward "
+                  f"{eager_seconds * 1e3:.1f} ms (warm, median of {RUNS})")
             for label, path, used in (
                 ("safetensors", directory / "model.safetensors", policy),
                 ("gguf q8_0", gguf_path, quantized),
             ):
                 with skeleton():
-                    model = build()
-                loaded = load(model, path, used)
-                report = offload(model, used, device="cpu", budget=int(total * budget_fraction))
-                start = time.perf_counter()
-                output = run(model, inputs)
-                seconds = time.perf_counter() - start
-                identical = bool(torch.equal(output, expected))
-                if identical:
-                    error = 0.0
-                else:
-                    error = float((output.float() - expected.float()).norm() / expected.float().norm())
-                results[f"{name}/{label}"] = {"identical": identical, "relative_error": error, "seconds": seconds}
-                print(f"   {label:<12} {path.stat().st_size:>9} B  residents {loaded.residents or '-'}  "
-                      f"resident/streamed leaves {report.resident_modules}/{report.streamed_modules}  "
-                      f"{'identical to eager' if identical else f'relative error {error:.2e} vs eager'}  "
-                      f"{seconds * 1e3:.0f} ms (eager {eager_seconds * 1e3:.0f} ms)")
+                    model = case.build()
+                loaded = load(model, path, used, progress=lambda done, total: None)
+                report = offload(model, used, device="cpu", budget=budget)
+                result = compare(case.forward(model, inputs), expected)
+                result["seconds"] = warm_seconds(functools.partial(case.forward, model, inputs))
+                result["eager_seconds"] = eager_seconds
+                agreement = ""
+                if expected_tokens is not None:
+                    tokens = case.tokens(model, inputs)
+                    result["tokens_agree"] = int((tokens == expected_tokens).sum())
+                    agreement = f", {result['tokens_agree']}/{len(expected_tokens)} greedy tokens agree"
+                results[f"{name}/{label}"] = result
+                print(f"   {label:<12} {human(path.stat().st_size):>10}  residents {loaded.residents or '-'}  "
+                      f"leaves resident/streamed {report.resident_modules}/{report.streamed_modules}  "
+                      f"forward {result['seconds'] * 1e3:.1f} ms  max error {result['max_error']:.2e}, relative "
+                      f"{result['relative_error']:.2e}{agreement}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\npeak resident memory of this process: {peak:.0f} MiB")
     results["peak_rss_mib"] = peak

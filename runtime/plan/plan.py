@@ -115,8 +115,12 @@ class Plan:
         }
 
     def __str__(self) -> str:
-        """The plan for people, as `policy-validate --model` prints it: modules per role and class, bytes per role,
-        rule match counts, tied tensors (the diagnostics print on their own)."""
+        return self.render()
+
+    def render(self, *, rules: bool = True) -> str:
+        """The plan for people, as `policy-validate --model` prints it (`str(plan)`): modules per role and class,
+        bytes per role, rule match counts (unless `rules` is false), tied tensors; the diagnostics print on their
+        own."""
         summary = self.summary()
         lines = [f"plan: policy `{self.policy}` on {self.root_class}"]
         for role, classes in summary["modules"].items():
@@ -125,8 +129,9 @@ class Plan:
         lines.append("coverage:")
         lines += [f"  {role:<24} {human(size):>12}" for role, size in summary["bytes"].items()]
         lines.append(f"  {'covered':<24} {self.coverage.percent:>12}")
-        lines.append("rules:")
-        lines += [f"  {rule:<40} {count:>6} modules" for rule, count in summary["rule_matches"].items()]
+        if rules:
+            lines.append("rules:")
+            lines += [f"  {rule:<40} {count:>6} modules" for rule, count in summary["rule_matches"].items()]
         if summary["tied"]:
             lines.append("tied: " + "; ".join(" = ".join(group) for group in summary["tied"]))
         return "\n".join(lines)
