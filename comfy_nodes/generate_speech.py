@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..runtime.engine import applied_state
 from ..runtime.speech import MAX_SPEAKERS, Voice, generate_speech
@@ -29,7 +29,8 @@ class StreamwiseGenerateSpeech(io.ComfyNode):
             display_name="Streamwise Generate Speech",
             category="streamwise",
             description="Speak a multi-speaker script with a VibeVoice model loaded by the Streamwise Model Loader "
-                        "(processor: its folder), optionally in the voices of reference recordings.",
+                        "(processor: its folder), optionally in the voices of reference recordings; the node plays it.",
+            is_output_node=True,
             inputs=[
                 io.Model.Input("model", tooltip="A VibeVoice model from the Streamwise Model Loader (policy "
                                                 "`vibevoice` or `auto`); its folder holds the processor."),
@@ -71,4 +72,5 @@ class StreamwiseGenerateSpeech(io.ComfyNode):
                             comfy.model_management.throw_exception_if_processing_interrupted)
         speech = generate_speech(model.model, source, text, voices, seed=seed, steps=steps, cfg=cfg,
                                  max_new_tokens=max_new_tokens, device=model.load_device, stopping_criteria=[frames])
-        return io.NodeOutput({"waveform": speech.waveform, "sample_rate": speech.sample_rate})
+        audio = {"waveform": speech.waveform, "sample_rate": speech.sample_rate}
+        return io.NodeOutput(audio, ui=ui.PreviewAudio(audio))  # a temporary FLAC the node's player loads

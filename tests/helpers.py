@@ -199,11 +199,15 @@ VIBEVOICE_TEMPLATE = (
 )
 
 
+AUDIBLE = 3e3
+
+
 def tiny_vibevoice_folder(folder: Path) -> Path:
     """A VibeVoice folder as the real libraries save one: tiny_vibevoice's weights, a word-level tokenizer whose
     special tokens sit at the config's ids, VibeVoice's feature extractor at the tiny tokenizer's hop (4 samples a
     frame), a chat template, and a generation config under which the random model never ends speech early (it
-    masks end-of-text and the audio start/end tokens), so every run makes exactly max_new_tokens frames."""
+    masks end-of-text and the audio start/end tokens), so every run makes exactly max_new_tokens frames. Its
+    decoder's last layer is scaled so that the noise it speaks peaks near 0.3, well within a 16-bit FLAC."""
     import math
 
     import transformers
@@ -220,6 +224,9 @@ def tiny_vibevoice_folder(folder: Path) -> Path:
     )
     torch.manual_seed(0)
     model = tiny_vibevoice()
+    with torch.no_grad():  # speech at an audible level (init leaves it near 1e-5), so a 16-bit FLAC keeps it
+        model.model.audio_tower.decoder.head.conv.weight.mul_(AUDIBLE)
+        model.model.audio_tower.decoder.head.conv.bias.mul_(AUDIBLE)
     hop = math.prod(model.config.audio_config.downsampling_ratios)
     extractor = transformers.VibeVoiceAcousticTokenizerFeatureExtractor(pad_to_multiple_of=hop)
     transformers.VibeVoiceProcessor(extractor, fast, chat_template=VIBEVOICE_TEMPLATE).save_pretrained(folder)
@@ -227,3 +234,33 @@ def tiny_vibevoice_folder(folder: Path) -> Path:
                                                model.config.audio_eos_token_id]
     model.save_pretrained(folder)
     return folder
+
+
+def module_from_file(path: Path):
+    """A module by its path: test modules are not importable by name from each other (pytest's importlib mode)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def decode_audio(data: bytes) -> tuple[torch.Tensor, int]:
+    """An audio file's samples [channels, samples] as float32 and its sample rate, decoded by PyAV (as ComfyUI's
+    LoadAudio does)."""
+    import io
+
+    import av
+    import numpy as np
+
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        frames = [frame.to_ndarray() if frame.format.is_planar  # packed frames interleave their channels
+                  else frame.to_ndarray().reshape(-1, len(frame.layout.channels)).T
+                  for frame in container.decode(stream)]
+        rate = stream.codec_context.sample_rate
+    samples = np.concatenate(frames, axis=-1)
+    if samples.dtype.kind == "i":
+        samples = samples / float(np.iinfo(samples.dtype).max)
+    return torch.from_numpy(samples.astype(np.float32)), rate

@@ -4,33 +4,26 @@ is checked."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 from comfy_harness import load_custom_node
-from helpers import REPO, tiny_vibevoice_folder
+from helpers import REPO, decode_audio, module_from_file, tiny_vibevoice_folder
 
 FRAMES = 6
 HOP = 4  # samples per frame of the tiny acoustic tokenizer (downsampling 2 x 2)
 SCRIPT = "Speaker 0: hello there\nSpeaker 1: how are you"
 
 
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-recording_progress_bar = _sibling("test_nodes").recording_progress_bar
+recording_progress_bar = module_from_file(Path(__file__).with_name("test_nodes.py")).recording_progress_bar
 
 
 @pytest.fixture(scope="module")
 def speech(comfy_nodes, tmp_path_factory):
-    """The Generate Speech node and a MODEL the loader made of a tiny VibeVoice in a registered model folder."""
+    """The Generate Speech node and a MODEL the loader made of a tiny VibeVoice in a registered model folder; the
+    node's previews go to a temporary folder, not the core checkout's."""
     import folder_paths
 
     assert load_custom_node(comfy_nodes, REPO)
@@ -40,7 +33,10 @@ def speech(comfy_nodes, tmp_path_factory):
     mappings = comfy_nodes.NODE_CLASS_MAPPINGS
     patcher, report = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-vibevoice", "auto", "auto").args
     assert "`auto` picked `vibevoice`" in report
-    return mappings["StreamwiseGenerateSpeech"], patcher
+    temp = folder_paths.get_temp_directory()
+    folder_paths.set_temp_directory(str(tmp_path_factory.mktemp("speech-temp")))
+    yield mappings["StreamwiseGenerateSpeech"], patcher
+    folder_paths.set_temp_directory(temp)
 
 
 def speak(node, patcher, seed=0, text=SCRIPT, frames=FRAMES, **voices) -> dict:
@@ -50,11 +46,12 @@ def speak(node, patcher, seed=0, text=SCRIPT, frames=FRAMES, **voices) -> dict:
 
 def test_the_node_declares_audio_out_and_a_tooltip_on_every_input(speech):
     node, _ = speech
+    assert node.OUTPUT_NODE is True
     assert list(node.RETURN_TYPES) == ["AUDIO"] and list(node.RETURN_NAMES) == ["audio"]
     inputs = node.INPUT_TYPES()
     assert list(inputs["required"]) == ["model", "text", "seed", "steps", "cfg", "max_new_tokens"]
     assert list(inputs["optional"]) == ["voice_1", "voice_2", "voice_3", "voice_4"]
-    assert all(spec[1].get("tooltip") for section in inputs.values() for spec in section.values())
+    assert all(spec[1].get("tooltip") for spec in [*inputs["required"].values(), *inputs["optional"].values()])
     assert inputs["optional"]["voice_1"][0] == "AUDIO"
 
 
@@ -68,6 +65,19 @@ def test_speech_is_comfyui_audio_at_the_models_rate_one_progress_step_per_frame(
     assert torch.isfinite(waveform).all() and waveform.abs().sum() > 0
     (bar,) = bars
     assert bar.total == FRAMES and bar.values == list(range(1, FRAMES + 1))
+
+
+def test_the_node_plays_its_speech_from_a_temporary_flac(speech):
+    import folder_paths
+
+    node, patcher = speech
+    out = node.execute(patcher, SCRIPT, 0, 2, 1.3, FRAMES)
+    (preview,) = out.ui.as_dict()["audio"]
+    assert preview["type"] == "temp"
+    path = Path(folder_paths.get_temp_directory()) / preview["subfolder"] / preview["filename"]
+    samples, rate = decode_audio(path.read_bytes())
+    assert rate == 24000 and samples.shape == (1, FRAMES * HOP)
+    assert torch.allclose(samples, out.args[0]["waveform"][0], atol=1e-4)  # 16-bit: within 2**-15 or so
 
 
 def test_a_seed_repeats_its_speech_and_another_seed_does_not(speech):
