@@ -107,8 +107,8 @@ def test_budgets_as_users_write_them():
                                                                      "cpu": 64 * GIB}
     assert list(budgets({"cpu": 1, "cuda:1": 2, "cuda:0": 3})) == ["cuda:1", "cuda:0", "cpu"]
     assert budgets({"cuda": "1GiB"}) == {"cuda:0": GIB, "cpu": 0}
-    for bad, says in [({"cuda:0": "lots"}, "not a size"), ({"cuda:0": -1}, "not negative"),
-                      ({"cuda:0": True}, "bytes"), ({"disk": "1GiB"}, "disk"), ({"meta": 1}, "meta"),
+    for bad, says in [({"cuda:0": "lots"}, "write bytes with a unit"), ({"cuda:0": -1}, "not negative"),
+                      ({"cuda:0": True}, "a number of bytes"), ({"disk": "1GiB"}, "disk"), ({"meta": 1}, "meta"),
                       ({"gpu:0": 1}, "not a device"), ({"cuda:0": 1, "cuda": 2}, "twice"), ({}, "mapping"),
                       ({"cpu": float("inf")}, "finite")]:
         with pytest.raises(DispatchError, match=says):

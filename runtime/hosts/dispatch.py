@@ -18,8 +18,6 @@ accelerate is an optional extra (`pip install streamwise[accelerate]`): this mod
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from ..engine.apply import Journal
 from ..engine.tree import TorchFetcher
 from ..plan import Plan, plan_for
 from ..policy.diagnostics import PolicyError
+from ..sizes import SizeError, parse_size
 
 CPU = "cpu"
 _HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")  # what accelerate's add_hook_to_module sets
@@ -73,7 +72,7 @@ def budgets(max_memory: Mapping | None) -> dict[str, int]:
     """`max_memory` as {device: bytes}, accelerators in the order given, then `"cpu"`.
 
     Keys: "cpu", an accelerator ("cuda:1", a torch.device, or an index as accelerate takes it); values: bytes,
-    or strings with units read by accelerate's own parser ("20GiB", "1.5GB"). None: accelerate's
+    or sizes with accelerate's units ("20GiB", "1.5GB": `runtime/sizes.py`). None: accelerate's
     `get_max_memory()`, the free memory of every device here. Disk offload is not Streamwise's: refused.
     """
     accelerate = _accelerate()
@@ -87,7 +86,7 @@ def budgets(max_memory: Mapping | None) -> dict[str, int]:
         device = _device_name(key)
         if device in parsed:
             raise DispatchError(f"max_memory names {device!r} twice (as {key!r})")
-        parsed[device] = _bytes(value, device, accelerate)
+        parsed[device] = _bytes(value, device)
     cpu = parsed.pop(CPU, 0)
     return {**parsed, CPU: cpu}
 
@@ -112,17 +111,11 @@ def _device_name(key: object) -> str:
     return str(torch.device(device.type, 0 if device.index is None else device.index))
 
 
-def _bytes(value: object, device: str, accelerate) -> int:
-    if isinstance(value, str):
-        try:
-            value = accelerate.utils.convert_file_size_to_int(value.strip())
-        except (ValueError, AttributeError) as exc:
-            raise DispatchError(f"max_memory[{device!r}]={value!r}: not a size ({exc})") from None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise DispatchError(f"max_memory[{device!r}]={value!r}: bytes or a size with units (\"20GiB\") expected")
-    if not math.isfinite(value) or value < 0:
-        raise DispatchError(f"max_memory[{device!r}]={value!r}: the bytes must be finite and not negative")
-    return int(value)
+def _bytes(value: object, device: str) -> int:
+    try:
+        return parse_size(value, f"max_memory[{device!r}]")
+    except SizeError as exc:
+        raise DispatchError(str(exc)) from None
 
 
 def infer_device_map(model: nn.Module, plan: Plan | Policy | str | Path, max_memory: Mapping | None) -> dict[str, str]:
