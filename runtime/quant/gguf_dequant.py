@@ -298,11 +298,10 @@ def _iq1_grid() -> np.ndarray:
     return np.concatenate([grid + delta, grid - delta])
 
 
-def _nibble_quads(values: tuple[int, ...]) -> np.ndarray:
-    """For each little-endian byte pair (b0, b1): int8 values[lo b0], [lo b1], [hi b0], [hi b1] in one int32."""
-    pair = np.arange(1 << 16, dtype=np.uint32)
-    b0, b1 = pair & 0xFF, pair >> 8
-    return np.array(values, dtype=np.int8)[np.stack([b0 & 15, b1 & 15, b0 >> 4, b1 >> 4], -1)].view(np.int32)[:, 0]
+def _nibble_pairs(values: tuple[int, ...]) -> np.ndarray:
+    """Index `a | b << 4` -> float32 values[a], values[b] as one int64: two adjacent output values."""
+    index = np.arange(256)
+    return np.array(values, dtype=np.float32)[np.stack([index & 15, index >> 4], -1)].view(np.int64)[:, 0]
 
 
 _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
@@ -313,9 +312,9 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     # pattern 2 * s + h: the signs of half h of ksigns[s]
     "iq3_xxs": lambda: _signed_grid(reference.IQ3_XXS, _sign_patterns((_KSIGNS[:, None] >> [0, 4]).ravel() & 15, 4)),
     "iq3_s": lambda: _signed_grid(reference.IQ3_S, _NIBBLE_SIGNS),
-    "iq4_nl": lambda: _nibble_quads(reference.IQ4_NL.kvalues),
-    "mxfp4": lambda: _nibble_quads(reference.MXFP4.kvalues),
-    "nvfp4": lambda: _nibble_quads(reference.NVFP4.kvalues),
+    "iq4_nl": lambda: _nibble_pairs(reference.IQ4_NL.kvalues),
+    "mxfp4": lambda: _nibble_pairs(reference.MXFP4.kvalues),
+    "nvfp4": lambda: _nibble_pairs(reference.NVFP4.kvalues),
     "ue4m3": lambda: reference.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32),
 }
 _TABLES: dict[tuple[str, torch.device], Tensor] = {}
@@ -335,14 +334,19 @@ def _lookup(name: str, index: Tensor, out: Tensor) -> None:
     torch.index_select(table, 0, index.reshape(-1), out=out.view(-1, table.shape[-1]))
 
 
-def _nibble_values(qs: Tensor, name: str) -> Tensor:
-    """The int8 table values of the nibbles of qs (m, k bytes): low nibbles are values 0..k-1, high ones k..2k-1.
+def _nibble_lookup(qs: Tensor, name: str, out: Tensor) -> None:
+    """Fill `out` (m, 2k) with table `name`'s values of the nibbles of qs (m, k bytes): low nibbles are
+    values 0..k-1, high ones k..2k-1.
 
-    One gather per byte pair, giving four values; shaped (m, 2, k / 2, 2) in value order (a permuted view).
+    Each lookup writes two adjacent float32 values as one int64, indexed by a nibble of each byte of a
+    pair, so the gather lands in value order and a quarter as many indices are needed.
     """
-    m, k = qs.shape
-    quads = _table(name, qs.device).index_select(0, _u16(qs, 0, k).view(-1))
-    return quads.view(torch.int8).view(m, k // 2, 2, 2).transpose(1, 2)
+    even, odd = qs[:, 0::2], qs[:, 1::2]
+    index = qs.new_empty((qs.shape[0], 2, qs.shape[1] // 2))
+    torch.bitwise_or(even & 15, odd << 4, out=index[:, 0])
+    torch.bitwise_or(even >> 4, odd & 0xF0, out=index[:, 1])
+    table = _table(name, qs.device)
+    torch.index_select(table, 0, index.view(-1).int(), out=out.view(torch.int64).view(-1))
 
 
 def _iq_scale(d: Tensor, scale: Tensor, step: float) -> Tensor:
@@ -366,29 +370,46 @@ def _iq2_xs(blocks: Tensor, out: Tensor) -> None:
     _scale(out, _iq_scale(_half(blocks, 0), _unpack(blocks[:, 66:], 4, -1).flatten(1), 0.25))
 
 
+def _pair_index(index: Tensor) -> Tensor:
+    """Int32 table indices (…, 2) viewed as one int64 per pair, so a term both share is added once, elementwise.
+
+    `_PAIR * t` adds t to both halves; indices are far below 2^31, so nothing carries between them.
+    """
+    return index.view(torch.int64).squeeze(-1)
+
+
+_PAIR = 1 + (1 << 32)
+
+
 def _iq2_s(blocks: Tensor, out: Tensor) -> None:
     """82 bytes: d (f16), 32 grid index low bytes, 32 sign bytes, 8 bytes of the indices' top 2 bits, 8 bytes
     of 4-bit scales (per 16 values). Grid rows are looked up in halves of 4, each with its 4 sign bits."""
-    grid = blocks[:, 2:34].int().bitwise_or_(_unpack(blocks[:, 66:74], 2, -1).flatten(1).int() << 8)
-    halves = torch.stack([grid * 2, grid * 2 + 1], -1)
-    _lookup("iq2_s", _unpack(blocks[:, 34:66], 4, -1).int().mul_(2048).add_(halves), out)
+    grid = blocks[:, 2:34].long().bitwise_or_(_unpack(blocks[:, 66:74], 2, -1).flatten(1).long() << 8)
+    index = _unpack(blocks[:, 34:66], 4, -1).to(torch.int32, memory_format=torch.contiguous_format).mul_(2048)
+    _pair_index(index).add_(grid.mul_(2 * _PAIR).add_(1 << 32))  # pattern (a sign nibble) * 2048 + 2 * grid + half
+    _lookup("iq2_s", index, out)
     _scale(out, _iq_scale(_half(blocks, 0), _unpack(blocks[:, 74:], 4, -1).flatten(1), 0.25))
 
 
 def _iq3_xxs(blocks: Tensor, out: Tensor) -> None:
     """98 bytes: d (f16), 64 grid indices (4 values each), 8 u32 of four 7-bit sign indices (per 8 values)
-    under a 4-bit scale (per 32); value = d * (0.5 + scale) / 2 * grid * signs."""
+    under a 4-bit scale (per 32); value = d * (0.5 + scale) / 2 * grid * signs.
+
+    The table's pattern 2 * s + h holds half h of sign index s, for the h-th grid row of its 8 values.
+    """
     aux = _reinterpret(blocks[:, 66:], torch.int32)
-    pattern = _bits(aux, 7, 4).unsqueeze(-1).mul(2) + torch.arange(2, device=blocks.device)
-    _lookup("iq3_xxs", pattern.mul_(256).add_(blocks[:, 2:66].reshape(-1, 8, 4, 2)), out)
+    index = blocks[:, 2:66].int().view(-1, 8, 4, 2)
+    _pair_index(index).add_(_bits(aux, 7, 4).long().mul_(512 * _PAIR).add_(256 << 32))
+    _lookup("iq3_xxs", index, out)
     _scale(out, _iq_scale(_half(blocks, 0), (aux >> 28) & 15, 0.5))
 
 
 def _iq3_s(blocks: Tensor, out: Tensor) -> None:
     """110 bytes: d (f16), 64 grid index low bytes (4 values each), 8 bytes of their 9th bits, 32 sign bytes
     (per 8 values), 4 bytes of 4-bit scales (per 32); value = d * (1 + 2 * scale) * grid * signs."""
-    grid = blocks[:, 2:66].int().bitwise_or_(_unpack(blocks[:, 66:74], 1, -1).flatten(1).int() << 8)
-    _lookup("iq3_s", _unpack(blocks[:, 74:106], 4, -1).flatten(1).int().mul_(512).add_(grid), out)
+    index = _unpack(blocks[:, 74:106], 4, -1).flatten(1).int().mul_(512)
+    index.add_(blocks[:, 2:66].int()).add_(_unpack(blocks[:, 66:74], 1, -1).flatten(1).int() << 8)
+    _lookup("iq3_s", index, out)
     _scale(out, _half(blocks, 0) * (_unpack(blocks[:, 106:], 4, -1).flatten(1) * 2 + 1))
 
 
@@ -415,14 +436,16 @@ def _iq1_m(blocks: Tensor, out: Tensor) -> None:
 
 def _iq4_nl(blocks: Tensor, out: Tensor) -> None:
     """18 bytes: d (f16), 16 bytes whose low nibbles index values 0-15 and high nibbles 16-31 in a 16-value table."""
-    _affine(out, _nibble_values(blocks[:, 2:], "iq4_nl"), _half(blocks, 0))
+    _nibble_lookup(blocks[:, 2:], "iq4_nl", out)
+    _scale(out, _half(blocks, 0))
 
 
 def _iq4_xs(blocks: Tensor, out: Tensor) -> None:
     """136 bytes: d (f16), a u16 of 2-bit scale tops, 4 bytes of 4-bit scale bottoms (per 32 values), then
     128 bytes laid out as eight IQ4_NL blocks without d; value = d * (scale - 32) * table value."""
     scale = _unpack(blocks[:, 4:8], 4, -1).flatten(1).int() | (_bits(_u16(blocks, 2, 4), 2, 8).flatten(1) << 4)
-    _affine(out, _nibble_values(blocks[:, 8:].reshape(-1, 16), "iq4_nl"), _half(blocks, 0) * (scale - 32))
+    _nibble_lookup(blocks[:, 8:].reshape(-1, 16), "iq4_nl", out)
+    _scale(out, _half(blocks, 0) * (scale - 32))
 
 
 def _mxfp4(blocks: Tensor, out: Tensor) -> None:
@@ -430,13 +453,15 @@ def _mxfp4(blocks: Tensor, out: Tensor) -> None:
     value = 2^(e - 128) * kvalue, the scale a float32 subnormal for e < 2."""
     e = blocks[:, :1].int()
     bits = torch.where(e < 2, (e + 1) << 21, (e - 1) << 23)
-    _affine(out, _nibble_values(blocks[:, 1:], "mxfp4"), bits.view(torch.float32))
+    _nibble_lookup(blocks[:, 1:], "mxfp4", out)
+    _scale(out, bits.view(torch.float32))
 
 
 def _nvfp4(blocks: Tensor, out: Tensor) -> None:
     """36 bytes: four UE4M3 scales (per 16 values), then per 16 values 8 bytes of E2M1 nibbles, low then high."""
     scale = _table("ue4m3", blocks.device).index_select(0, blocks[:, :4].reshape(-1).int())
-    _affine(out, _nibble_values(blocks[:, 4:].reshape(-1, 8), "nvfp4"), scale.view(-1, 4))
+    _nibble_lookup(blocks[:, 4:].reshape(-1, 8), "nvfp4", out)
+    _scale(out, scale.view(-1, 4))
 
 
 _POWERS_OF_3 = (1, 3, 9, 27, 81)
