@@ -198,8 +198,9 @@ def test_model_mode_with_a_python_factory(tmp_path, monkeypatch, capsys):
         "def build():\n"
         "    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # found in the working folder, as the user's own code
     assert main(["--model", "my_models:build", "decoder-llm"]) == EXIT_PROBLEMS
+    assert str(tmp_path) not in sys.path
     out = capsys.readouterr().out
     assert "error[unmatched-rule]: rule `embedding` in [stream] matches no module of `Sequential`" in out
     assert "warning[stranded-tensors]" in out
@@ -214,7 +215,13 @@ def test_model_mode_with_a_python_factory(tmp_path, monkeypatch, capsys):
     (["--model", ":build", "decoder-llm"], "is not a model spec"),
     (["--model", "transformers:Conv1D", "decoder-llm"], "`Conv1D` is not a transformers model class"),
     (["--model", "transformers:qwen2", "--model-config", "[2]", "decoder-llm"], "must be a JSON object"),
-    (["--model", "torch.nn:Linear", "--model-config", '{"widht": 2}', "decoder-llm"], "cannot call `torch.nn:Linear`"),
+    (["--model", "torch.nn:Linear", "--model-config", '{"widht": 2}', "decoder-llm"],
+     "`torch.nn:Linear` has no key `widht`"),
+    (["--model", "transformers:qwen2", "--model-config", '{"num_hiden_layers": 2}', "decoder-llm"],
+     "the `qwen2` config has no key `num_hiden_layers`; did you mean `num_hidden_layers`?"),
+    (["--model", "transformers:Qwen2ForCausalLM", "--model-config", '{"vocab_sise": 2}', "decoder-llm"],
+     "did you mean `vocab_size`?"),
+    (["--model", "transformers:Qwen2ForCausalLm", "decoder-llm"], "did you mean `Qwen2ForCausalLM`?"),
     (["--model", "transformers:qwen2", "--model-config", '{"num_attention_heads": 0}', "decoder-llm"],
      "ZeroDivisionError"),
     (["--model", "transformers:qwen2", "--model-config", '{"hidden_size": "x"}', "decoder-llm"],

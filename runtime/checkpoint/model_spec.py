@@ -11,8 +11,12 @@ Config overrides (a small JSON object) apply to the transformers forms.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,13 +90,15 @@ def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
 
     cls = getattr(transformers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)) and name not in transformers.CONFIG_MAPPING:
-        guess = did_you_mean(name, list(transformers.CONFIG_MAPPING))
+        guess = did_you_mean(name, [*transformers.CONFIG_MAPPING, *_model_class_names(transformers)])
         raise ModelSpecError(
             f"transformers has no model class or model_type `{name}`" + (f"; did you mean `{guess}`?" if guess else "")
         )
     if cls is not None and getattr(cls, "config_class", None) is None:
         raise ModelSpecError(f"`{name}` is not a transformers model class (it has no config class)")
     try:  # a config transformers accepts may still fail in the model's own code (a zero head count)
+        defaults = cls.config_class() if cls is not None else transformers.AutoConfig.for_model(name)
+        _check_keys(overrides, [*defaults.to_dict(), *defaults.attribute_map], f"the `{name}` config")
         if cls is not None:
             return cls(cls.config_class(**overrides))
         return auto_model(transformers.AutoConfig.for_model(name, **overrides))
@@ -104,14 +110,55 @@ def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
         ) from None
 
 
+def _model_class_names(transformers) -> list[str]:
+    """transformers' public model class names (`...Model`, `...For...`), for a did-you-mean on a misspelled one."""
+    return [name for name in dir(transformers) if name[:1].isupper() and ("For" in name or name.endswith("Model"))]
+
+
+def _check_keys(overrides: dict[str, Any], known: list[str], what: str) -> None:
+    """A config key nothing reads would be ignored silently (a misspelled `num_hiden_layers` builds the full model)."""
+    for key in overrides:
+        if key not in known:
+            guess = did_you_mean(key, known)
+            raise ModelSpecError(f"{what} has no key `{key}`" + (f"; did you mean `{guess}`?" if guess else ""))
+
+
 def _factory(module_name: str, attribute: str, overrides: dict[str, Any] | None) -> nn.Module:
     try:
-        factory = getattr(importlib.import_module(module_name), attribute)
+        with _importable_from(os.getcwd()):  # `my_models:build` beside the user, as `python -c` would find it
+            factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise ModelSpecError(f"cannot find `{module_name}:{attribute}`: {exc}") from None
+    parameters = _keyword_parameters(factory)
+    if overrides and parameters is not None:
+        _check_keys(overrides, parameters, f"`{module_name}:{attribute}`")
     try:
         return factory(**overrides) if overrides else factory()
     except Exception as exc:  # the overrides do not fit the factory, or the factory itself fails
         raise ModelSpecError(
             f"cannot call `{module_name}:{attribute}` with this config: {type(exc).__name__}: {exc}"
         ) from None
+
+
+@contextlib.contextmanager
+def _importable_from(folder: str) -> Iterator[None]:
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(folder)
+
+
+def _keyword_parameters(factory: object) -> list[str] | None:
+    """The keywords `factory` takes, or None when it takes any (`**kwargs`) or its signature is unknown."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                      inspect.Parameter.KEYWORD_ONLY)]
