@@ -207,18 +207,18 @@ def test_unsupported_gguf_type_names_the_tensor(saved, tmp_path):
     writer = gguf.GGUFWriter(str(path), arch="test")
     for name, tensor in original.state_dict().items():
         if name == "lm_head.weight":
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
             raw = np.zeros((128, 64 // block * size), dtype=np.uint8)
-            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
         else:
             writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     message = failing_load(skeleton_model(), path)
-    assert "tensor `lm_head.weight`" in message and "IQ4_NL" in message
+    assert "tensor `lm_head.weight`" in message and "Q8_1" in message
 
 
 def test_gguf_residents_of_an_unsupported_type_are_refused_before_anything_changes(tmp_path):
-    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    qtype = gguf.GGMLQuantizationType.Q8_1
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     path = tmp_path / "resident.gguf"
     writer = gguf.GGUFWriter(str(path), arch="test")
