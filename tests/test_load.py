@@ -115,8 +115,16 @@ def test_gguf_written_by_streamwise_quantize_loads_as_residents(saved, tmp_path,
     assert report.residents == {"gguf": 15}
     assert report.bytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(target).tensors)  # raw blocks counted too
     assert resident.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
-    dequantized_once = skeleton_model()  # without a gguf rule, quantized tensors dequantize at load
-    assert streamwise.load(dequantized_once, target, "decoder-llm").dequantized == 15
+    assert report.quantized == {f"{n}.weight": "Q8_0" for n, m in resident.named_modules()
+                                if isinstance(m, torch.nn.Linear)}
+    assert streamwise.load(skeleton_model(), target, "decoder-llm").residents == {"gguf": 15}  # its own gguf rule
+    dequantized_once = skeleton_model()  # a `none` rule: the quantized tensors dequantize at load, each with why
+    float_report = streamwise.load(dequantized_once, target, make_policy(
+        stream={"rule": [{"id": "s", "kind": "auto", "select": {"holds": "parameters"}}]},
+        quant={"rule": [{"id": "keep-float", "select": {"class": "Linear"}, "format": "none"}]}))
+    assert float_report.dequantized == 15 and float_report.quantized == {}
+    assert all("Q8_0" in why and "`keep-float` gives this layer `none`" in why
+               for why in float_report.dequantized_tensors.values())
     assert torch.equal(logits(resident), logits(dequantized_once))
     assert (logits(resident) - expected).norm() / expected.norm() < 0.02
 

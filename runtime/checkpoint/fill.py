@@ -7,15 +7,16 @@ that (memory, Ctrl-C) is undone through the same journal as `apply`: the model i
 interrupt stays an interrupt, and any other error becomes a `CheckpointError` caused by it. Float
 tensors are views of the file's memory map; GGUF tensors that a `gguf` rule selects stay in
 their raw blocks as residents (other quantized GGUF tensors, embeddings and convolutions, are
-dequantized once); `.comfy_quant` layers load as INT8 residents; int8-family rules quantize the
-float weights on load.
+dequantized once, each with its reason in the report); `.comfy_quant` layers load as INT8 residents;
+int8-family rules quantize the float weights on load. A GGUF in llama.cpp's layout (`blk.0.attn_q.weight`)
+is seen under the model's own keys first (`llama_cpp.Mapped`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from ..quant.convrot import check_group_size
 from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
 from . import comfy_quant
+from .llama_cpp import Mapped, is_llama_cpp_layout
 from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 
 _GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
@@ -42,6 +44,13 @@ class LoadReport:
     bytes: int
     residents: dict[str, int]
     dequantized: int
+    """How many quantized tensors of the file were dequantized (`dequantized_tensors` says which and why)."""
+    quantized: dict[str, str] = field(default_factory=dict)
+    """Model key -> the GGML type it stays in, as a resident."""
+    dequantized_tensors: dict[str, str] = field(default_factory=dict)
+    """Model key -> why its quantized values were dequantized."""
+    ignored: dict[str, str] = field(default_factory=dict)
+    """File tensor -> why nothing in the model takes it (a llama.cpp-layout GGUF only)."""
 
 
 def load(
@@ -68,6 +77,9 @@ def load(
     with journal.atomic(failed):
         _, plan = plan_for(policy, model)
         checkpoint = open_checkpoint(path)
+        mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
+        if mapped is not None:
+            checkpoint = mapped.checkpoint_view()
         filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
         filling.collect()
         if filling.problems:
@@ -90,7 +102,9 @@ def load(
     read = [*filling.tensors.values(), *(t for _, stored, _ in filling.residents.values() for t in stored.values())]
     return LoadReport(
         checkpoint.path, len(filling.tensors) + len(filling.residents),
-        sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())), filling.dequantized,
+        sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())),
+        len(filling.dequantized), dict(sorted(filling.kept.items())), dict(sorted(filling.dequantized.items())),
+        dict(sorted(mapped.ignored.items())) if mapped is not None else {},
     )
 
 
@@ -102,7 +116,8 @@ class _Filling:
         self.tensors: dict[str, Tensor] = {}
         self.residents: dict[str, tuple[str, dict[str, Tensor], dict[str, object]]] = {}
         self.problems: list[str] = []
-        self.dequantized = 0
+        self.dequantized: dict[str, str] = {}  # model key -> why
+        self.kept: dict[str, str] = {}  # model key -> GGML type kept as a resident
         self.aliases: dict[str, list[str]] = {}
 
     def problem(self, name: str, message: str) -> None:
@@ -161,9 +176,15 @@ class _Filling:
             if self._keeps_gguf_storage(module_path, attribute):
                 attributes = {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape}
                 self.residents[module_path] = ("gguf", {"weight": blocks}, attributes)
+                self.kept[name] = stored.qtype.name
                 return
             tensor = dequantize(blocks, stored.qtype, stored.shape, target)
-            self.dequantized += 1
+            why = self._why_float(module_path, attribute)
+            tied = f" (tied: {', '.join(names[1:])} shares it)" if len(names) > 1 else ""
+            self.dequantized[name] = f"dequantized from {stored.qtype.name}: {why}{tied}"
+        elif stored.note is not None:  # values the mapping already had to dequantize (and transform)
+            self.dequantized[name] = stored.note
+            tensor = stored.read().to(target)
         else:
             tensor = stored.read()
             if (tensor.dtype != target and tensor.dtype in _GGUF_HALVES
@@ -171,6 +192,7 @@ class _Filling:
                 # a GGUF F16/BF16 weight under a `gguf` rule stays in the file's storage, like a quantized one
                 attributes = {"gguf_qtype": _GGUF_HALVES[tensor.dtype], "gguf_shape": stored.shape}
                 self.residents[module_path] = ("gguf", {"weight": tensor.view(torch.uint8).reshape(-1)}, attributes)
+                self.kept[name] = _GGUF_HALVES[tensor.dtype].name
                 return
             if tensor.dtype != target:
                 if not (self.dtype is not None and tensor.is_floating_point() and current.is_floating_point()):
@@ -188,6 +210,17 @@ class _Filling:
         entry = self.plans.get(module_path)
         return (self.checkpoint.kind == "gguf" and attribute == "weight" and entry is not None and entry.quant == "gguf"
                 and isinstance(self.model.get_submodule(module_path), nn.Linear))
+
+    def _why_float(self, module_path: str, attribute: str) -> str:
+        """Why a quantized GGUF tensor does not stay a resident, in words for the load report."""
+        module = self.model.get_submodule(module_path)
+        entry = self.plans.get(module_path)
+        if attribute != "weight" or not isinstance(module, nn.Linear):
+            return (f"`{attribute}` of a {type(module).__name__}; GGUF residents hold Linear weights only (other "
+                    "tensors compute in float)")
+        if entry is None or entry.quant is None:
+            return "no `gguf` quant rule of the policy selects this Linear layer"
+        return f"the policy's quant rule `{entry.quant_rule}` gives this layer `{entry.quant}`, not `gguf`"
 
     def _comfy_quant(self, expected: dict[str, Tensor]) -> list[str]:
         """Layers stored pre-quantized under ComfyUI's `<layer>.comfy_quant` convention."""

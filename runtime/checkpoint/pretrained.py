@@ -1,8 +1,9 @@
 """`load_pretrained(path, policy)`: a model folder or weight file in, a loaded, converted tree out.
 
 The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the
-skeleton from the config beside the weights (`skeleton`), pick the policy by name or by its
-`[match]` table (`plan.auto`), and fill the skeleton from the file (`fill`).
+skeleton from the config beside the weights (`skeleton`), or, for a GGUF with no config.json beside it,
+from the GGUF's own metadata (`llama_cpp.gguf_config`), pick the policy by name or by its `[match]`
+table (`plan.auto`), and fill the skeleton from the file (`fill`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from ..engine import applied_state
 from ..plan.auto import choose_policy
 from .build_dtype import BUILD_DTYPES
 from .fill import LoadReport, load
+from .llama_cpp import gguf_config
+from .model_spec import auto_model
 from .readers import Checkpoint, open_checkpoint
-from .skeleton import build_skeleton, config_folder, model_type
+from .skeleton import build_skeleton, config_folder, model_type, skeleton
 
 
 class Pretrained(NamedTuple):
@@ -40,22 +43,42 @@ def load_pretrained(
     policy_dirs: Iterable[str | os.PathLike] = (),
     progress: Callable[[int, int], None] | None = None,
 ) -> Pretrained:
-    """Build, convert and load the model at `path` (a Hugging Face folder, or a weight file beside its config.json).
+    """Build, convert and load the model at `path` (a Hugging Face folder, a weight file beside its config.json,
+    or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
 
     `policy="auto"` picks the policy whose `[match]` recognizes the model, and refuses to guess
     between equal matches. Without `dtype` the model takes the floating dtype most of the file's
-    values are stored in (float8 counts as bfloat16).
+    values are stored in (float8 counts as bfloat16). The tree's recorded `source` (where its
+    tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from alone.
     """
     path = Path(path)
     checkpoint = open_checkpoint(path)  # first: an unusable path is a CheckpointError, before any other look at it
     folder = config_folder(path)
     dtype = dtype or _file_dtype(checkpoint)
-    model = build_skeleton(folder, dtype)
-    policy, chosen = choose_policy(policy, model, model_type=model_type(folder), keys=checkpoint.tensors,
-                                   dirs=policy_dirs)
-    report = load(model, path, policy, dtype=dtype, progress=progress)
-    applied_state(model).source = str(folder)
+    if checkpoint.kind == "gguf" and not (folder / "config.json").is_file():
+        config = gguf_config(checkpoint.path)  # a CheckpointError naming the architecture when it cannot be mapped
+        with skeleton():
+            model = auto_model(config, dtype).eval()
+        source, kind = checkpoint.path, config.model_type
+    else:
+        model = build_skeleton(folder, dtype)
+        source, kind = str(folder), model_type(folder)
+    policy, chosen = choose_policy(policy, model, model_type=kind, keys=checkpoint.tensors, dirs=policy_dirs)
+    report = load(model, checkpoint.path, policy, dtype=dtype, progress=progress)
+    applied_state(model).source = source
     return Pretrained(model, report, chosen)
+
+
+def load_tokenizer(source: str | os.PathLike):
+    """The tokenizer of a tree's recorded `source`: a model folder's own files, or the one a `.gguf` carries in
+    its metadata (transformers rebuilds it: `AutoTokenizer.from_pretrained(folder, gguf_file=...)`)."""
+    import transformers
+
+    source = Path(source)
+    if source.suffix == ".gguf" and not source.is_dir():
+        return transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name,
+                                                          local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
 
 
 def _file_dtype(checkpoint: Checkpoint) -> torch.dtype:

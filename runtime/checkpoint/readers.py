@@ -66,6 +66,7 @@ class StoredTensor:
     dtype: torch.dtype
     read: Callable[[], Tensor] = field(repr=False, compare=False)
     qtype: object = None  # the gguf.GGMLQuantizationType of a quantized GGUF tensor
+    note: str | None = None  # why the values are not the file's own (dequantized and transformed on the way)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Checkpoint:
     path: str
     tensors: dict[str, StoredTensor]
     kind: str  # "safetensors" or "gguf"
+    architecture: str | None = None  # a GGUF's `general.architecture` ("streamwise" for files Streamwise writes)
 
 
 def file_type(path: Path) -> int | None:
@@ -111,7 +113,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if path.name.endswith(".index.json"):
         return _sharded(path)
     if path.suffix == ".gguf":
-        return Checkpoint(str(path), _gguf(path), "gguf")
+        return Checkpoint(str(path), *_gguf(path))
     if path.suffix == ".safetensors":
         return Checkpoint(str(path), _safetensors(path), "safetensors")
     raise CheckpointError([f"{path}: not a checkpoint Streamwise reads (.safetensors, a shard index, .gguf)"])
@@ -369,7 +371,7 @@ def _gguf_tensor_problem(dims: list[int], raw_type: int) -> tuple[str | None, in
     return None, count // block_size * type_size
 
 
-def _gguf(path: Path) -> dict[str, StoredTensor]:
+def _gguf(path: Path) -> tuple[dict[str, StoredTensor], str, str | None]:
     from ..quant.gguf_dequant import STORED_FLOATS
 
     _regular(path)
@@ -403,4 +405,6 @@ def _gguf(path: Path) -> dict[str, StoredTensor]:
                 return torch.from_numpy(data).view(torch.uint8).reshape(-1)
 
             tensors[entry.name] = StoredTensor(entry.name, str(path), shape, torch.uint8, read, qtype)
-    return tensors
+    field = reader.fields.get("general.architecture")
+    architecture = field.contents() if field is not None else None
+    return tensors, "gguf", architecture if isinstance(architecture, str) else None
