@@ -1,4 +1,8 @@
-"""The torch GGML dequantizers against gguf's numpy reference: bit-exact float32 on every supported type."""
+"""The torch GGML dequantizers against gguf's numpy reference: bit-exact float32 on every type gguf dequantizes.
+
+Bit-exact means the same float32 bits, compared as int32 so NaN payloads and signs count too: random
+blocks with finite scales, and fully random bytes (NaN, Inf, subnormal and negative-zero scales).
+"""
 
 from __future__ import annotations
 
@@ -11,64 +15,115 @@ from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, U
 
 Q = gguf.GGMLQuantizationType
 FLOATS = (Q.F32, Q.F16, Q.BF16)
-QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)  # gguf.quants.quantize supports these
-# Byte offsets of the float16 d / dmin / m fields inside one block (ggml-common.h).
+
+
+def reference_dequantizes(qtype: Q) -> bool:
+    """Whether the installed gguf package can dequantize `qtype` (the authoritative list)."""
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+GGUF_TYPES = [qtype for qtype in gguf.GGML_QUANT_SIZES if reference_dequantizes(qtype)]
+QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0, Q.MXFP4)  # gguf.quants.quantize has these
+# Byte offsets of the float16 d / dmin / m fields inside one block (ggml-common.h). MXFP4 and NVFP4 scales are
+# 8-bit floats without NaN; IQ1_M keeps d's bits in the top nibbles of its last four u16 (see `write_iq1_m_scales`).
 SCALE_OFFSETS = {
-    Q.Q8_0: (0,),
-    Q.Q4_0: (0,),
-    Q.Q4_1: (0, 2),
-    Q.Q5_0: (0,),
-    Q.Q5_1: (0, 2),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
+    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ1_S: (0,), Q.IQ1_M: (), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.TQ1_0: (52,), Q.TQ2_0: (64,), Q.MXFP4: (), Q.NVFP4: (),
 }
+# float16 scales every random-bytes test plants: quiet and signalling NaNs with payloads, both infinities,
+# subnormals, negative zero, the largest finite.
+SPECIAL_HALVES = np.array([0x7E01, 0xFE00, 0x7D55, 0x7C00, 0xFC00, 0x0001, 0x83FF, 0x8000, 0x7BFF], dtype=np.uint16)
 SHAPES = [(4, 256), (3, 512)]
 SUPPORTED = [*FLOATS, *SCALE_OFFSETS]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+by_name = {"ids": lambda t: t.name}
 
 
-def random_bytes(qtype: Q, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
-    """Raw blocks of `shape`, one row per tensor row: random quant bits, finite float scales."""
+def write_iq1_m_scales(raw: np.ndarray, scales: np.ndarray) -> None:
+    """Write float16 `scales` into the top nibbles of each IQ1_M block's last four u16, lowest nibble first."""
+    words = raw[:, 48:56].copy().view(np.uint16)
+    bits = scales.view(np.uint16)[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)
+    raw[:, 48:56] = ((words & 0x0FFF) | ((bits & 0xF) << 12)).view(np.uint8)
+
+
+def random_bytes(qtype: Q, shape: tuple[int, int], seed: int = 0, finite: bool = True) -> np.ndarray:
+    """Raw blocks of `shape`, one row per tensor row: random bits, with finite float scales unless not `finite`
+    (then the first blocks' float16 scales are SPECIAL_HALVES)."""
     rng = np.random.default_rng(seed)
-    if qtype in FLOATS:
+    if qtype in FLOATS and finite:
         return gguf.quants.quantize(rng.standard_normal(shape, dtype=np.float32), qtype).view(np.uint8)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = shape[0] * shape[1] // block_size
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    if not finite:
+        planted = min(n_blocks, len(SPECIAL_HALVES))
+        for offset in SCALE_OFFSETS.get(qtype, ()):
+            raw[:planted, offset : offset + 2] = SPECIAL_HALVES[:planted, None].view(np.uint8)
+        if qtype == Q.IQ1_M:
+            write_iq1_m_scales(raw[:planted], SPECIAL_HALVES[:planted].view(np.float16))
+        return raw.reshape(shape[0], -1)
     for offset in SCALE_OFFSETS[qtype]:
         scales = rng.uniform(-2, 2, n_blocks).astype(np.float16)
         raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    if qtype == Q.IQ1_M:
+        write_iq1_m_scales(raw, rng.uniform(-2, 2, n_blocks).astype(np.float16))
     return raw.reshape(shape[0], -1)
 
 
-def reference(raw: np.ndarray, qtype: Q) -> torch.Tensor:
-    expected = gguf.quants.dequantize(raw, qtype)
-    assert not np.isnan(expected).any()
+def same_bits(result: torch.Tensor, expected: torch.Tensor) -> bool:
+    return result.shape == expected.shape and torch.equal(result.view(torch.int32), expected.view(torch.int32))
+
+
+def reference(raw: np.ndarray, qtype: Q, finite: bool = True) -> torch.Tensor:
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = gguf.quants.dequantize(raw, qtype)
+    assert np.isnan(expected).any() != finite or qtype in (Q.MXFP4, Q.NVFP4)  # their scales have no NaN
     return torch.from_numpy(np.ascontiguousarray(expected))
 
 
-def test_registry_covers_exactly_the_supported_types():
+def test_every_type_gguf_dequantizes_is_supported_and_nothing_else():
+    assert len(GGUF_TYPES) == 26  # gguf 0.19; a newer gguf with more types fails here first
     assert set(STORED_FLOATS) == set(FLOATS)
-    assert set(DEQUANTIZERS) == set(SCALE_OFFSETS)
+    assert set(DEQUANTIZERS) == set(SCALE_OFFSETS) == set(GGUF_TYPES) - set(FLOATS)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
 def test_random_blocks_match_reference_bit_exactly(qtype, shape):
     raw = random_bytes(qtype, shape)
     result = dequantize(torch.from_numpy(raw), qtype, shape)
     assert result.dtype == torch.float32 and result.shape == shape
-    assert torch.equal(result, reference(raw, qtype))
+    assert same_bits(result, reference(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
+def same_bits_and_nan_places(result: torch.Tensor, expected: torch.Tensor) -> bool:
+    nan = expected.isnan()
+    return torch.equal(result.isnan(), nan) and same_bits(result.masked_fill(nan, 0), expected.masked_fill(nan, 0))
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
+def test_fully_random_bytes_match_reference_bit_for_bit(qtype):
+    """NaN and Inf scales, and subnormal ones: every NaN keeps the reference's sign and payload.
+
+    Stored F16 values are NaN where the reference's are, but widened by torch's own conversion (fast),
+    which quiets signalling NaNs; every other value is bit-exact.
+    """
+    raw = random_bytes(qtype, (4, 512), seed=3, finite=False)
+    result, expected = dequantize(torch.from_numpy(raw), qtype, (4, 512)), reference(raw, qtype, finite=False)
+    assert (same_bits_and_nan_places if qtype == Q.F16 else same_bits)(result, expected)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE, **by_name)
 def test_quantized_data_matches_reference_bit_exactly(qtype):
     data = np.random.default_rng(1).standard_normal((4, 256), dtype=np.float32)
     raw = gguf.quants.quantize(data, qtype)
-    assert torch.equal(dequantize(torch.from_numpy(raw), qtype, data.shape), reference(raw, qtype))
+    assert same_bits(dequantize(torch.from_numpy(raw), qtype, data.shape), reference(raw, qtype))
 
 
 def test_flat_blocks_give_the_same_values():
@@ -78,7 +133,7 @@ def test_flat_blocks_give_the_same_values():
 
 
 @pytest.mark.parametrize("n_blocks", [1, 3], ids=lambda n: f"{n}-blocks")
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
 def test_blocks_at_an_odd_offset_or_stride_give_the_same_values(qtype, n_blocks):
     """Bytes sliced out of a larger buffer (a file map, a packed record): no alignment is promised."""
     block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
@@ -89,12 +144,12 @@ def test_blocks_at_an_odd_offset_or_stride_give_the_same_values(qtype, n_blocks)
     shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), flat])[1:]
     strided = torch.stack([flat, torch.zeros_like(flat)], dim=1).reshape(-1)[::2]
     assert shifted.storage_offset() == 1 and strided.stride() == (2,)
-    assert torch.equal(dequantize(shifted, qtype, shape), expected)
-    assert torch.equal(dequantize(strided, qtype, shape), expected)
+    assert same_bits(dequantize(shifted, qtype, shape), expected)
+    assert same_bits(dequantize(strided, qtype, shape), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ2_S, Q.IQ4_XS, Q.NVFP4, Q.BF16], **by_name)
 def test_output_dtype_is_the_float32_result_cast(qtype, dtype):
     blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
     result = dequantize(blocks, qtype, (4, 256), dtype=dtype)
@@ -102,15 +157,15 @@ def test_output_dtype_is_the_float32_result_cast(qtype, dtype):
     assert torch.equal(result, dequantize(blocks, qtype, (4, 256)).to(dtype))
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.Q8_K, Q.TQ2_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.Q8_K, Q.F64], **by_name)
 def test_unsupported_type_is_named(qtype):
     with pytest.raises(UnsupportedQuantType, match=qtype.name) as error:
         dequantize(torch.zeros(1024, dtype=torch.uint8), qtype, (4, 256))
     assert isinstance(error.value, ValueError)
-    assert "Q4_K" in str(error.value) and "BF16" in str(error.value)
+    assert "IQ4_XS" in str(error.value) and "BF16" in str(error.value)
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
 def test_empty_tensor_gives_an_empty_result(qtype):
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]
     result = dequantize(torch.zeros(0, dtype=torch.uint8), qtype, (0, block_size), dtype=torch.bfloat16)
@@ -134,9 +189,15 @@ def test_blocks_must_be_bytes():
 
 
 @CUDA
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
-def test_cuda_matches_reference_bit_exactly(qtype):
-    raw = random_bytes(qtype, (3, 512), seed=2)
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "random-bytes"])
+@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
+def test_cuda_matches_reference_bit_exactly(qtype, finite):
+    """The same code on CUDA tensors. CUDA arithmetic returns one canonical NaN, so there NaNs match by place."""
+    raw = random_bytes(qtype, (3, 512), seed=2, finite=finite)
     result = dequantize(torch.from_numpy(raw).cuda(), qtype, (3, 512))
     assert result.is_cuda
-    assert torch.equal(result.cpu(), reference(raw, qtype))
+    expected = reference(raw, qtype, finite)
+    if finite:
+        assert same_bits(result.cpu(), expected)
+    else:
+        assert same_bits_and_nan_places(result.cpu(), expected)

@@ -104,7 +104,22 @@ def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _half(blocks: Tensor, offset: int) -> Tensor:
     """The little-endian float16 at byte `offset` of every block, widened to float32 of shape (n_blocks, 1)."""
-    return _reinterpret(blocks[:, offset : offset + 2], torch.float16).float()
+    return _widen_half(_reinterpret(blocks[:, offset : offset + 2], torch.int16))
+
+
+def _widen_half(bits: Tensor) -> Tensor:
+    """float16 bits (int16) as float32, widened as numpy does: NaNs keep sign and payload, signalling ones too.
+
+    torch's own conversion returns one canonical NaN in its scalar path and quiets signalling NaNs in its
+    vector path; a NaN scale would then give a NaN of another sign than the reference's. Scales are few,
+    so the integer route costs nothing measurable (stored F16 tensors keep torch's conversion).
+    """
+    half = bits.int()
+    rest = half & 0x7FFF
+    # rebias the exponent by 127 - 15 (twice for Inf/NaN, to reach 255); subnormals are exact as mantissa * 2^-24
+    normal = torch.where(rest >= 0x7C00, rest + 0x38000, rest + 0x1C000) << 13
+    widened = torch.where(rest < 0x400, (rest.float() * 2.0**-24).view(torch.int32), normal)
+    return widened.bitwise_or_((half & 0x8000) << 16).view(torch.float32)
 
 
 def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
@@ -430,7 +445,7 @@ def _iq1_m(blocks: Tensor, out: Tensor) -> None:
     d = torch.zeros_like(words[:, :1])
     for index in range(4):
         d |= (words[:, index : index + 1] >> 12) << (4 * index)
-    d = (d - ((d >> 15) << 16)).short().view(torch.float16).float()  # as int16 first: values above 0x7FFF wrap
+    d = _widen_half((d - ((d >> 15) << 16)).short())  # wrapped into int16's range first
     _scale(out, d * (_bits(words, 3, 4).flatten(1) * 2 + 1))
 
 
