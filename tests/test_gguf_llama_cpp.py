@@ -86,7 +86,7 @@ def float_model(family: str, vocab: int, eos: int):
     return model
 
 
-def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts) -> torch.nn.Module:
+def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra=None) -> torch.nn.Module:
     """Write `model` as llama.cpp's converter would, quantized to `qtype`; return the float model the file holds
     (each quantized weight after quantize -> dequantize, each transformed float after its round trip)."""
     config = model.config
@@ -136,6 +136,8 @@ def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts) -> to
             reference[name] = stored - np.float32(1)  # the offset undone in float32, as transformers undoes it
         if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             reference[name] = gguf.quants.dequantize(gguf.quants.quantize(tensor.numpy(), qtype), qtype)
+    for name, data in (extra or {}).items():  # tensors the converter writes beyond the model's own
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -245,3 +247,40 @@ def test_a_llama_cpp_file_into_a_model_built_elsewhere_maps_too(tmp_path, tokeni
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_folder_holding_only_the_gguf_loads_and_extra_tensors_are_reported(tmp_path, tokenizer_parts):
+    """The folder form; a tensor transformers maps to no parameter (llama3's `rope_freqs`) is listed as ignored."""
+    tokens, _, eos = tokenizer_parts
+    path = tmp_path / "llama.gguf"
+    source = float_model("llama", len(tokens), eos)
+    rope_freqs = {"rope_freqs.weight": np.ones(source.config.head_dim // 2, dtype=np.float32)}
+    expected = write_llama_cpp_gguf(source, path, "llama", gguf.GGMLQuantizationType.Q8_0, tokenizer_parts, rope_freqs)
+    model, report, _ = streamwise.load_pretrained(tmp_path, "auto")
+    assert list(report.ignored) == ["rope_freqs.weight"] and "no parameter" in report.ignored["rope_freqs.weight"]
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_config_json_beside_wins_and_a_mismatch_leaves_the_skeleton_untouched(tmp_path, tokenizer_parts):
+    tokens, _, eos = tokenizer_parts
+    path = tmp_path / "gemma2.gguf"
+    source = float_model("gemma2", len(tokens), eos)
+    expected = write_llama_cpp_gguf(source, path, "gemma2", gguf.GGMLQuantizationType.Q8_0, tokenizer_parts)
+    source.config.save_pretrained(tmp_path)
+    model, report, _ = streamwise.load_pretrained(path, "auto")
+    assert applied_state(model).source == str(tmp_path) and report.residents == {"gguf": 14}
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+
+    wider = source.config.to_dict() | {"intermediate_size": 256}
+    with streamwise.skeleton():
+        other = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**wider)).eval()
+    before = {n: (p.device, p.dtype) for n, p in other.named_parameters()}
+    with pytest.raises(CheckpointError) as caught:
+        streamwise.load(other, path, "transformers")
+    assert f"{path}: tensor `model.layers.0.mlp.up_proj.weight`: shape [128, 64] in the file" in str(caught.value)
+    assert {n: (p.device, p.dtype) for n, p in other.named_parameters()} == before
+    assert all(p.is_meta for p in other.parameters()) and applied_state(other) is None
