@@ -72,6 +72,13 @@ FAMILIES = {
     "gemma2": (transformers.Gemma2Config, gguf.MODEL_ARCH.GEMMA2, _gemma,
                {"tie_word_embeddings": True, "sliding_window": 64}),
 }
+MORE = {  # further architectures, one quant type each
+    "qwen2": (transformers.Qwen2Config, gguf.MODEL_ARCH.QWEN2, lambda n, d, c: d, {"tie_word_embeddings": True}),
+    "phi3": (transformers.Phi3Config, gguf.MODEL_ARCH.PHI3, lambda n, d, c: d, {"tie_word_embeddings": False}),
+    "gemma3_text": (transformers.Gemma3TextConfig, gguf.MODEL_ARCH.GEMMA3, _gemma,
+                    {"tie_word_embeddings": True, "sliding_window": 64}),
+}
+FAMILIES.update(MORE)
 
 
 def float_model(family: str, vocab: int, eos: int):
@@ -82,7 +89,7 @@ def float_model(family: str, vocab: int, eos: int):
     with torch.no_grad():  # norms away from 1 so that a missed Gemma offset shows
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
-                parameter.copy_(torch.rand_like(parameter) * 0.5 + (-0.25 if family == "gemma2" else 0.75))
+                parameter.copy_(torch.rand_like(parameter) * 0.5 + (-0.25 if FAMILIES[family][2] is _gemma else 0.75))
     return model
 
 
@@ -103,7 +110,8 @@ def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention", rope) if isinstance(rope, dict) else rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if getattr(config, "sliding_window", None):
@@ -115,6 +123,7 @@ def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra
     writer.add_token_merges(merges)
     writer.add_bos_token_id(eos)
     writer.add_eos_token_id(eos)
+    writer.add_pad_token_id(eos)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     reference = {}
     for name, tensor in model.state_dict().items():
@@ -132,9 +141,9 @@ def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra
             writer.add_tensor(gguf_name, data)
             stored = data
         reference[name] = transform(name, stored, config)  # what the file's values mean in the model's basis
-        if family == "gemma2" and name.endswith("norm.weight"):
+        if transform is _gemma and name.endswith("norm.weight"):
             reference[name] = stored - np.float32(1)  # the offset undone in float32, as transformers undoes it
-        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if transform is _llama and name.endswith(("q_proj.weight", "k_proj.weight")):
             reference[name] = gguf.quants.dequantize(gguf.quants.quantize(tensor.numpy(), qtype), qtype)
     for name, data in (extra or {}).items():  # tensors the converter writes beyond the model's own
         writer.add_tensor(name, data)
@@ -150,7 +159,7 @@ def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra
     return rounded
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MORE])
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0],
                          ids=["Q8_0", "Q4_0"])
 def test_llama_cpp_gguf_alone_loads_quantized_and_matches(tmp_path, tokenizer_parts, family, qtype):
@@ -284,3 +293,18 @@ def test_a_config_json_beside_wins_and_a_mismatch_leaves_the_skeleton_untouched(
     assert f"{path}: tensor `model.layers.0.mlp.up_proj.weight`: shape [128, 64] in the file" in str(caught.value)
     assert {n: (p.device, p.dtype) for n, p in other.named_parameters()} == before
     assert all(p.is_meta for p in other.parameters()) and applied_state(other) is None
+
+
+@pytest.mark.parametrize("family", list(MORE))
+def test_more_architectures_load_from_the_gguf_alone(tmp_path, tokenizer_parts, family):
+    tokens, _, eos = tokenizer_parts
+    path = tmp_path / f"{family}.gguf"
+    expected = write_llama_cpp_gguf(float_model(family, len(tokens), eos), path, family,
+                                    gguf.GGMLQuantizationType.Q4_0, tokenizer_parts)
+    model, report, _ = streamwise.load_pretrained(path, "auto")
+    assert type(model).__name__ == type(expected).__name__
+    assert report.residents["gguf"] == len(report.quantized) > 0
+    assert set(report.quantized.values()) == {"Q4_0"}
+    ids = torch.tensor([[eos, 5, 17, 42]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
