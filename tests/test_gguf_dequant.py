@@ -63,8 +63,8 @@ def random_bytes(qtype: Q, shape: tuple[int, int], seed: int = 0, finite: bool =
     raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     if not finite:
         planted = min(n_blocks, len(SPECIAL_HALVES))
-        for offset in SCALE_OFFSETS.get(qtype, ()):
-            raw[:planted, offset : offset + 2] = SPECIAL_HALVES[:planted, None].view(np.uint8)
+        for shift, offset in enumerate(SCALE_OFFSETS.get(qtype, ())):  # shifted: d and m NaN with other payloads
+            raw[:planted, offset : offset + 2] = np.roll(SPECIAL_HALVES, shift)[:planted, None].view(np.uint8)
         if qtype == Q.IQ1_M:
             write_iq1_m_scales(raw[:planted], SPECIAL_HALVES[:planted].view(np.float16))
         return raw.reshape(shape[0], -1)

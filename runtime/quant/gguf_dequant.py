@@ -140,24 +140,27 @@ def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
     return fields.movedim(0, dim)
 
 
-def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None, minus: Tensor | None = None) -> None:
-    """Fill `out` with float32(q) * scale (+ offset, or - minus), in q's element order, in place."""
+def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
+    """Fill `out` with float32(q) * scale (+ offset), in q's element order, in place."""
     out.view(q.shape).copy_(q)
-    _scale(out, scale, offset, minus)
+    _scale(out, scale, offset)
 
 
-def _scale(out: Tensor, scale: Tensor, offset: Tensor | None = None, minus: Tensor | None = None) -> None:
+def _scale(out: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
     """Multiply each group of consecutive values of `out` by its term of `scale` (n_blocks, groups), in place,
-    then add `offset` or subtract `minus` (same shape).
+    then add `offset` (same shape).
 
-    The reference's `d * q - m` stays a subtraction: with a NaN m, x86 returns m's NaN, and negating
-    m first would flip that NaN's sign bit.
+    The reference's `d * q + m` returns d * q's NaN when both are NaN (x86 keeps the first operand's);
+    torch's add keeps the second's, so the sum is formed as `m + d * q`.
     """
     groups = out.view(*scale.shape, -1).mul_(scale.unsqueeze(-1))
     if offset is not None:
-        groups.add_(offset.unsqueeze(-1))
-    if minus is not None:
-        groups.sub_(minus.unsqueeze(-1))
+        torch.add(offset.unsqueeze(-1), groups, out=groups)
+
+
+def _minus(m: Tensor) -> Tensor:
+    """The offset that adds as the reference's `- m` subtracts: -m, but a NaN m as it is, so its sign survives."""
+    return torch.where(m.isnan(), m, -m)
 
 
 def _q8_0(blocks: Tensor, out: Tensor) -> None:
@@ -200,7 +203,7 @@ def _q2_k(blocks: Tensor, out: Tensor) -> None:
     scales = blocks[:, :16].contiguous()
     dl = _half(blocks, 80) * (scales & 0xF)
     ml = _half(blocks, 82) * (scales >> 4)
-    _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, minus=ml)
+    _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, _minus(ml))
 
 
 def _q3_k(blocks: Tensor, out: Tensor) -> None:
@@ -235,7 +238,7 @@ def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
 def _k4_affine(blocks: Tensor, q: Tensor, out: Tensor) -> None:
     """d * scale * q - dmin * min over the eight 32-value sub-blocks of a Q4_K/Q5_K block."""
     scale, minimum = _scale_min_k4(blocks)
-    _affine(out, q, _half(blocks, 0) * scale, minus=_half(blocks, 2) * minimum)
+    _affine(out, q, _half(blocks, 0) * scale, _minus(_half(blocks, 2) * minimum))
 
 
 def _q4_k(blocks: Tensor, out: Tensor) -> None:
