@@ -308,3 +308,16 @@ def test_more_architectures_load_from_the_gguf_alone(tmp_path, tokenizer_parts, 
     ids = torch.tensor([[eos, 5, 17, 42]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gguf_without_an_architecture_and_without_a_config_is_a_clear_error(tmp_path):
+    path = tmp_path / "anonymous.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE)  # the writer always adds it; a hand-made file may not
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="no `general.architecture`"):
+        streamwise.load_pretrained(path, "auto")

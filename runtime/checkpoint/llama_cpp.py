@@ -55,12 +55,18 @@ def gguf_metadata(path: str | Path) -> dict:
     from .readers import open_checkpoint
 
     architecture = open_checkpoint(path).architecture  # strict read first: a lying header never reaches transformers
+    if architecture is None:
+        raise CheckpointError([f"{path}: no `general.architecture` string in the GGUF metadata, so nothing says "
+                               "which model it holds"])
     try:
         return load_gguf_checkpoint(str(path), return_tensors=False)
     except ValueError as exc:
         if "not supported" in str(exc):
             raise _unsupported(str(path), architecture) from None
         raise CheckpointError([f"{path}: transformers cannot read this GGUF's metadata ({exc})"]) from None
+    except Exception as exc:  # its parser signals a malformed field with many exception types
+        raise CheckpointError([f"{path}: transformers cannot read this GGUF's metadata "
+                               f"({type(exc).__name__}: {exc})"]) from None
 
 
 def gguf_config(path: str | Path):
@@ -78,16 +84,11 @@ def gguf_config(path: str | Path):
     # llama.cpp's converter writes it for all as the key length
     from .readers import _GGUFReader
 
-    field = _GGUFReader(path).fields.get(gguf.Keys.Attention.KEY_LENGTH.format(arch=_architecture(path)))
-    if field is not None and isinstance(getattr(config, "head_dim", None), int):
-        config.head_dim = int(field.contents())
+    fields = _GGUFReader(path).fields
+    key = gguf.Keys.Attention.KEY_LENGTH.format(arch=fields["general.architecture"].contents())
+    if key in fields and isinstance(getattr(config, "head_dim", None), int):
+        config.head_dim = int(fields[key].contents())
     return config
-
-
-def _architecture(path: Path) -> str | None:
-    from .readers import open_checkpoint
-
-    return open_checkpoint(path).architecture
 
 
 def has_tokenizer(path: str | Path) -> bool:
