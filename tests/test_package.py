@@ -70,8 +70,8 @@ def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
 
         nodes = {{node.__name__: node for node in asyncio.run(listed())}}  # the node ids: tests/comfy/test_server.py
         assert sorted(nodes) == [
-            "ApplyStreamwisePolicy", "QuantizedLazyTorchCompile", "StreamwiseGenerateText", "StreamwiseModelLoader",
-            "StreamwisePolicyCheck",
+            "ApplyStreamwisePolicy", "QuantizedLazyTorchCompile", "StreamwiseGenerateSpeech", "StreamwiseGenerateText",
+            "StreamwiseModelLoader", "StreamwisePolicyCheck",
         ]
         node = nodes["StreamwisePolicyCheck"]
         schema = node.define_schema().kwargs
