@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.checkpoint import CheckpointError
-from streamwise.runtime.checkpoint.pretrained import load_tokenizer
+from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
 from streamwise.runtime.engine import applied_state
 
 transformers = pytest.importorskip("transformers")
