@@ -1,12 +1,12 @@
-"""Streamwise Generate Speech: a VibeVoice script and reference voices in, ComfyUI AUDIO out (runtime/speech.py)."""
+"""Streamwise Generate Speech: a VibeVoice script and reference voices in, ComfyUI AUDIO out (see
+runtime/generation/speech.py)."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
 from ..runtime.engine import applied_state
-from ..runtime.speech import MAX_SPEAKERS, Voice, generate_speech
-from .generate_text import TokenSteps
+from ..runtime.generation import MAX_SPEAKERS, TokenSteps, Voice, generate_speech
 
 SCRIPT = "Speaker 0: Hello, and welcome to the show.\nSpeaker 1: Thanks, it's great to be here."
 
@@ -68,7 +68,7 @@ class StreamwiseGenerateSpeech(io.ComfyNode):
             raise ValueError("this MODEL has no processor folder: load it with the Streamwise Model Loader")
         voices = [voice(f"voice_{n}", audio) for n, audio in enumerate((voice_1, voice_2, voice_3, voice_4), 1)]
         comfy.model_management.load_models_gpu([model])
-        frames = TokenSteps(comfy.utils.ProgressBar(max_new_tokens),
+        frames = TokenSteps(comfy.utils.ProgressBar(max_new_tokens).update,
                             comfy.model_management.throw_exception_if_processing_interrupted)
         speech = generate_speech(model.model, source, text, voices, seed=seed, steps=steps, cfg=cfg,
                                  max_new_tokens=max_new_tokens, device=model.load_device, stopping_criteria=[frames])

@@ -2,38 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from comfy_api.latest import io, ui
 
 from ..runtime.engine import applied_state
-
-# transformers' own defaults for the sampling-only flags: values its validator never calls "not valid" when greedy.
-GREEDY_FLAGS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
-
-
-class TokenSteps:
-    """A stopping criterion that never stops: it runs once per new token to move ComfyUI's progress bar and to
-    raise ComfyUI's interrupt there, so `/interrupt` ends generation within a token instead of at its end."""
-
-    def __init__(self, progress, check_interrupt):
-        self.progress = progress
-        self.check_interrupt = check_interrupt
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.progress.update(1)
-        self.check_interrupt()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def generation_config(model, max_new_tokens: int, do_sample: bool, pad_token_id, **sampling):
-    """The model's own generation defaults with this node's flags. Sampling flags apply only when sampling; a greedy
-    run sets them neutral, so neither the node's inputs nor the checkpoint's generation_config.json log a warning."""
-    config = copy.deepcopy(model.generation_config)
-    config.update(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id,
-                  **(sampling if do_sample else GREEDY_FLAGS))
-    return config
+from ..runtime.generation import TokenSteps, generation_config
 
 
 class StreamwiseGenerateText(io.ComfyNode):
@@ -90,7 +63,7 @@ class StreamwiseGenerateText(io.ComfyNode):
         config = generation_config(model.model, max_new_tokens, do_sample, pad,
                                    temperature=temperature, top_p=top_p, top_k=top_k)
         check_interrupt = getattr(comfy.model_management, "throw_exception_if_processing_interrupted", lambda: None)
-        steps = TokenSteps(comfy.utils.ProgressBar(max_new_tokens), check_interrupt)
+        steps = TokenSteps(comfy.utils.ProgressBar(max_new_tokens).update, check_interrupt)
         torch.manual_seed(seed)  # sampling draws from torch's global generator
         with torch.no_grad():
             tokens = model.model.generate(

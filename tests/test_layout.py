@@ -7,7 +7,7 @@ import re
 from helpers import REPO
 
 RUNTIME = REPO / "runtime"
-STAGES = {"policy", "plan", "engine", "quant", "checkpoint", "compile", "hosts", "cli"}
+STAGES = {"policy", "plan", "engine", "quant", "checkpoint", "compile", "hosts", "generation", "cli"}
 #: ComfyUI's protocol attributes, MODEL internals and modules.
 COMFYUI_NAMES = re.compile(
     r"comfy_cast_weights|\bweight_function\b|\bbias_function\b|comfy_patched_weights|_comfy_model_dtype"
@@ -21,7 +21,7 @@ ALLOWED = (RUNTIME / "hosts" / "comfyui", RUNTIME / "engine" / "protocol.py")
 def test_runtime_holds_one_package_per_stage():
     packages = {p.name for p in RUNTIME.iterdir() if (p / "__init__.py").is_file()}
     modules = {p.name for p in RUNTIME.glob("*.py")}
-    assert packages == STAGES and modules == {"__init__.py", "registry.py"}
+    assert packages == STAGES and modules == {"__init__.py", "registry.py", "sizes.py"}
 
 
 def test_only_the_comfyui_host_and_the_protocol_know_comfyuis_names():

@@ -11,6 +11,7 @@ import torch
 
 import streamwise
 from streamwise.runtime.engine import applied_state
+from streamwise.runtime.generation import generation_config
 
 from comfy_harness import load_custom_node
 from helpers import REPO, tiny_qwen2
@@ -275,7 +276,6 @@ def test_generate_text_stops_within_a_token_of_an_interrupt(nodes, monkeypatch):
 def test_generate_text_passes_only_the_flags_that_apply(nodes):
     import io
     import logging
-    import sys
 
     from transformers.utils import logging as transformers_logging
 
@@ -284,10 +284,9 @@ def test_generate_text_passes_only_the_flags_that_apply(nodes):
     patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     # A checkpoint's generation_config.json that samples (as instruction-tuned Qwen2.5 ships) must stay quiet too.
     patcher.model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.8, top_k=20)
-    config = sys.modules[cls.__module__].generation_config
-    sampled = config(patcher.model, 8, True, 1, temperature=0.7, top_p=0.9, top_k=40)
+    sampled = generation_config(patcher.model, 8, True, 1, temperature=0.7, top_p=0.9, top_k=40)
     assert (sampled.do_sample, sampled.temperature, sampled.top_p, sampled.top_k) == (True, 0.7, 0.9, 40)
-    assert config(patcher.model, 8, False, 1, temperature=0.7, top_p=0.9, top_k=40).do_sample is False
+    assert generation_config(patcher.model, 8, False, 1, temperature=0.7, top_p=0.9, top_k=40).do_sample is False
     assert patcher.model.generation_config.temperature == 0.6  # the model's own config is left as it was
     captured = io.StringIO()
     handler = logging.StreamHandler(captured)
