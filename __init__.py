@@ -25,6 +25,7 @@ _ENGINE = {
     "apply_policy": ".runtime.engine",
     "revert": ".runtime.engine",
     "offload": ".runtime.hosts.standalone",
+    "dispatch": ".runtime.hosts.dispatch",
     "model_patcher": ".runtime.hosts.comfyui",
     "load": ".runtime.checkpoint",
     "skeleton": ".runtime.checkpoint",
@@ -77,6 +78,10 @@ elif __package__:
         if name in _ENGINE:
             return getattr(importlib.import_module(_ENGINE[name], __name__), name)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        """The public names too, though the engine's are imported only on first use."""
+        return sorted({*globals(), *__all__})
 
     if _running_in_comfyui():
         from .comfy_nodes import comfy_entrypoint

@@ -46,9 +46,10 @@ def ids(section):
 
 def test_top_level_api_is_small_and_deliberate():
     assert set(streamwise.__all__) == {
-        "Policy", "PolicyError", "load_policy", "resolve", "apply", "apply_policy", "revert", "offload",
+        "Policy", "PolicyError", "load_policy", "resolve", "apply", "apply_policy", "revert", "offload", "dispatch",
         "model_patcher", "load", "skeleton", "load_pretrained", "lazy_compile", "compile_stats",
     }
+    assert set(streamwise.__all__) <= set(dir(streamwise))  # listed before first use
     assert isinstance(streamwise.load_policy("decoder-llm"), streamwise.Policy)
     assert callable(streamwise.resolve) and callable(streamwise.model_patcher)
     with pytest.raises(AttributeError):
