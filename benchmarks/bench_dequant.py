@@ -79,7 +79,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--comfyui-dequant", metavar="PATH", help="ComfyUI-GGUF's dequant.py")
     parser.add_argument("--types", nargs="+", metavar="TYPE", help="a subset of the types, by GGML name")
+    parser.add_argument("--threads", type=int, help="torch threads (numpy's reference runs on one)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # the reference's NaN arithmetic on random bytes
 
     comfyui = load_comfyui(args.comfyui_dequant)
