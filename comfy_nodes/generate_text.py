@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io, ui
 
+from ..runtime.checkpoint import load_tokenizer
 from ..runtime.engine import applied_state
 from ..runtime.generation import TokenSteps, generation_config
 
@@ -49,9 +50,9 @@ class StreamwiseGenerateText(io.ComfyNode):
         state = applied_state(model.model)
         source = state.source if state is not None else None
         if source is None:
-            raise ValueError("this MODEL has no tokenizer folder: load it with the Streamwise Model Loader")
+            raise ValueError("this MODEL has no tokenizer source: load it with the Streamwise Model Loader")
         try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
+            tokenizer = load_tokenizer(source)  # its folder's files, or the one a .gguf carries
         except (OSError, ValueError) as exc:
             raise ValueError(f"no tokenizer in {source}: {exc}") from None
         ids = tokenizer(prompt, return_tensors="pt").input_ids

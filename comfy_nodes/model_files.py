@@ -1,14 +1,17 @@
-"""Which models a picker offers: only what `load_pretrained` can load, so only weights with a `config.json` beside
-them (a loose file has nothing to build its skeleton from). A folder holding one is offered whole (the weights it
-loads by itself: its shard index, its one `.safetensors`, else its one `.gguf`) and file by file (`folder/model.gguf`),
-shards excepted: they are parts of the folder's weights. Symlinked folders are followed, each real folder once per
-root, so a cycle ends. Labels resolve back only to what was listed. No ComfyUI import: unit-tested without a core.
+"""Which models a picker offers: only what `load_pretrained` can load, so weights with a `config.json` beside them,
+or a loose `.gguf` written by llama.cpp's converter (its metadata describes the model; a loose `.safetensors`, or a
+`.gguf` Streamwise wrote, has nothing to build a skeleton from). A folder with a `config.json` is offered whole (the
+weights it loads by itself: its shard index, its one `.safetensors`, else its one `.gguf`) and file by file
+(`folder/model.gguf`), shards excepted: they are parts of the folder's weights. Symlinked folders are followed, each
+real folder once per root, so a cycle ends. Labels resolve back only to what was listed. No ComfyUI import:
+unit-tested without a core.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -72,6 +75,9 @@ def _folders(root: Path) -> Iterator[tuple[str, Path, set[str]]]:
 
 def _offered(relative: str, here: Path, files: set[str]) -> Iterator[tuple[str, Path]]:
     if "config.json" not in files:
+        for name in sorted(files):
+            if name.endswith(".gguf") and gguf_architecture(here / name) not in (None, "streamwise"):
+                yield relative + name, here / name
         return
     weights = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
     sharded = SHARD_INDEX in files
@@ -93,3 +99,34 @@ def _shards(index: Path) -> set[str] | None:
         return set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """A GGUF's `general.architecture`, read from the first of its metadata (gguf's writer puts it first): a listing
+    must not parse whole headers, whose tokenizer arrays take seconds. None: not a GGUF, or not said early."""
+    try:
+        with open(path, "rb") as file:
+            magic, _version, _tensors, pairs = struct.unpack("<4sIQQ", file.read(24))
+            for _ in range(min(pairs, _EARLY_KEYS) if magic == b"GGUF" else 0):
+                key = _string(file)
+                if key is None or struct.unpack("<I", file.read(4))[0] != _GGUF_STRING:
+                    return None  # an architecture comes among the leading strings
+                value = _string(file)
+                if value is None or key == "general.architecture":
+                    return value
+    except (OSError, struct.error):
+        pass
+    return None
+
+
+def _string(file) -> str | None:
+    """A GGUF string (u64 length, UTF-8 bytes) of at most `_MAX_NAME` bytes; None when longer."""
+    length = struct.unpack("<Q", file.read(8))[0]
+    if length > _MAX_NAME:
+        return None
+    return file.read(length).decode("utf-8", "replace")
+
+
+_GGUF_STRING = 8  # GGUFValueType.STRING
+_EARLY_KEYS = 8
+_MAX_NAME = 256

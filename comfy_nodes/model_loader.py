@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from comfy_api.latest import io
 
@@ -22,15 +20,16 @@ class StreamwiseModelLoader(io.ComfyNode):
             node_id="StreamwiseModelLoader",
             display_name="Streamwise Model Loader",
             category="streamwise",
-            description="Load a transformers-style model (an HF folder, or a .safetensors or .gguf file beside its "
-                        "config.json) from the model folders streamwise, text_encoders and LLM, and convert it "
-                        "with a Streamwise policy.",
+            description="Load a transformers-style model (an HF folder, a .safetensors or .gguf file beside its "
+                        "config.json, or a .gguf from llama.cpp's converter alone) from the model folders "
+                        "streamwise, text_encoders and LLM, and convert it with a Streamwise policy.",
             inputs=[
                 io.Combo.Input(
                     "model", options=list(list_models(model_roots())) or ["(no models found)"],
                     tooltip="From ComfyUI's model folders streamwise, text_encoders and LLM (models/streamwise, "
                             "models/text_encoders, models/clip, models/LLM and extra_model_paths.yaml): each folder "
-                            "with a config.json, whole or as one of its .safetensors/.gguf files.",
+                            "with a config.json, whole or as one of its .safetensors/.gguf files, and each .gguf that "
+                            "describes its model in its metadata (llama.cpp's layout).",
                 ),
                 policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
                 io.Combo.Input("dtype", options=list(DTYPES), default="auto",
@@ -50,6 +49,8 @@ class StreamwiseModelLoader(io.ComfyNode):
         import comfy.model_management
         import comfy.utils
 
+        if dtype not in DTYPES:  # an API prompt may send anything (the older core does not check V3 choices)
+            raise ValueError(f"dtype `{dtype}` is not one of {', '.join(DTYPES)}")
         dirs = comfy_policy_dirs()
         policy = chosen_policy(policy, dirs, auto=True)
         path = resolve_model(model, model_roots())
@@ -60,6 +61,4 @@ class StreamwiseModelLoader(io.ComfyNode):
         )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device())
-        text = (f"{chosen}; {report.tensors} tensors from {Path(report.file).name}"
-                + (f"; residents {report.residents}" if report.residents else ""))
-        return io.NodeOutput(patcher, text)
+        return io.NodeOutput(patcher, f"{chosen}; {report}")

@@ -19,6 +19,7 @@ from streamwise.runtime.checkpoint import comfy_quant
 from streamwise.runtime.checkpoint.model_spec import ModelSpecError
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.cli.streamwise import main as streamwise_main
+from streamwise.runtime.sizes import human
 
 from helpers import gguf_policy, make_policy, tiny_qwen2, write_policy
 
@@ -583,3 +584,29 @@ def test_load_pretrained_names_a_config_transformers_rejects(saved, tmp_path):
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     with pytest.raises(ModelSpecError, match=f"cannot read {tmp_path}/config.json"):
         streamwise.load_pretrained(tmp_path, "decoder-llm")
+
+
+def test_loading_tells_what_it_did_in_one_line_each_and_the_bar_can_be_turned_off(tmp_path, caplog, monkeypatch):
+    import logging
+
+    import tqdm
+
+    tiny_qwen2().save_pretrained(tmp_path)
+    monkeypatch.setattr(tqdm, "tqdm", lambda *args, **kwargs: pytest.fail("progress=False shows no bar"))
+    with caplog.at_level(logging.INFO, logger="streamwise"):
+        model, report, chosen = streamwise.load_pretrained(tmp_path, progress=False)
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("streamwise.load", f"load_pretrained: {tmp_path.name}: {chosen}"),
+        ("streamwise.load", f"load: policy `decoder-llm`, {report}"),
+    ]
+    assert str(report) == f"{report.tensors} tensors ({human(report.bytes)}) from model.safetensors"
+
+
+def test_a_gguf_load_report_says_what_stayed_quantized_and_why_the_rest_did_not(tmp_path):
+    model = tiny_qwen2()
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.gguf"
+    streamwise_main(["quantize", str(tmp_path), str(path), "--policy", "decoder-llm"])
+    report = streamwise.load_pretrained(path, "decoder-llm", progress=False).report
+    kept = f"{len(report.quantized)} kept quantized (Q8_0 x{len(report.quantized)})"
+    assert report.quantized and kept in str(report) and f"residents gguf x{len(report.quantized)}" in str(report)

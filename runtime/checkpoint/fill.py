@@ -14,8 +14,10 @@ is seen under the model's own keys first (`llama_cpp.Mapped`).
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,10 +32,12 @@ from ..policy.diagnostics import PolicyError
 from ..quant.convrot import check_group_size
 from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
+from ..sizes import human
 from . import comfy_quant
 from .llama_cpp import Mapped, is_llama_cpp_layout
 from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 
+_log = logging.getLogger("streamwise.load")
 _GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
 
 
@@ -52,6 +56,25 @@ class LoadReport:
     ignored: dict[str, str] = field(default_factory=dict)
     """File tensor -> why nothing in the model takes it (a llama.cpp-layout GGUF only)."""
 
+    def __str__(self) -> str:
+        """One line for people: what was read, what stayed quantized (by type), what was dequantized (by reason)."""
+        parts = [f"{self.tensors} tensors ({human(self.bytes)}) from {Path(self.file).name}"]
+        if self.quantized:
+            parts.append(f"{len(self.quantized)} kept quantized ({_tally(self.quantized.values())})")
+        if self.dequantized:
+            why = f" ({_tally(self.dequantized_tensors.values())})" if self.dequantized_tensors else ""
+            parts.append(f"{self.dequantized} dequantized{why}")
+        if self.residents:
+            parts.append("residents " + ", ".join(f"{name} x{count}" for name, count in self.residents.items()))
+        if self.ignored:
+            parts.append(f"{len(self.ignored)} file tensors unused")
+        return "; ".join(parts)
+
+
+def _tally(values: Iterable[str]) -> str:
+    counts = Counter(values)
+    return ", ".join(f"{value} x{count}" for value, count in sorted(counts.items(), key=lambda item: -item[1]))
+
 
 def load(
     model: nn.Module,
@@ -59,13 +82,14 @@ def load(
     policy: Policy | str | Path,
     *,
     dtype: torch.dtype | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | bool | None = None,
 ) -> LoadReport:
-    """Load `path` into `model` as `policy` says, then convert the tree (see `apply`).
+    """Load `path` into `model` as `policy` says, then convert the tree (see `apply`); the report is also logged
+    (logger `streamwise.load`).
 
     `dtype` converts floating-point tensors; without it a file dtype that differs from the
     model's is an error. `progress(done, total)` is called as tensors are placed; without one, a
-    tqdm bar shows on a terminal.
+    tqdm bar shows on a terminal; `progress=False` shows none.
     """
 
     def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
@@ -85,14 +109,14 @@ def load(
         if filling.problems:
             raise CheckpointError(filling.problems)
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
-        if progress is None:
+        if progress is None or progress is True:
             from tqdm import tqdm
 
             with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
                       disable=None, leave=False) as bar:
                 filling.assign(lambda done, total: bar.update(done - bar.n), journal)
         else:
-            filling.assign(progress, journal)
+            filling.assign(progress or (lambda done, total: None), journal)
         apply(plan, model, journal=journal)
     residents: dict[str, int] = {}
     for module in model.modules():
@@ -100,12 +124,14 @@ def load(
         if handler is not None:
             residents[handler.name] = residents.get(handler.name, 0) + 1
     read = [*filling.tensors.values(), *(t for _, stored, _ in filling.residents.values() for t in stored.values())]
-    return LoadReport(
+    report = LoadReport(
         checkpoint.path, len(filling.tensors) + len(filling.residents),
         sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())),
         len(filling.dequantized), dict(sorted(filling.kept.items())), dict(sorted(filling.dequantized.items())),
         dict(sorted(mapped.ignored.items())) if mapped is not None else {},
     )
+    _log.info("load: policy `%s`, %s", plan.policy, report)
+    return report
 
 
 class _Filling:

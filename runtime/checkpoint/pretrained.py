@@ -8,6 +8,7 @@ table (`plan.auto`), and fill the skeleton from the file (`fill`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -27,6 +28,7 @@ from .model_spec import auto_model
 from .readers import Checkpoint, open_checkpoint
 from .skeleton import build_skeleton, config_folder, model_type, skeleton
 
+_log = logging.getLogger("streamwise.load")
 
 class Pretrained(NamedTuple):
     model: nn.Module
@@ -41,7 +43,7 @@ def load_pretrained(
     *,
     dtype: torch.dtype | None = None,
     policy_dirs: Iterable[str | os.PathLike] = (),
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | bool | None = None,
 ) -> Pretrained:
     """Build, convert and load the model at `path` (a Hugging Face folder, a weight file beside its config.json,
     or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
@@ -49,7 +51,8 @@ def load_pretrained(
     `policy="auto"` picks the policy whose `[match]` recognizes the model, and refuses to guess
     between equal matches. Without `dtype` the model takes the floating dtype most of the file's
     values are stored in (float8 counts as bfloat16). The tree's recorded `source` (where its
-    tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from alone.
+    tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from alone. `progress` is
+    as for `load`; the choice of policy is logged (logger `streamwise.load`), then the load's report.
     """
     path = Path(path)
     checkpoint = open_checkpoint(path)  # first: an unusable path is a CheckpointError, before any other look at it
@@ -64,6 +67,7 @@ def load_pretrained(
         model = build_skeleton(folder, dtype)
         source, kind = str(folder), model_type(folder)
     policy, chosen = choose_policy(policy, model, model_type=kind, keys=checkpoint.tensors, dirs=policy_dirs)
+    _log.info("load_pretrained: %s: %s", path.name, chosen)
     report = load(model, checkpoint.path, policy, dtype=dtype, progress=progress)
     applied_state(model).source = source
     return Pretrained(model, report, chosen)

@@ -76,6 +76,6 @@ def test_the_loader_reads_models_llm_and_picks_a_gguf_beside_a_config(comfy_node
         assert {"LLM/qwen", "LLM/qwen/model.gguf", "LLM/qwen/model.safetensors"} <= set(choices)
         assert "LLM/loose.gguf" not in choices
         _, report = loader.execute("LLM/qwen/model.gguf", "auto", "auto").args
-        assert "picked `decoder-llm`" in report and "tensors from model.gguf" in report
+        assert "picked `decoder-llm`" in report and "from model.gguf" in report and "kept quantized (Q8_0 x" in report
     finally:
         folder_paths.folder_names_and_paths["LLM"][0].remove(str(tmp_path))

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, tiny_qwen2
+from helpers import REPO, tiny_qwen2, tiny_vibevoice_folder
 
 LAUNCHER = Path(__file__).with_name("launch_core.py")
 WORKFLOWS = REPO / "examples" / "workflows"
 PACK = "comfyui-streamwise"  # ComfyUI imports a pack as a module named after its folder: not `streamwise`
 PACK_NODES = {"StreamwiseModelLoader", "ApplyStreamwisePolicy", "INT8LazyTorchCompile", "StreamwiseGenerateText",
-              "StreamwisePolicyCheck"}
+              "StreamwiseGenerateSpeech", "StreamwisePolicyCheck"}
 PROMPT = "a cat sat on the mat"
 
 
@@ -104,8 +104,9 @@ def core_arguments(root: Path, base: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(comfy_root, tmp_path_factory):
-    """A ComfyUI server on a free loopback port with the pack in a temporary custom_nodes and a tiny Qwen2 (+
-    tokenizer) as models/streamwise/tiny-qwen2, the folder the workflows name; stopped, whole group, at the end."""
+    """A ComfyUI server on a free loopback port with the pack in a temporary custom_nodes, a tiny Qwen2 (+ tokenizer)
+    as models/streamwise/tiny-qwen2 and a tiny VibeVoice as models/streamwise/tiny-vibevoice, the folders the workflows
+    name; stopped, whole group, at the end."""
     root = comfy_root
     base = tmp_path_factory.mktemp("comfy-base")
     (base / "custom_nodes").mkdir()
@@ -114,6 +115,7 @@ def server(comfy_root, tmp_path_factory):
     torch.manual_seed(0)
     tiny_qwen2().save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
+    tiny_vibevoice_folder(folder.parent / "tiny-vibevoice")
     paths = base / "extra_model_paths.yaml"  # custom_nodes too: a core without --base-directory still finds the pack
     paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n"
                      "  custom_nodes: custom_nodes\n")
@@ -151,11 +153,6 @@ def object_info(server):
 
 def workflow(name: str) -> dict:
     return json.loads((WORKFLOWS / f"{name}.json").read_text())
-
-
-def generate_node(graph: dict) -> str:
-    (key,) = [k for k, node in graph.items() if node["class_type"] == "StreamwiseGenerateText"]
-    return key
 
 
 def test_the_server_lists_the_packs_nodes_and_the_tiny_model(object_info):
@@ -201,8 +198,12 @@ def test_every_shipped_workflow_ends_in_an_output_node_and_runs(server, object_i
     sinks = set(graph) - used
     assert sinks and all(object_info[graph[key]["class_type"]]["output_node"] for key in sinks)
     entry = server.run(graph)
-    key = generate_node(graph)
-    assert entry["outputs"][key]["text"] == [reference_text(server.model, PROMPT, 8)]
+    for key in sinks:  # what each output node shows: the reference text, or a playable audio file
+        if graph[key]["class_type"] == "StreamwiseGenerateText":
+            assert entry["outputs"][key]["text"] == [reference_text(server.model, PROMPT, 8)]
+        else:
+            (audio,) = entry["outputs"][key]["audio"]
+            assert audio["filename"].endswith(".flac") and audio["type"] == "temp"
 
 
 def test_a_changed_input_re_executes_only_what_depends_on_it(server):

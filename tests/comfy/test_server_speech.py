@@ -9,21 +9,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
-
-from helpers import REPO, decode_audio, module_from_file, tiny_vibevoice_folder
+from helpers import REPO, decode_audio, module_from_file
 
 harness = module_from_file(Path(__file__).with_name("test_server.py"))
 server = harness.server  # the same server fixture: main.py --cpu with the pack, stopped at the end
 WORKFLOW = REPO / "examples" / "workflows" / "streamwise_generate_speech.json"
 HOP = 4  # samples per frame of the tiny VibeVoice
-
-
-@pytest.fixture(scope="module")
-def speaking(server):
-    """The server with a tiny VibeVoice beside its tiny Qwen2 (the loader lists model folders on every request)."""
-    tiny_vibevoice_folder(server.model.parent / "tiny-vibevoice")
-    return server
 
 
 def graph() -> dict:
@@ -38,48 +29,48 @@ def speech_of(server, entry: dict):
         return decode_audio(response.read())
 
 
-def test_the_server_offers_generate_speech_and_the_tiny_vibevoice(speaking):
-    info = speaking.request("/object_info/StreamwiseGenerateSpeech")["StreamwiseGenerateSpeech"]
+def test_the_server_offers_generate_speech_and_the_tiny_vibevoice(server):
+    info = server.request("/object_info/StreamwiseGenerateSpeech")["StreamwiseGenerateSpeech"]
     assert info["output_node"] is True and info["output"] == ["AUDIO"]
     assert set(info["input"]["optional"]) == {"voice_1", "voice_2", "voice_3", "voice_4"}
-    loader = speaking.request("/object_info/StreamwiseModelLoader")["StreamwiseModelLoader"]
+    loader = server.request("/object_info/StreamwiseModelLoader")["StreamwiseModelLoader"]
     assert "streamwise/tiny-vibevoice" in loader["input"]["required"]["model"][1]["options"]
 
 
-def test_the_speech_workflow_makes_audio_and_a_seed_repeats_it(speaking):
+def test_the_speech_workflow_makes_audio_and_a_seed_repeats_it(server):
     workflow = graph()
     frames = workflow["2"]["inputs"]["max_new_tokens"]
     started = time.monotonic()
-    entry = speaking.run(workflow)
+    entry = server.run(workflow)
     seconds = time.monotonic() - started
-    samples, rate = speech_of(speaking, entry)
+    samples, rate = speech_of(server, entry)
     print(f"speech workflow: {tuple(samples.shape)} at {rate} Hz in {seconds:.1f} s")
     assert rate == 24000 and samples.shape[1] == frames * HOP and samples.abs().max() > 0.01
     assert (samples == samples[:1]).all()  # mono (the Oct-2025 core writes it as two equal channels)
 
     workflow["2"]["inputs"]["seed"] = 1
-    other = speaking.run(workflow)
+    other = server.run(workflow)
     assert harness.cached_nodes(other) == {"1"}  # the model stays loaded: only the speech runs again
-    assert not (speech_of(speaking, other)[0] == samples).all()
+    assert not (speech_of(server, other)[0] == samples).all()
     workflow["2"]["inputs"]["seed"] = 0
-    again, _ = speech_of(speaking, speaking.run(workflow))
+    again, _ = speech_of(server, server.run(workflow))
     assert (again == samples).all()
 
 
-def test_interrupt_ends_a_long_speech_within_seconds(speaking):
+def test_interrupt_ends_a_long_speech_within_seconds(server):
     workflow = graph()
     workflow["2"]["inputs"]["max_new_tokens"] = 65536
-    prompt_id = speaking.queue(workflow)
+    prompt_id = server.queue(workflow)
     deadline = time.monotonic() + 60
-    while not any(item[1] == prompt_id for item in speaking.request("/queue")["queue_running"]):
-        assert time.monotonic() < deadline, speaking.tail()
+    while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
+        assert time.monotonic() < deadline, server.tail()
         time.sleep(0.05)
     time.sleep(1.0)  # well into the frame loop
-    assert not speaking.request(f"/history/{prompt_id}"), "the speech ended before it could be interrupted"
+    assert not server.request(f"/history/{prompt_id}"), "the speech ended before it could be interrupted"
     started = time.monotonic()
-    speaking.request("/interrupt", {})
-    entry = speaking.wait(prompt_id, timeout=10)
+    server.request("/interrupt", {})
+    entry = server.wait(prompt_id, timeout=10)
     assert time.monotonic() - started < 5
     assert entry["status"]["status_str"] == "error"
     assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
-    speaking.run(graph())  # the model stays ready for the next prompt
+    server.run(graph())  # the model stays ready for the next prompt
