@@ -335,14 +335,21 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     "nvfp4": lambda: _nibble_pairs(reference.NVFP4.kvalues),
     "ue4m3": lambda: reference.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32),
 }
-_TABLES: dict[tuple[str, torch.device], Tensor] = {}
+#: Built at import (about 5 MB, a few ms): a compiled graph reads a module's tensor as a constant.
+_CPU_TABLES = {name: torch.from_numpy(np.ascontiguousarray(source())) for name, source in _TABLE_SOURCES.items()}
+_DEVICE_TABLES: dict[tuple[str, torch.device], Tensor] = {}
+
+
+def _table(name: str, device: torch.device) -> Tensor:
+    return _CPU_TABLES[name] if device.type == "cpu" else _device_table(name, device)
 
 
 @torch.compiler.disable
-def _table(name: str, device: torch.device) -> Tensor:
-    table = _TABLES.get((name, device))
+def _device_table(name: str, device: torch.device) -> Tensor:
+    """Table `name` on `device`, copied there once."""
+    table = _DEVICE_TABLES.get((name, device))
     if table is None:
-        table = _TABLES[name, device] = torch.from_numpy(np.ascontiguousarray(_TABLE_SOURCES[name]())).to(device)
+        table = _DEVICE_TABLES[name, device] = _CPU_TABLES[name].to(device)
     return table
 
 
@@ -360,9 +367,7 @@ def _nibble_lookup(qs: Tensor, name: str, out: Tensor) -> None:
     pair, so the gather lands in value order and a quarter as many indices are needed.
     """
     even, odd = qs[:, 0::2], qs[:, 1::2]
-    index = qs.new_empty((qs.shape[0], 2, qs.shape[1] // 2))
-    torch.bitwise_or(even & 15, odd << 4, out=index[:, 0])
-    torch.bitwise_or(even >> 4, odd & 0xF0, out=index[:, 1])
+    index = torch.stack([(even & 15) | (odd << 4), (even >> 4) | (odd & 0xF0)], 1)
     table = _table(name, qs.device)
     torch.index_select(table, 0, index.view(-1).int(), out=out.view(torch.int64).view(-1))
 
@@ -496,7 +501,7 @@ def _tq1_0(blocks: Tensor, out: Tensor) -> None:
         digits = x[:, first : first + count * (stop - start)].view(n, count, -1)
         digits[:, 0] = blocks[:, start:stop]
         for k in range(1, count):  # b * 3^k mod 256, a wrapping uint8 product at a time
-            torch.mul(digits[:, k - 1], 3, out=digits[:, k])
+            digits[:, k] = digits[:, k - 1] * 3
     digit = torch.bitwise_right_shift(x, 2).mul_(3).add_(x.bitwise_and_(3).mul_(3).bitwise_right_shift_(2))
     _affine(out, digit.bitwise_right_shift_(6).sub_(1).view(torch.int8), _half(blocks, 52))
 
