@@ -172,7 +172,7 @@ def test_every_node_describes_itself_and_names_its_outputs_by_type(object_info):
         assert untipped == [], node["name"]
         for kind, name in zip(node["output"], node["output_name"], strict=True):
             names.setdefault(kind, set()).add(name)
-    assert names == {"MODEL": {"model"}, "STRING": {"report", "text"}}
+    assert names == {"MODEL": {"model"}, "STRING": {"report", "text"}, "AUDIO": {"audio"}}
 
 
 def test_an_error_names_its_type_by_the_package_not_the_folder(server):
