@@ -81,7 +81,8 @@ def dequantize(
         return torch.empty(shape, dtype=dtype, device=blocks.device)
     blocks = blocks.reshape(n_blocks, type_size)
     if kernel is None:
-        return _reinterpret(blocks, STORED_FLOATS[qtype]).reshape(shape).to(dtype)
+        stored = _reinterpret(blocks, STORED_FLOATS[qtype]).reshape(shape)
+        return stored if stored.dtype == dtype else huge_pages.empty(shape, dtype, blocks.device).copy_(stored)
     values = huge_pages.empty((n_blocks, block_size), torch.float32, blocks.device)
     kernel(blocks, values)
     if dtype == torch.float32:
@@ -130,7 +131,7 @@ def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
     """
     packed = packed.contiguous()
     mask = (1 << width) - 1
-    fields = packed.new_empty((8 // width, *packed.shape))
+    fields = huge_pages.empty((8 // width, *packed.shape), torch.uint8, packed.device)  # large: see huge_pages
     for index, field in enumerate(fields):
         shift = index * width
         if shift + width == 8:
@@ -496,7 +497,7 @@ def _tq1_0(blocks: Tensor, out: Tensor) -> None:
     (x >> 2 loses a fraction below 3/4, which cannot reach the next multiple of 64), and nothing overflows.
     """
     n = blocks.shape[0]
-    x = blocks.new_empty((n, 256))
+    x = huge_pages.empty((n, 256), torch.uint8, blocks.device)
     for start, stop, count, first in ((0, 32, 5, 0), (32, 48, 5, 160), (48, 52, 4, 240)):
         digits = x[:, first : first + count * (stop - start)].view(n, count, -1)
         digits[:, 0] = blocks[:, start:stop]
