@@ -192,7 +192,7 @@ def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> Co
     With a `journal` (a caller's operation in progress, as `load` has), a failure also undoes what the
     caller journaled before.
     """
-    return _apply(model, lambda: (plan, check(plan, model)), journal or Journal())[1]
+    return _apply(model, lambda: (plan, _located(plan, model)), journal or Journal())[1]
 
 
 def apply_policy(
@@ -209,7 +209,7 @@ def apply_policy(
     def planned() -> tuple[Plan, list]:
         nonlocal policy  # the name or file becomes the loaded Policy
         policy, plan, modules = plan_and_modules(policy, model, dirs=dirs)
-        return plan, _targets(plan, zip(plan.modules, modules, strict=True))
+        return plan, list(zip(plan.modules, modules, strict=True))
 
     plan, _ = _apply(model, planned, journal or Journal())
     return policy, plan
@@ -217,6 +217,11 @@ def apply_policy(
 
 def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, type]]:
     """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
+    return _targets(plan, _located(plan, model))
+
+
+def _located(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module]]:
+    """Each entry of an ok plan with the module of `model` it names (raises ConversionError)."""
     if not plan.ok:
         raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
             f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
@@ -230,13 +235,13 @@ def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, typ
         if module is None:
             raise ConversionError(f"the plan names `{entry.path}`, which this model does not have")
         located.append((entry, module))
-    return _targets(plan, located)
+    return located
 
 
 def _apply(
     model: nn.Module, planned: Callable[[], tuple[Plan, list]], journal: Journal
 ) -> tuple[Plan, ConversionCounts]:
-    """Convert `model` by the plan and targets `planned()` gives (it checks them), all or nothing."""
+    """Convert `model` by the plan `planned()` gives, with the module of each entry, all or nothing."""
     state = applied_state(model) or AppliedState()
     tree = state.tree
     step, converting = "checking", None  # where a failure happened: the step, and the entry being converted
@@ -248,9 +253,10 @@ def _apply(
         return ConversionError(f"{where} failed ({exc!r}); the tree was restored unchanged")
 
     with journal.atomic(failed):
-        plan, targets = planned()
+        plan, located = planned()
+        targets = _targets(plan, located)
         step = "quantizing"
-        quantized = _quantized(plan, model)  # the heavy part, before anything changes
+        quantized = _quantized(located)  # the heavy part, before anything changes
         records = []
         step = "converting"
         for entry, module, cls in targets:
@@ -268,9 +274,8 @@ def _apply(
 
         for entry, module, stored in quantized:
             make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, tree)
-        for entry in plan.modules:  # residents a checkpoint load made before the tree existed
-            module = model.get_submodule(entry.path) if entry.quant else None
-            if module is not None and protocol.is_resident(module) and protocol.tree_of(module) is None:
+        for entry, module in located:  # residents a checkpoint load made before the tree existed
+            if entry.quant and protocol.tree_of(module) is None and protocol.is_resident(module):
                 journal.set_attributes(module, {protocol.TREE: tree})
         step = "recording the conversion"
         journal.set_attributes(state, {"records": state.records + records, "plan": plan})
@@ -312,21 +317,19 @@ def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role
     return record
 
 
-def _quantized(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, dict[str, Tensor]]]:
+def _quantized(located: list[tuple[ModulePlan, nn.Module]]) -> list[tuple[ModulePlan, nn.Module, dict[str, Tensor]]]:
     """The quantized tensors for the plan's int8-family layers, computed without changing the tree.
 
     GGUF residents come from GGUF files (`streamwise.load`); a `gguf` rule on float weights keeps the floats.
     """
     from ..quant.formats import FORMATS
 
+    on_load = {name: handler for name, handler in FORMATS.items() if handler.quantizes_on_load}
     quantized = []
-    for entry in plan.modules:
-        handler = FORMATS.get(entry.quant or "")
-        if handler is None or not handler.quantizes_on_load:
-            continue
-        module = model.get_submodule(entry.path)
-        if not protocol.is_resident(module):
-            quantized.append((entry, module, handler.quantize(module.weight.detach(), entry.group_size)))
+    for entry, module in located:
+        if entry.quant in on_load and not protocol.is_resident(module):
+            weight = module.weight.detach()
+            quantized.append((entry, module, on_load[entry.quant].quantize(weight, entry.group_size)))
     return quantized
 
 

@@ -177,7 +177,8 @@ class _Decided:
         self.roles = roles
         self.keys = keys  # the `rule_matches` keys of the deciding rules
         self.fit = fit(roles.stream.kind, cls) if roles.stream is not None else None  # `auto` chosen per class
-        self.checks = tuple(check for needs, check in _CHECKS if needs <= roles.decided)  # those that apply
+        self.checks = tuple(check for needs, check in _CHECKS  # those that apply and may fail for this class
+                            if needs <= roles.decided and not _PASSES_FOR_CLASS.get(check, _never)(roles, cls))
         # for a module without children, in which no parameters can hide
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)
         self.template = _template(class_names(cls)[0][1], roles, self.fit)
@@ -352,6 +353,18 @@ _CHECKS: tuple[tuple[set[str], Check], ...] = (
     ({"quant"}, _quant_linear_only),
     ({"quant"}, _quant_group_size),
 )
+
+
+def _never(roles: _Roles, cls: type) -> bool:
+    return False
+
+
+# Checks that a class alone can pass, for every module of it: not run per module then.
+_PASSES_FOR_CLASS: dict[Check, Callable[[_Roles, type], bool]] = {
+    _quant_linear_only: lambda roles, cls: (roles.quant.format not in LINEAR_ONLY_QUANT_FORMATS
+                                            or issubclass(cls, nn.Linear)),
+    _quant_group_size: lambda roles, cls: not roles.quant.effective_group_size or not issubclass(cls, nn.Linear),
+}
 
 
 def _template(class_name: str, roles: _Roles, kind: Fit | None) -> Template:
