@@ -51,7 +51,9 @@ QUANT_FORMATS: dict[str, str] = {
 }
 
 #: GGML types `streamwise quantize` can write (those the gguf package quantizes), for `gguf_type`.
-GGUF_WRITE_TYPES: tuple[str, ...] = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "F16", "BF16", "F32")
+GGUF_WRITE_TYPES: tuple[str, ...] = (
+    "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "MXFP4", "TQ2_0", "TQ1_0", "F16", "BF16", "F32",
+)
 DEFAULT_GGUF_TYPE = "Q8_0"
 
 #: Formats whose rules take a `group_size`.

@@ -20,6 +20,7 @@ from streamwise.runtime.checkpoint.model_spec import ModelSpecError
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.cli.streamwise import main as streamwise_main
 from streamwise.runtime.sizes import human
+from streamwise.schemas.vocabulary import GGUF_WRITE_TYPES
 
 from helpers import gguf_policy, make_policy, tiny_qwen2, write_policy
 
@@ -610,3 +611,72 @@ def test_a_gguf_load_report_says_what_stayed_quantized_and_why_the_rest_did_not(
     report = streamwise.load_pretrained(path, "decoder-llm", progress=False).report
     kept = f"{len(report.quantized)} kept quantized (Q8_0 x{len(report.quantized)})"
     assert report.quantized and kept in str(report) and f"residents gguf x{len(report.quantized)}" in str(report)
+
+
+WRITTEN_QUANTIZED = [t for t in GGUF_WRITE_TYPES if t not in ("F32", "F16", "BF16")]
+
+
+def test_the_writable_types_are_every_type_the_gguf_package_quantizes():
+    def quantizes(qtype):
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.quantize(np.ones((2, 256 * block if block > 256 else 256), np.float32), qtype)
+        except NotImplementedError:
+            return False
+        return True
+
+    assert set(GGUF_WRITE_TYPES) == {t.name for t in gguf.GGMLQuantizationType if quantizes(t)}
+
+
+@pytest.mark.parametrize("gguf_type", WRITTEN_QUANTIZED)
+def test_quantize_with_one_type_and_no_policy_loads_back_bit_exact_as_residents(tmp_path, gguf_type):
+    torch.manual_seed(0)
+    wide = dict(hidden_size=256, intermediate_size=256)  # rows that fill the 256-value blocks of TQ1_0/TQ2_0
+    tiny_qwen2(**wide).save_pretrained(tmp_path / "src")
+    target = tmp_path / f"model.{gguf_type}.gguf"
+    assert streamwise_main(["quantize", str(tmp_path / "src"), str(target), "--type", gguf_type]) == 0
+    model = skeleton_model(**wide)
+    report = streamwise.load(model, target, "decoder-llm", progress=False)
+    assert set(report.quantized.values()) == {gguf_type} and len(report.quantized) == 15  # every Linear
+    (stored,) = [t for t in gguf.GGUFReader(target).tensors if t.name == "model.layers.0.mlp.down_proj.weight"]
+    weight = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type).reshape(256, 256).copy())
+    x = torch.randn(3, 256)
+    assert torch.equal(model.model.layers[0].mlp.down_proj(x), torch.nn.functional.linear(x, weight))
+
+
+def test_quantize_says_which_weight_matrices_stay_float_and_why(saved, tmp_path, capsys):
+    folder, _, _ = saved
+    policy = write_policy(tmp_path, "mixed", '''extends = "decoder-llm"
+
+[quant]
+exclude = { path = "model.layers.0.self_attn.q_proj" }
+
+[[quant.rule]]
+id = "small-stays"
+select = { path = "model.layers.0.mlp.*" }
+format = "gguf"
+min_weights = 1000000
+
+[[quant.rule]]
+id = "keep"
+select = { path = "model.layers.1.mlp.up_proj" }
+format = "none"
+''')
+    target = tmp_path / "mixed.gguf"
+    assert streamwise_main(["quantize", str(folder), str(target), "--policy", str(policy), "--type", "Q4_0"]) == 0
+    err = capsys.readouterr().err
+    why = dict(line.strip().split(": ", 1) for line in err.splitlines()[1:])
+    assert err.startswith(f"warning: {len(why)} weight matrices stay float:")
+    assert why["model.embed_tokens.weight"] == "no gguf quant rule selects it"
+    assert why["model.layers.0.self_attn.q_proj.weight"] == "[quant] exclude selects it"
+    assert why["model.layers.0.mlp.up_proj.weight"] == ("it has fewer than the 1000000 weights quant rule "
+                                                        "`small-stays` asks for")
+    assert why["model.layers.1.mlp.up_proj.weight"] == "quant rule `keep` keeps it float"
+    assert "model.layers.1.mlp.down_proj.weight" not in why  # the shipped gguf-linears rule, as Q4_0
+
+
+def test_rows_that_do_not_fill_whole_blocks_are_named(saved, tmp_path, capsys):
+    folder, _, _ = saved  # rows of 64 values; TQ2_0 blocks hold 256
+    assert streamwise_main(["quantize", str(folder), str(tmp_path / "t.gguf"), "--type", "TQ2_0"]) == 0
+    assert ("model.layers.0.self_attn.q_proj.weight: its rows of 64 values do not fill whole TQ2_0 blocks of 256"
+            in capsys.readouterr().err)

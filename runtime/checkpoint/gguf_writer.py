@@ -1,9 +1,10 @@
 """`streamwise quantize`: write a checkpoint as GGUF, with GGML types chosen by a policy.
 
-Each weight of a layer that a `gguf` quant rule selects is quantized to the rule's `gguf_type`
-with the gguf package's own quantizers (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, or F16/BF16/F32); every
-other tensor keeps its type (the quantized blocks of a GGUF source too). Tensor names stay the
-model's state-dict keys, so `streamwise.load` reads the file back into the same tree.
+- each weight of a layer that a `gguf` quant rule selects is quantized to the rule's `gguf_type` (or the one type
+  the caller gives) with the gguf package's own quantizers (every type it quantizes: `GGUF_WRITE_TYPES`);
+- every other tensor keeps its type (the quantized blocks of a GGUF source too), and each weight matrix left in
+  float is reported with why (no rule, excluded, another format, too few weights, rows not filling blocks);
+- tensor names stay the model's state-dict keys, so `streamwise.load` reads the file back into the same tree.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
+from ...schemas.vocabulary import GGUF_WRITE_TYPES
 from ..plan import plan_for
 from ..quant.gguf_dequant import dequantize
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
@@ -32,29 +34,39 @@ class QuantizeReport:
     types: dict[str, int]
     bytes_in: int
     bytes_out: int
+    float_layers: dict[str, str] = field(default_factory=dict)
+    """Weight matrices written in float -> why no quantized type applies."""
 
 
 def quantize_to_gguf(
-    source: str | os.PathLike, destination: str | os.PathLike, policy: Policy | str, model: nn.Module
+    source: str | os.PathLike, destination: str | os.PathLike, policy: Policy | str, model: nn.Module, *,
+    gguf_type: str | None = None,
 ) -> QuantizeReport:
-    """Write `source` to `destination` (a new `.gguf`) as `policy` says; an existing destination is replaced
-    only once the whole file is written, and the source is never the destination."""
+    """Write `source` to `destination` (a new `.gguf`) as `policy` says, every layer its `gguf` rules select in
+    `gguf_type` when given (one of `GGUF_WRITE_TYPES`); an existing destination is replaced only once the whole file
+    is written, and the source is never the destination."""
+    if gguf_type is not None and gguf_type not in GGUF_WRITE_TYPES:
+        raise CheckpointError([f"--type {gguf_type}: the gguf package quantizes {', '.join(GGUF_WRITE_TYPES)}"])
     policy, plan = plan_for(policy, model)
-    chosen = {entry.path: entry.gguf_type for entry in plan.modules if entry.gguf_type}
+    chosen = {entry.path: gguf_type or entry.gguf_type for entry in plan.modules if entry.gguf_type}
     destination = Path(destination)
     checkpoint = open_checkpoint(source)
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
     os.close(handle)
     types: dict[str, int] = {}
+    left: dict[str, str] = {}  # weight -> why it stays float
     bytes_in = 0
     try:
         writer = gguf.GGUFWriter(partial, arch="streamwise")
         writer.add_string("streamwise.policy", policy.name)
         try:
             for name, stored in sorted(checkpoint.tensors.items()):
-                gguf_type = chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None
-                data, qtype, size = _convert(name, stored, gguf_type)
+                wanted = chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None
+                data, qtype, size = _convert(name, stored, wanted)
+                if name.endswith(".weight") and len(stored.shape) >= 2 and (qtype is None or qtype.name in _FLOATS):
+                    if wanted not in _FLOATS:  # a float type a rule chose is no layer left behind
+                        left[name] = _why_float(stored.shape, wanted)
                 bytes_in += size
                 writer.add_tensor(name, data, raw_dtype=qtype)
                 label = (qtype.name if qtype is not None else str(data.dtype))
@@ -70,10 +82,54 @@ def quantize_to_gguf(
     except BaseException:
         Path(partial).unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
         raise
+    unselected = _unselected(policy, plan, model, [name.rpartition(".")[0] for name, why in left.items() if not why])
     return QuantizeReport(
         os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in,
-        os.path.getsize(destination),
+        os.path.getsize(destination), {name: why or unselected[name.rpartition(".")[0]] for name, why in left.items()},
     )
+
+
+def _too_small(path: str, module: nn.Module | None, rules: list) -> object | None:
+    """The gguf rule selecting `module` that its `min_weights` dropped (the deciding rule must be such a one when a
+    gguf rule selects a module the plan left without a quant role)."""
+    weight = getattr(module, "weight", None)
+    if module is None or weight is None:
+        return None
+    return next((rule for rule, selector in rules
+                 if weight.numel() < rule.min_weights and selector.matches_module(path, module)), None)
+
+
+def _why_float(shape: tuple[int, ...], gguf_type: str | None) -> str:
+    """Why a weight a rule chose `gguf_type` for stays float ("": no type was chosen, `_unselected` says why)."""
+    if gguf_type is None:
+        return ""
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
+    return f"its rows of {shape[-1]} values do not fill whole {gguf_type} blocks of {block}"
+
+
+def _unselected(policy: Policy, plan, model: nn.Module, paths: list[str]) -> dict[str, str]:
+    """Why no `gguf` rule chose a type for each module at `paths`: what its plan entry or the [quant] section says."""
+    from ..plan.selectors import CompiledSelector, walk_modules
+
+    entries = {entry.path: entry for entry in plan.modules}
+    modules = dict(walk_modules(model))
+    quant = policy.quant
+    exclude = CompiledSelector(quant.exclude) if quant.exclude else None
+    rules = [(rule, CompiledSelector(rule.select)) for rule in quant.rule if rule.format == "gguf"]
+    reasons = {}
+    for path in paths:
+        entry, module = entries.get(path), modules.get(path)
+        if entry is not None and entry.quant == "none":
+            reasons[path] = f"quant rule `{entry.quant_rule}` keeps it float"
+        elif entry is not None and entry.quant:
+            reasons[path] = f"quant rule `{entry.quant_rule}` makes it `{entry.quant}`, which a GGUF does not hold"
+        elif module is not None and exclude is not None and exclude.matches_module(path, module):
+            reasons[path] = "[quant] exclude selects it"
+        elif (small := _too_small(path, module, rules)) is not None:
+            reasons[path] = f"it has fewer than the {small.min_weights} weights quant rule `{small.id}` asks for"
+        else:
+            reasons[path] = "no gguf quant rule selects it"
+    return reasons
 
 
 def _umask_mode() -> int:
@@ -133,4 +189,5 @@ def _encode(
     return tensor.numpy(), None
 
 
+_FLOATS = ("F32", "F16", "BF16")
 _NUMPY_TYPES = (torch.float32, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64)

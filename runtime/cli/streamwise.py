@@ -1,4 +1,4 @@
-"""The `streamwise` command: `streamwise demo`, and `streamwise quantize SRC DST --policy NAME`."""
+"""The `streamwise` command: `streamwise demo`, and `streamwise quantize SRC DST [--policy NAME] [--type TYPE]`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ...schemas.vocabulary import GGUF_WRITE_TYPES
 from ..checkpoint.readers import CheckpointError
 from ..policy.diagnostics import PolicyError
 from ..policy.load import load_policy
+from ..sizes import human
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,8 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantize.add_argument("source", help="a .safetensors file, a shard index, or a Hugging Face folder")
     quantize.add_argument("destination", help="the .gguf file to write")
     quantize.add_argument(
-        "--policy", required=True, help="a policy name or file whose `gguf` quant rules pick the types",
+        "--policy", default="auto",
+        help="a policy name or file whose `gguf` quant rules pick the layers and types (default: auto)",
     )
+    quantize.add_argument("--type", choices=GGUF_WRITE_TYPES, dest="gguf_type",
+                          help="one GGML type for every layer the policy's gguf rules select")
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
     commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
@@ -46,19 +51,29 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ..checkpoint.skeleton import build_skeleton, config_folder
 
     try:
-        policy = load_policy(args.policy)
+        policy = args.policy if args.policy == "auto" else load_policy(args.policy)
         if args.model:
             model = build_model(args.model, json.loads(args.model_config) if args.model_config else None)
         else:  # the folder's config.json (beside a weight file too), or a builder another pack registered
             model = build_skeleton(config_folder(Path(args.source)))
-        report = quantize_to_gguf(args.source, args.destination, policy, model)
+        report = quantize_to_gguf(args.source, args.destination, policy, model, gguf_type=args.gguf_type)
     except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError, OSError) as exc:
         print(f"streamwise quantize: {exc}", file=sys.stderr)
         return 1
     types = ", ".join(f"{name} x{count}" for name, count in report.types.items())
-    print(f"wrote {report.file}: {report.tensors} tensors ({types}), {report.bytes_in} -> {report.bytes_out} bytes")
+    print(f"wrote {report.file}: {report.tensors} tensors ({types}), {human(report.bytes_in)} -> "
+          f"{human(report.bytes_out)}")
+    if report.float_layers:
+        listed = list(report.float_layers.items())
+        print(f"warning: {len(listed)} weight matrices stay float:", file=sys.stderr)
+        for name, why in listed[:_LISTED]:
+            print(f"  {name}: {why}", file=sys.stderr)
+        if len(listed) > _LISTED:
+            print(f"  ... and {len(listed) - _LISTED} more", file=sys.stderr)
     return 0
 
+
+_LISTED = 20
 
 if __name__ == "__main__":
     sys.exit(main())
