@@ -112,15 +112,13 @@ def _widen_half(bits: Tensor) -> Tensor:
     """float16 bits (int16) as float32, widened as numpy does: NaNs keep sign and payload, signalling ones too.
 
     torch's own conversion returns one canonical NaN in its scalar path and quiets signalling NaNs in its
-    vector path; a NaN scale would then give a NaN of another sign than the reference's. Scales are few,
-    so the integer route costs nothing measurable (stored F16 tensors keep torch's conversion).
+    vector path; a NaN scale would then give a NaN of another sign than the reference's. So NaNs are
+    rebuilt from the bits: the sign-extended half shifted by 13 puts sign, exponent (within the all-ones
+    one ORed in) and payload in place.
     """
-    half = bits.int()
-    rest = half & 0x7FFF
-    # rebias the exponent by 127 - 15 (twice for Inf/NaN, to reach 255); subnormals are exact as mantissa * 2^-24
-    normal = torch.where(rest >= 0x7C00, rest + 0x38000, rest + 0x1C000) << 13
-    widened = torch.where(rest < 0x400, (rest.float() * 2.0**-24).view(torch.int32), normal)
-    return widened.bitwise_or_((half & 0x8000) << 16).view(torch.float32)
+    widened = bits.view(torch.float16).float()
+    nan_bits = (bits.int() << 13).bitwise_or_(0x7F800000)
+    return torch.where(widened.isnan(), nan_bits.view(torch.float32), widened)
 
 
 def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
