@@ -6,14 +6,14 @@ import pytest
 
 from streamwise.runtime.engine.kinds import COMPUTE_KINDS, compute_kind
 from streamwise.runtime.quant.formats import FORMATS, QuantFormat, quant_format
-from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, QType, dequantizer
+from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, QType
 from streamwise.runtime.registry import Registry
 
 
 @pytest.mark.parametrize("register", [
     lambda: compute_kind("linear", dtype="input")(lambda *args: None),
     lambda: quant_format("int8")(type("Again", (QuantFormat,), {"dequantize": lambda *args: None})),
-    lambda: dequantizer(QType.Q8_0)(lambda blocks, out: None),
+    lambda: DEQUANTIZERS.register(QType.Q8_0, lambda blocks, out: None),
 ])
 def test_a_taken_name_is_refused(register):
     before = (len(COMPUTE_KINDS), len(FORMATS), len(DEQUANTIZERS))
