@@ -172,8 +172,10 @@ def test_the_custom_module_relocates_its_buffers_and_streams_its_own_parameters(
     plan = streamwise.resolve(streamwise.load_policy("any-module"), model)
     block = plan.module("blocks.0")
     assert (block.stream, block.relocate) == ("generic", ("offset",))  # gamma streams, the buffer follows
-    # the block's forward could read its children's parameters itself: it fetches them with its own
-    assert plan.module("blocks.0.norm") is None and plan.module("blocks.0.proj") is None
+    # the block's forward could read its children's parameters itself: it fetches them with its own (a child keeps
+    # only a quant role: the shipped gguf-linears rule, which keeps a GGUF file's blocks in their storage)
+    proj = plan.module("blocks.0.proj")
+    assert plan.module("blocks.0.norm") is None and (proj.stream, proj.relocate, proj.quant) == (None, (), "gguf")
     assert plan.module("head").stream == "linear" and plan.module("embed").stream == "embedding"
     assert plan.coverage.bytes["relocated"] == 2 * 32 * 4 and plan.coverage.bytes["stranded"] == 0
     streamwise.apply(plan, model)
