@@ -217,7 +217,7 @@ def test_a_changed_input_re_executes_only_what_depends_on_it(server):
     assert changed["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 4)]
 
 
-def test_interrupt_ends_a_long_generation_within_seconds(server):
+def test_interrupt_ends_a_long_generation_within_a_second(server):
     graph = workflow("streamwise_generate_text")
     graph["2"]["inputs"]["max_new_tokens"] = 8192
     prompt_id = server.queue(graph)
@@ -230,7 +230,7 @@ def test_interrupt_ends_a_long_generation_within_seconds(server):
     started = time.monotonic()
     server.request("/interrupt", {})
     entry = server.wait(prompt_id, timeout=10)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 1.0  # within a frame or token, plus the /history poll
     assert entry["status"]["status_str"] == "error"
     assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
     server.run(workflow("streamwise_generate_text"))  # the model stays ready for the next prompt

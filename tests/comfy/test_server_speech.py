@@ -57,7 +57,7 @@ def test_the_speech_workflow_makes_audio_and_a_seed_repeats_it(server):
     assert (again == samples).all()
 
 
-def test_interrupt_ends_a_long_speech_within_seconds(server):
+def test_interrupt_ends_a_long_speech_within_a_second(server):
     workflow = graph()
     workflow["2"]["inputs"]["max_new_tokens"] = 65536
     prompt_id = server.queue(workflow)
@@ -70,7 +70,7 @@ def test_interrupt_ends_a_long_speech_within_seconds(server):
     started = time.monotonic()
     server.request("/interrupt", {})
     entry = server.wait(prompt_id, timeout=10)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 1.0  # within a frame or token, plus the /history poll
     assert entry["status"]["status_str"] == "error"
     assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
     server.run(graph())  # the model stays ready for the next prompt
