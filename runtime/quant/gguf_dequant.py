@@ -105,7 +105,31 @@ def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _half(blocks: Tensor, offset: int) -> Tensor:
     """The little-endian float16 at byte `offset` of every block, widened to float32 of shape (n_blocks, 1)."""
-    return _widen_half(_reinterpret(blocks[:, offset : offset + 2], torch.int16))
+    words = _words(blocks, torch.int16) if offset % 2 == 0 else None
+    if words is None:
+        return _widen_half(_reinterpret(blocks[:, offset : offset + 2], torch.int16))
+    return _widen_half(words[:, offset // 2 : offset // 2 + 1])
+
+
+def _field_words(blocks: Tensor, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+    """Bytes `start:stop` of every block as contiguous `dtype` words (n_blocks, (stop - start) // itemsize),
+    copied once out of a word view of the blocks where there is one (fewer, wider elements to move)."""
+    words = _words(blocks, dtype) if start % dtype.itemsize == 0 else None
+    if words is None:
+        return _reinterpret(blocks[:, start:stop], dtype)
+    return words[:, start // dtype.itemsize : stop // dtype.itemsize].contiguous()
+
+
+def _words(blocks: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """The blocks read as `dtype` words, a view (no copy), or None where their size or layout does not allow one.
+
+    Kernels read their fields as strided slices of it: a narrow slice of the bytes would be copied first.
+    """
+    if blocks.shape[-1] % dtype.itemsize:
+        return None
+    if torch.compiler.is_compiling() or (blocks.is_contiguous() and blocks.storage_offset() % dtype.itemsize == 0):
+        return _reinterpret(blocks, dtype)
+    return None
 
 
 def _widen_half(bits: Tensor) -> Tensor:
@@ -262,13 +286,29 @@ def _q6_k(blocks: Tensor, out: Tensor) -> None:
     """210 bytes: ql (128), qh (64), 16 int8 scales, d (f16).
 
     Per 128-value half: nibble j of ql byte i (64 bytes) is value 64 * j + i, and 2-bit field j of
-    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i. Both are viewed as (half, 64-value
-    run, 32-value run, i) to be combined.
+    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i. The quants are built as four planes,
+    one per 32-value run j of every half, two bytes at a time in int16 words (every field stays inside
+    its byte), each a whole contiguous pass; the copy into the float output interleaves them.
     """
-    ql = _unpack(blocks[:, :128].reshape(-1, 2, 64), 4, -2).unflatten(-1, (2, 32))
-    qh = _unpack(blocks[:, 128:192].reshape(-1, 2, 32), 2, -2).unflatten(-2, (2, 2))
-    q = ql.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    _affine(out, q, _half(blocks, 208) * _reinterpret(blocks[:, 192:208], torch.int8))
+    n = blocks.shape[0]
+    planes = huge_pages.empty((4, n, 2, 16), torch.int16, blocks.device)  # run j, block, half, 2-byte word
+    qh = _field_words(blocks, 128, 192, torch.int16).view(n, 2, 16)
+    for run, plane in enumerate(planes):  # field j to bits 4-5 of each byte
+        shift = 4 - 2 * run
+        if shift > 0:
+            torch.bitwise_left_shift(qh, shift, out=plane)
+        elif shift < 0:
+            torch.bitwise_right_shift(qh, -shift, out=plane)
+        else:
+            plane.copy_(qh)
+    planes.bitwise_and_(0x3030)
+    ql = huge_pages.empty((2, n, 2, 16), torch.int16, blocks.device)  # by 32-byte run, then block, half
+    ql.view(torch.uint8).view(2, n, 2, 32).copy_(blocks[:, :128].view(n, 2, 2, 32).permute(2, 0, 1, 3))
+    planes[:2].bitwise_or_(ql & 0x0F0F)
+    planes[2:].bitwise_or_(ql.bitwise_right_shift_(4).bitwise_and_(0x0F0F))
+    q = planes.view(torch.int8).sub_(32).view(4, n, 2, 32).permute(1, 2, 0, 3)
+    scales = _field_words(blocks, 192, 210, torch.int16)
+    _affine(out, q, _widen_half(scales[:, 8:]) * scales[:, :8].view(torch.int8).float())
 
 
 def _bits(word: Tensor, width: int, count: int) -> Tensor:
