@@ -286,29 +286,27 @@ def _q6_k(blocks: Tensor, out: Tensor) -> None:
     """210 bytes: ql (128), qh (64), 16 int8 scales, d (f16).
 
     Per 128-value half: nibble j of ql byte i (64 bytes) is value 64 * j + i, and 2-bit field j of
-    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i. The quants are built as four planes,
-    one per 32-value run j of every half, two bytes at a time in int16 words (every field stays inside
-    its byte), each a whole contiguous pass; the copy into the float output interleaves them.
+    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i. The quants are built two bytes at a
+    time in int16 words (every field stays inside its byte) as two planes, one per nibble of ql,
+    each laid out as ql is; the copy into the float output interleaves them.
     """
-    n = blocks.shape[0]
-    planes = huge_pages.empty((4, n, 2, 16), torch.int16, blocks.device)  # run j, block, half, 2-byte word
-    qh = _field_words(blocks, 128, 192, torch.int16).view(n, 2, 16)
-    for run, plane in enumerate(planes):  # field j to bits 4-5 of each byte
-        shift = 4 - 2 * run
-        if shift > 0:
-            torch.bitwise_left_shift(qh, shift, out=plane)
-        elif shift < 0:
-            torch.bitwise_right_shift(qh, -shift, out=plane)
-        else:
-            plane.copy_(qh)
+    n, device = blocks.shape[0], blocks.device
+    words = _words(blocks, torch.int16)
+    if words is None:
+        words = _reinterpret(blocks.contiguous(), torch.int16)
+    ql, qh = words[:, :64].view(n, 2, 2, 16), words[:, 64:96].view(n, 2, 1, 16)
+    planes = huge_pages.empty((2, n, 2, 2, 16), torch.int16, device)  # nibble, block, half, 32-value run, word
+    high = huge_pages.empty((n, 2, 2, 16), torch.int16, device)  # qh by run: fields 2 * run at bits 0-1, 4-5
+    qh = qh.contiguous()  # whole rows: cat, which interleaves contiguous inputs fastest, needs them
+    torch.cat([qh, qh >> 2], dim=2, out=high)
+    torch.bitwise_left_shift(high, 4, out=planes[0])  # fields 0, 1 to bits 4-5 of each byte
+    planes[1].copy_(high)  # fields 2, 3 are there
     planes.bitwise_and_(0x3030)
-    ql = huge_pages.empty((2, n, 2, 16), torch.int16, blocks.device)  # by 32-byte run, then block, half
-    ql.view(torch.uint8).view(2, n, 2, 32).copy_(blocks[:, :128].view(n, 2, 2, 32).permute(2, 0, 1, 3))
-    planes[:2].bitwise_or_(ql & 0x0F0F)
-    planes[2:].bitwise_or_(ql.bitwise_right_shift_(4).bitwise_and_(0x0F0F))
-    q = planes.view(torch.int8).sub_(32).view(4, n, 2, 32).permute(1, 2, 0, 3)
-    scales = _field_words(blocks, 192, 210, torch.int16)
-    _affine(out, q, _widen_half(scales[:, 8:]) * scales[:, :8].view(torch.int8).float())
+    planes[0].bitwise_or_(torch.bitwise_and(ql, 0x0F0F, out=high))
+    planes[1].bitwise_or_(torch.bitwise_right_shift(ql, 4, out=high).bitwise_and_(0x0F0F))
+    q = planes.view(torch.int8).sub_(32).view(2, n, 2, 2, 32).permute(1, 2, 0, 3, 4)
+    scales = words[:, 96:104].contiguous().view(torch.int8).float()  # converted contiguous: strided is slow
+    _affine(out, q, _widen_half(words[:, 104:105]) * scales)
 
 
 def _bits(word: Tensor, width: int, count: int) -> Tensor:
