@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from comfy_harness import load_custom_node
@@ -81,7 +82,9 @@ def test_the_loader_reads_models_llm_and_picks_a_gguf_beside_a_config(comfy_node
         folder_paths.folder_names_and_paths["LLM"][0].remove(str(tmp_path))
 
 
-def test_a_loose_llama_cpp_gguf_is_offered_loads_quantized_and_speaks_with_its_own_tokenizer(comfy_nodes, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_a_loose_llama_cpp_gguf_is_offered_loads_quantized_and_speaks_with_its_own_tokenizer(comfy_nodes, tmp_path,
+                                                                                          family):
     """A `.gguf` as downloaded, alone in models/LLM: no config.json, its tokenizer in its metadata."""
     import folder_paths
     import gguf
@@ -91,21 +94,21 @@ def test_a_loose_llama_cpp_gguf_is_offered_loads_quantized_and_speaks_with_its_o
     load_custom_node(comfy_nodes, REPO)
     mappings = comfy_nodes.NODE_CLASS_MAPPINGS
     parts = train_tokenizer_parts()
-    float_llama = float_model("llama", len(parts[0]), parts[2])
-    expected = write_llama_cpp_gguf(float_llama, tmp_path / "tiny-llama.Q8_0.gguf", "llama",
+    name = f"tiny-{family}.Q8_0.gguf"
+    expected = write_llama_cpp_gguf(float_model(family, len(parts[0]), parts[2]), tmp_path / name, family,
                                     gguf.GGMLQuantizationType.Q8_0, parts)
     folder_paths.add_model_folder_path("LLM", str(tmp_path))
     try:
         loader = mappings["StreamwiseModelLoader"]
-        assert "LLM/tiny-llama.Q8_0.gguf" in loader.INPUT_TYPES()["required"]["model"][1]["options"]
-        patcher, report = loader.execute("LLM/tiny-llama.Q8_0.gguf", "auto", "auto").args
-        assert "picked `decoder-llm`" in report and "kept quantized (Q8_0 x" in report
+        assert f"LLM/{name}" in loader.INPUT_TYPES()["required"]["model"][1]["options"]
+        patcher, report = loader.execute(f"LLM/{name}", "auto", "auto").args
+        assert "`auto` picked `" in report and "kept quantized (Q8_0 x" in report and "residents gguf x" in report
         text = mappings["StreamwiseGenerateText"].execute(patcher, CORPUS[0], 6, 0, False, 0.7, 0.9, 50).args[0]
     finally:
         folder_paths.folder_names_and_paths["LLM"][0].remove(str(tmp_path))
     from streamwise.runtime.checkpoint import load_tokenizer
 
-    tokenizer = load_tokenizer(tmp_path / "tiny-llama.Q8_0.gguf")
+    tokenizer = load_tokenizer(tmp_path / name)
     ids = tokenizer(CORPUS[0], return_tensors="pt").input_ids
     with torch.no_grad():
         reference = expected.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=parts[2])
