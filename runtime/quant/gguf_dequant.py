@@ -181,9 +181,10 @@ def _scale(out: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
         torch.add(offset.unsqueeze(-1), groups, out=groups)
 
 
-def _minus(m: Tensor) -> Tensor:
-    """The offset that adds as the reference's `- m` subtracts: -m, but a NaN m as it is, so its sign survives."""
-    return torch.where(m.isnan(), m, -m)
+def _negated(m: Tensor) -> Tensor:
+    """Small unsigned integers as float32, negated: `dmin * _negated(m)` adds as the reference's `- dmin * m`
+    subtracts (IEEE negation is exact, and a NaN dmin passes through the product unchanged, sign included)."""
+    return m.float().neg_()
 
 
 def _q8_0(blocks: Tensor, out: Tensor) -> None:
@@ -224,9 +225,9 @@ def _q2_k(blocks: Tensor, out: Tensor) -> None:
     Each 32-byte half of the quants holds 128 values: 2-bit field j of byte i is value 32 * j + i.
     """
     scales = blocks[:, :16].contiguous()
-    dl = _half(blocks, 80) * (scales & 0xF)
-    ml = _half(blocks, 82) * (scales >> 4)
-    _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, _minus(ml))
+    dl = _half(blocks, 80) * (scales & 0xF).float()  # widened first: a product of mixed types is slow
+    ml = _half(blocks, 82) * _negated(scales >> 4)
+    _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, ml)
 
 
 def _q3_k(blocks: Tensor, out: Tensor) -> None:
@@ -252,7 +253,9 @@ def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
     (low nibble) and of mins 4-7 (high nibble). Each group of four bytes is handled as one
     little-endian 32-bit word, four fields at a time, so the work runs along blocks.
     """
-    sc, mn, mixed = _reinterpret(blocks[:, 4:16], torch.int32).unbind(-1)
+    words = _words(blocks, torch.int32)
+    words = _reinterpret(blocks[:, 4:16], torch.int32) if words is None else words[:, 1:4]
+    sc, mn, mixed = words.unbind(-1)
     scale = torch.stack([sc & 0x3F3F3F3F, (mixed & 0x0F0F0F0F) | ((sc >> 2) & 0x30303030)], -1)
     minimum = torch.stack([mn & 0x3F3F3F3F, ((mixed >> 4) & 0x0F0F0F0F) | ((mn >> 2) & 0x30303030)], -1)
     return scale.view(torch.uint8), minimum.view(torch.uint8)
@@ -260,8 +263,8 @@ def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
 
 def _k4_affine(blocks: Tensor, q: Tensor, out: Tensor) -> None:
     """d * scale * q - dmin * min over the eight 32-value sub-blocks of a Q4_K/Q5_K block."""
-    scale, minimum = _scale_min_k4(blocks)
-    _affine(out, q, _half(blocks, 0) * scale, _minus(_half(blocks, 2) * minimum))
+    scale, minimum = _scale_min_k4(blocks)  # widened first: a product of mixed types is slow
+    _affine(out, q, _half(blocks, 0) * scale.float(), _half(blocks, 2) * _negated(minimum))
 
 
 def _q4_k(blocks: Tensor, out: Tensor) -> None:
@@ -269,7 +272,15 @@ def _q4_k(blocks: Tensor, out: Tensor) -> None:
 
     Each 32-byte chunk holds 64 values: low nibbles first, then high nibbles.
     """
-    _k4_affine(blocks, _unpack(blocks[:, 16:].reshape(-1, 4, 32), 4, -2), out)
+    words = _words(blocks, torch.int32)
+    if words is None:
+        return _k4_affine(blocks, _unpack(blocks[:, 16:].reshape(-1, 4, 32), 4, -2), out)
+    n = blocks.shape[0]
+    nibbles = huge_pages.empty((2, n, 4, 8), torch.int32, blocks.device)  # low then high, four bytes a word
+    qs = words[:, 4:].view(n, 4, 8)
+    torch.bitwise_and(qs, 0x0F0F0F0F, out=nibbles[0])
+    torch.bitwise_right_shift(qs, 4, out=nibbles[1]).bitwise_and_(0x0F0F0F0F)
+    _k4_affine(blocks, nibbles.view(torch.uint8).view(2, n, 4, 32).permute(1, 2, 0, 3), out)
 
 
 def _q5_k(blocks: Tensor, out: Tensor) -> None:
