@@ -236,13 +236,40 @@ def _q3_k(blocks: Tensor, out: Tensor) -> None:
     Bit j of hmask byte i belongs to value 32 * j + i; a clear bit subtracts 4. The sixteen 6-bit
     scales keep their low 4 bits in the nibbles of bytes 0-7 (low nibbles first) and their top
     2 bits in the 2-bit fields of bytes 8-11 (field j of byte i is scale 4 * j + i).
+
+    The quants are built two bytes at a time in int16 words (every field stays inside its byte) as
+    four planes, one per 2-bit field of the quant bytes, laid out as those are; the copy into the
+    float output interleaves them.
     """
-    low = _unpack(blocks[:, 96:104], 4, -2).reshape(-1, 16)
-    high = _unpack(blocks[:, 104:108], 2, -2).reshape(-1, 16)
-    scale = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    ql = _unpack(blocks[:, 32:96].reshape(-1, 2, 32), 2, -2).view(torch.int8)
-    qh = _unpack(blocks[:, :32], 1, -2).bitwise_xor_(1).bitwise_left_shift_(2).view(torch.int8)
-    _affine(out, ql.sub_(qh.view(ql.shape)), _half(blocks, 108) * scale)
+    words = _words(blocks, torch.int16)
+    if words is None:
+        words = _reinterpret(blocks.contiguous(), torch.int16)
+    n, device = blocks.shape[0], blocks.device
+    planes = huge_pages.empty((4, n, 2, 16), torch.int16, device)  # field, block, 128-value half, word
+    qs = words[:, 16:48].view(n, 2, 16)
+    planes[0].copy_(qs)
+    for field in range(1, 4):
+        torch.bitwise_right_shift(qs, 2 * field, out=planes[field])
+    planes.bitwise_and_(0x0303)
+    hmask = words[:, :16].contiguous().view(n, 1, 16)  # whole rows: cat interleaves contiguous inputs fastest
+    halves = torch.cat([hmask, hmask >> 4], dim=1)  # the bits of the second half at those of the first
+    high = huge_pages.empty((4, n, 2, 16), torch.int16, device)
+    for field in range(4):  # hmask bit of field j to bit 2 of each byte
+        shift = 2 - field
+        if shift > 0:
+            torch.bitwise_left_shift(halves, shift, out=high[field])
+        elif shift < 0:
+            torch.bitwise_right_shift(halves, -shift, out=high[field])
+        else:
+            high[field].copy_(halves)
+    planes.bitwise_or_(high.bitwise_and_(0x0404))
+    q = planes.view(torch.int8).sub_(4).view(4, n, 2, 32).permute(1, 2, 0, 3)
+    low, high_bits = _reinterpret(blocks[:, 96:108].contiguous(), torch.int32).split([2, 1], -1)
+    low = torch.cat([low, low >> 4], -1).bitwise_and_(0x0F0F0F0F)  # scales 0-3, 4-7, 8-11, 12-15
+    high_bits = torch.cat([high_bits >> 2 * field for field in range(4)], -1)  # field j of 4 bytes at once
+    low.bitwise_or_(high_bits.bitwise_and_(0x03030303).bitwise_left_shift_(4))
+    scale = low.view(torch.uint8).float().sub_(32)
+    _affine(out, q, _half(blocks, 108) * scale)
 
 
 def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
