@@ -202,21 +202,42 @@ def _q4_1(blocks: Tensor, out: Tensor) -> None:
     _affine(out, _unpack(blocks[:, 4:], 4, -2), _half(blocks, 0), _half(blocks, 2))
 
 
-def _q5(blocks: Tensor) -> Tensor:
-    """The 5-bit quants of a Q5_0/Q5_1 block: qh (little-endian u32) holds bit 4 of value i at bit i."""
-    qh = _unpack(blocks[:, :4], 1, -1).reshape(-1, 32)
-    ql = _unpack(blocks[:, 4:], 4, -2).reshape(-1, 32)
-    return ql.bitwise_or_(qh.bitwise_left_shift_(4))
+def _q5(blocks: Tensor, qh_offset: int, table: str) -> Tensor:
+    """The 5-bit quants of Q5_0/Q5_1 blocks as (n_blocks, 32) bytes in value order: qh (little-endian u32 at
+    `qh_offset`) holds bit 4 of value i at bit i, and the 16 bytes after it value i's low 4 bits (i < 16) and
+    value i + 16's high 4 bits.
+
+    Each qh byte becomes its eight values' top bits through `table` (a byte -> eight bytes, as int64),
+    so the quants are built eight at a time in int64 words, one column of words (n_blocks long) per op:
+    a block's fields are too narrow for ops along them.
+    """
+    n, device = blocks.shape[0], blocks.device
+    start = qh_offset + 4
+    words = _words(blocks, torch.int64) if start % 8 == 0 else None
+    qs = _reinterpret(blocks[:, start : start + 16], torch.int64) if words is None else words[:, start // 8 :]
+    index = torch.empty((n, 4), dtype=torch.int32, device=device)
+    for byte in range(4):
+        index[:, byte].copy_(blocks[:, qh_offset + byte])
+    q = huge_pages.empty((n, 4), torch.int64, device)
+    torch.index_select(_table(table, device), 0, index.view(-1), out=q.view(-1))
+    for word in range(2):
+        low, high = qs[:, word] & _LOW_NIBBLES, (qs[:, word] >> 4).bitwise_and_(_LOW_NIBBLES)
+        q[:, word].bitwise_or_(low)
+        q[:, 2 + word].bitwise_or_(high)
+    return q.view(torch.uint8).view(n, 32)
+
+
+_LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
 
 
 def _q5_0(blocks: Tensor, out: Tensor) -> None:
-    """22 bytes: d (f16), qh (4 bytes), 16 bytes of low nibbles."""
-    _affine(out, _q5(blocks[:, 2:]).view(torch.int8).sub_(16), _half(blocks, 0))
+    """22 bytes: d (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * (q - 16)."""
+    _affine(out, _q5(blocks, 2, "q5_high_signed").view(torch.int8), _half(blocks, 0))
 
 
 def _q5_1(blocks: Tensor, out: Tensor) -> None:
     """24 bytes: d (f16), m (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * q + m."""
-    _affine(out, _q5(blocks[:, 4:]), _half(blocks, 0), _half(blocks, 2))
+    _affine(out, _q5(blocks, 4, "q5_high"), _half(blocks, 0), _half(blocks, 2))
 
 
 def _q2_k(blocks: Tensor, out: Tensor) -> None:
@@ -391,6 +412,14 @@ def _iq1_grid() -> np.ndarray:
     return np.concatenate([grid + delta, grid - delta])
 
 
+def _high_bits(offset: int) -> np.ndarray:
+    """Index b -> eight bytes (one int64): byte m is 16 where bit m of b is set, plus `offset` (mod 256).
+
+    With offset -16, ORing in a low nibble gives the signed value (nibble + 16 * bit) - 16 directly."""
+    set_bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
+    return ((set_bits * 16 + offset) % 256).astype(np.uint8).view(np.int64)[:, 0]
+
+
 def _nibble_pairs(values: tuple[int, ...]) -> np.ndarray:
     """Index `a | b << 4` -> float32 values[a], values[b] as one int64: two adjacent output values."""
     index = np.arange(256)
@@ -405,6 +434,8 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     # pattern 2 * s + h: the signs of half h of ksigns[s]
     "iq3_xxs": lambda: _signed_grid(reference.IQ3_XXS, _sign_patterns((_KSIGNS[:, None] >> [0, 4]).ravel() & 15, 4)),
     "iq3_s": lambda: _signed_grid(reference.IQ3_S, _NIBBLE_SIGNS),
+    "q5_high": lambda: _high_bits(0),
+    "q5_high_signed": lambda: _high_bits(-16),
     "iq4_nl": lambda: _nibble_pairs(reference.IQ4_NL.kvalues),
     "mxfp4": lambda: _nibble_pairs(reference.MXFP4.kvalues),
     "nvfp4": lambda: _nibble_pairs(reference.NVFP4.kvalues),
