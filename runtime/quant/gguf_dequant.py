@@ -108,7 +108,7 @@ def _half(blocks: Tensor, offset: int) -> Tensor:
     words = _words(blocks, torch.int16) if offset % 2 == 0 else None
     if words is None:
         return _widen_half(_reinterpret(blocks[:, offset : offset + 2], torch.int16))
-    return _widen_half(words[:, offset // 2 : offset // 2 + 1])
+    return _widen_half(words[:, offset // 2 : offset // 2 + 1].contiguous())  # ops on a strided column are slow
 
 
 def _field_words(blocks: Tensor, start: int, stop: int, dtype: torch.dtype) -> Tensor:
@@ -194,36 +194,39 @@ def _q8_0(blocks: Tensor, out: Tensor) -> None:
 
 def _q4_0(blocks: Tensor, out: Tensor) -> None:
     """18 bytes: d (f16), 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31."""
-    _affine(out, _unpack(blocks[:, 2:], 4, -2).view(torch.int8).sub_(8), _half(blocks, 0))
+    _affine(out, _nibbles(blocks, 2).view(torch.int8).sub_(8), _half(blocks, 0))
 
 
 def _q4_1(blocks: Tensor, out: Tensor) -> None:
     """20 bytes: d (f16), m (f16), nibbles as in Q4_0; value = d * q + m."""
-    _affine(out, _unpack(blocks[:, 4:], 4, -2), _half(blocks, 0), _half(blocks, 2))
+    _affine(out, _nibbles(blocks, 4), _half(blocks, 0), _half(blocks, 2))
 
 
-def _q5(blocks: Tensor, qh_offset: int, table: str) -> Tensor:
-    """The 5-bit quants of Q5_0/Q5_1 blocks as (n_blocks, 32) bytes in value order: qh (little-endian u32 at
-    `qh_offset`) holds bit 4 of value i at bit i, and the 16 bytes after it value i's low 4 bits (i < 16) and
-    value i + 16's high 4 bits.
+def _nibbles(blocks: Tensor, start: int, high_bits: str | None = None) -> Tensor:
+    """The 16 bytes at `start` of every block split into 32 nibbles, (n_blocks, 32) bytes: low nibbles are
+    values 0-15, high ones 16-31; ORed onto `high_bits`' rows for the preceding 4 bytes where given.
 
-    Each qh byte becomes its eight values' top bits through `table` (a byte -> eight bytes, as int64),
-    so the quants are built eight at a time in int64 words, one column of words (n_blocks long) per op:
-    a block's fields are too narrow for ops along them.
+    Built eight values at a time in int64 words, one column of words (n_blocks long) per op: a block's
+    fields are too narrow for ops along them. With `high_bits` (Q5_0/Q5_1), each of the little-endian u32
+    qh's bytes before the nibbles becomes its eight values' top bits through that table (a byte -> eight
+    bytes, as int64).
     """
     n, device = blocks.shape[0], blocks.device
-    start = qh_offset + 4
     words = _words(blocks, torch.int64) if start % 8 == 0 else None
     qs = _reinterpret(blocks[:, start : start + 16], torch.int64) if words is None else words[:, start // 8 :]
+    q = huge_pages.empty((n, 4), torch.int64, device)
+    if high_bits is None:
+        for word in range(2):
+            torch.bitwise_and(qs[:, word], _LOW_NIBBLES, out=q[:, word])
+            torch.bitwise_right_shift(qs[:, word], 4, out=q[:, 2 + word]).bitwise_and_(_LOW_NIBBLES)
+        return q.view(torch.uint8).view(n, 32)
     index = torch.empty((n, 4), dtype=torch.int32, device=device)
     for byte in range(4):
-        index[:, byte].copy_(blocks[:, qh_offset + byte])
-    q = huge_pages.empty((n, 4), torch.int64, device)
-    torch.index_select(_table(table, device), 0, index.view(-1), out=q.view(-1))
+        index[:, byte].copy_(blocks[:, start - 4 + byte])
+    torch.index_select(_table(high_bits, device), 0, index.view(-1), out=q.view(-1))
     for word in range(2):
-        low, high = qs[:, word] & _LOW_NIBBLES, (qs[:, word] >> 4).bitwise_and_(_LOW_NIBBLES)
-        q[:, word].bitwise_or_(low)
-        q[:, 2 + word].bitwise_or_(high)
+        q[:, word].bitwise_or_(qs[:, word] & _LOW_NIBBLES)
+        q[:, 2 + word].bitwise_or_((qs[:, word] >> 4).bitwise_and_(_LOW_NIBBLES))
     return q.view(torch.uint8).view(n, 32)
 
 
@@ -231,13 +234,14 @@ _LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
 
 
 def _q5_0(blocks: Tensor, out: Tensor) -> None:
-    """22 bytes: d (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * (q - 16)."""
-    _affine(out, _q5(blocks, 2, "q5_high_signed").view(torch.int8), _half(blocks, 0))
+    """22 bytes: d (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * (q - 16). qh (little-endian
+    u32) holds bit 4 of value i at bit i."""
+    _affine(out, _nibbles(blocks, 6, "q5_high_signed").view(torch.int8), _half(blocks, 0))
 
 
 def _q5_1(blocks: Tensor, out: Tensor) -> None:
     """24 bytes: d (f16), m (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * q + m."""
-    _affine(out, _q5(blocks, 4, "q5_high"), _half(blocks, 0), _half(blocks, 2))
+    _affine(out, _nibbles(blocks, 8, "q5_high"), _half(blocks, 0), _half(blocks, 2))
 
 
 def _q2_k(blocks: Tensor, out: Tensor) -> None:
