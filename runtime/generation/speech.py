@@ -9,6 +9,7 @@ progress bar, an interrupt) and the device.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -133,6 +134,8 @@ def generate_speech(
 
     if getattr(getattr(model, "config", None), "model_type", None) != "vibevoice":
         raise ValueError(f"{type(model).__name__} is no VibeVoice model: load a VibeVoice folder (transformers 5)")
+    if importlib.util.find_spec("diffusers") is None:  # transformers' VibeVoice draws with its noise scheduler
+        raise ImportError("speech needs diffusers: pip install diffusers (or streamwise[speech])")
     processor = load_processor(folder)
     rate = processor.feature_extractor.sampling_rate
     messages = conversation(parse_script(script), voices, rate)
