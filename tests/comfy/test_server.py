@@ -78,6 +78,22 @@ class Server:
             time.sleep(0.05)
         raise AssertionError(f"prompt {prompt_id} still unfinished after {timeout} s\n{self.tail()}")
 
+    def interrupted(self, workflow: dict) -> tuple[dict, float]:
+        """Queue `workflow`, `/interrupt` it a second into its run; its /history entry and the seconds to its end."""
+        prompt_id = self.queue(workflow)
+        deadline = time.monotonic() + 60
+        while not any(item[1] == prompt_id for item in self.request("/queue")["queue_running"]):
+            assert time.monotonic() < deadline, self.tail()
+            time.sleep(0.05)
+        time.sleep(1.0)  # well into the token or frame loop
+        assert not self.request(f"/history/{prompt_id}"), "the prompt ended before it could be interrupted"
+        started = time.monotonic()
+        self.request("/interrupt", {})
+        entry = self.wait(prompt_id, timeout=10)
+        assert entry["status"]["status_str"] == "error"
+        assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
+        return entry, time.monotonic() - started
+
     def run(self, workflow: dict) -> dict:
         entry = self.wait(self.queue(workflow))
         assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
@@ -220,19 +236,8 @@ def test_a_changed_input_re_executes_only_what_depends_on_it(server):
 def test_interrupt_ends_a_long_generation_within_a_second(server):
     graph = workflow("streamwise_generate_text")
     graph["2"]["inputs"]["max_new_tokens"] = 8192
-    prompt_id = server.queue(graph)
-    deadline = time.monotonic() + 60
-    while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
-        assert time.monotonic() < deadline, server.tail()
-        time.sleep(0.05)
-    time.sleep(1.0)  # well into the token loop
-    assert not server.request(f"/history/{prompt_id}"), "the generation ended before it could be interrupted"
-    started = time.monotonic()
-    server.request("/interrupt", {})
-    entry = server.wait(prompt_id, timeout=10)
-    assert time.monotonic() - started < 1.0  # within a frame or token, plus the /history poll
-    assert entry["status"]["status_str"] == "error"
-    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
+    _, seconds = server.interrupted(graph)
+    assert seconds < 1.0  # within a token, plus the /history poll
     server.run(workflow("streamwise_generate_text"))  # the model stays ready for the next prompt
 
 
