@@ -12,7 +12,9 @@ tensor is dequantized, processed exactly as transformers does, and the load repo
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,7 +51,14 @@ def is_llama_cpp_layout(checkpoint: Checkpoint, model: nn.Module) -> bool:
 
 def gguf_metadata(path: str | Path) -> dict:
     """transformers' parse of the file's metadata (`config`, `tokenizer`, ...), or a CheckpointError
-    naming the architecture when transformers cannot map it."""
+    naming the architecture when transformers cannot map it. Parsed once per version of the file: building the
+    skeleton and mapping the tensors both ask, and a 150k-token vocabulary takes seconds to parse."""
+    stat = os.stat(path)
+    return _parsed_metadata(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_metadata(path: str, size: int, modified: int) -> dict:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from .readers import open_checkpoint
@@ -59,10 +68,10 @@ def gguf_metadata(path: str | Path) -> dict:
         raise CheckpointError([f"{path}: no `general.architecture` string in the GGUF metadata, so nothing says "
                                "which model it holds"])
     try:
-        return load_gguf_checkpoint(str(path), return_tensors=False)
+        return load_gguf_checkpoint(path, return_tensors=False)
     except ValueError as exc:
         if "not supported" in str(exc):
-            raise _unsupported(str(path), architecture) from None
+            raise _unsupported(path, architecture) from None
         raise CheckpointError([f"{path}: transformers cannot read this GGUF's metadata ({exc})"]) from None
     except Exception as exc:  # its parser signals a malformed field with many exception types
         raise CheckpointError([f"{path}: transformers cannot read this GGUF's metadata "
@@ -89,11 +98,6 @@ def gguf_config(path: str | Path):
     if key in fields and isinstance(getattr(config, "head_dim", None), int):
         config.head_dim = int(fields[key].contents())
     return config
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    """Whether the GGUF carries a tokenizer transformers can rebuild (its `tokenizer.ggml.tokens`)."""
-    return "tokens" in gguf_metadata(path).get("tokenizer", {})
 
 
 class Mapped:
