@@ -178,7 +178,8 @@ class _Decided:
         self.keys = keys  # the `rule_matches` keys of the deciding rules
         self.fit = fit(roles.stream.kind, cls) if roles.stream is not None else None  # `auto` chosen per class
         self.checks = tuple(check for needs, check in _CHECKS  # those that apply and may fail for this class
-                            if needs <= roles.decided and not _PASSES_FOR_CLASS.get(check, _never)(roles, cls))
+                            if needs <= roles.decided and not (check in _PASSES_FOR_CLASS
+                                                               and _PASSES_FOR_CLASS[check](roles, cls)))
         # for a module without children, in which no parameters can hide
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)
         self.template = _template(class_names(cls)[0][1], roles, self.fit)
@@ -353,10 +354,6 @@ _CHECKS: tuple[tuple[set[str], Check], ...] = (
     ({"quant"}, _quant_linear_only),
     ({"quant"}, _quant_group_size),
 )
-
-
-def _never(roles: _Roles, cls: type) -> bool:
-    return False
 
 
 # Checks that a class alone can pass, for every module of it: not run per module then.
