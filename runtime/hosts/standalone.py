@@ -28,6 +28,7 @@ from ...schemas import Policy
 from ..engine import ConversionError, applied_state, apply_policy, protocol
 from ..engine.apply import Journal
 from ..engine.tree import TorchFetcher
+from ..plan.selectors import walk_modules
 from ..policy.diagnostics import PolicyError
 from ..sizes import SizeError, human, parse_size
 
@@ -87,7 +88,8 @@ def offload(
     with Journal().atomic(failed) as journal:
         policy, plan = apply_policy(model, policy, journal=journal)
         state = applied_state(model)
-        leaves = [model.get_submodule(entry.path) for entry in plan.modules if entry.stream]
+        modules = dict(walk_modules(model))  # one walk, not a path lookup per leaf
+        leaves = [modules[entry.path] for entry in plan.modules if entry.stream]
         streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
         resident_bytes = streamed_bytes = resident_count = 0
         for group, size, resident in _residency(leaves, budget):
