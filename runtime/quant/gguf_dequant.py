@@ -111,15 +111,6 @@ def _half(blocks: Tensor, offset: int) -> Tensor:
     return _widen_half(words[:, offset // 2 : offset // 2 + 1].contiguous())  # ops on a strided column are slow
 
 
-def _field_words(blocks: Tensor, start: int, stop: int, dtype: torch.dtype) -> Tensor:
-    """Bytes `start:stop` of every block as contiguous `dtype` words (n_blocks, (stop - start) // itemsize),
-    copied once out of a word view of the blocks where there is one (fewer, wider elements to move)."""
-    words = _words(blocks, dtype) if start % dtype.itemsize == 0 else None
-    if words is None:
-        return _reinterpret(blocks[:, start:stop], dtype)
-    return words[:, start // dtype.itemsize : stop // dtype.itemsize].contiguous()
-
-
 def _words(blocks: Tensor, dtype: torch.dtype) -> Tensor | None:
     """The blocks read as `dtype` words, a view (no copy), or None where their size or layout does not allow one.
 
