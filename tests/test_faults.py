@@ -56,7 +56,8 @@ def snapshot(model: torch.nn.Module) -> list:
         taken.append((name, type(module), held, tensors))
     state = applied_state(model)
     if state is not None:
-        records = [(r.module, r.original_class, dict(r.replaced), r.role) for r in state.records]
+        records = [(list(r.modules), r.original_class, r.replaced if isinstance(r.replaced, tuple)
+                    else dict(r.replaced), r.role) for r in state.records]
         taken.append(("<state>", state, dict(vars(state)), dict(vars(state.tree)), records))
     return taken
 
@@ -172,7 +173,7 @@ def test_revert_completes_or_leaves_the_tree_converted_and_revertible(monkeypatc
 
     faults = Faults(monkeypatch, [(apply_module.Journal, "restore"), (apply_module._Record, "__call__")])
     tried, broken = sweep(faults, converted, streamwise.revert, (ConversionError,))
-    assert tried >= 20 and not broken, broken
+    assert tried >= 8 and not broken, broken  # a class's modules share one record: a call each, not one per module
 
     original = small()
     before, model = snapshot(original), original

@@ -53,36 +53,51 @@ class ConversionCounts:
 
 
 _ABSENT = object()
+_LEAF_FLAGS = tuple(protocol.LEAF_DEFAULTS)
+# The instance attributes a conversion may set, by role (and a host, later, on a streamed leaf): modules holding none
+# of them before share one record per class they are converted to.
+_MAY_SET = {
+    "stream": (protocol.TREE, protocol.RELOCATED, protocol.CLAIMED, "weight", "bias", *_LEAF_FLAGS),
+    "relocate": (protocol.TREE, protocol.RELOCATED),
+}
 
 
 class _Record:
-    """One object's change: the class it had and each instance attribute set (with what it held before).
+    """Objects changed alike: the class they had, and each instance attribute the change may have set, with what it
+    held before (a dict, for one object) or as a tuple of names none of the objects held.
 
-    A record is its own undo (a journal entry): calling it restores the object.
+    A record is its own undo (a journal entry): calling it restores the objects.
     """
 
-    __slots__ = ("module", "original_class", "replaced", "role")
+    __slots__ = ("modules", "original_class", "replaced", "role")
 
-    def __init__(self, module: object, original_class: type, replaced: dict[str, object], role: str) -> None:
-        self.module = module
+    def __init__(self, modules: list, original_class: type, replaced: dict[str, object] | tuple[str, ...],
+                 role: str) -> None:
+        self.modules = modules
         self.original_class = original_class
         self.replaced = replaced  # _ABSENT: the instance held nothing under that name
         self.role = role  # "stream", "relocate", "resident" or "host" (a host's adaptation of the root, see hosts/)
 
     def __call__(self) -> None:
-        object.__setattr__(self.module, "__class__", self.original_class)
-        held = self.module.__dict__
-        for name, previous in self.replaced.items():
-            if previous is _ABSENT:
-                held.pop(name, None)
-            else:
-                held[name] = previous
+        replaced = self.replaced
+        for module in self.modules:
+            object.__setattr__(module, "__class__", self.original_class)
+            held = module.__dict__
+            if type(replaced) is tuple:
+                for name in replaced:
+                    held.pop(name, None)
+                continue
+            for name, previous in replaced.items():
+                if previous is _ABSENT:
+                    held.pop(name, None)
+                else:
+                    held[name] = previous
 
 
 def _now(target: object, names: Iterable[str], role: str = "") -> _Record:
     """A record restoring `target`'s class and the instance attributes `names` to what they are now."""
     held = target.__dict__
-    return _Record(target, type(target), {name: held.get(name, _ABSENT) for name in names}, role)
+    return _Record([target], type(target), {name: held.get(name, _ABSENT) for name in names}, role)
 
 
 class _RootRecord(_Record):
@@ -92,12 +107,14 @@ class _RootRecord(_Record):
     __slots__ = ("_root",)
 
     @property
-    def module(self) -> nn.Module | None:
-        return self._root()
+    def modules(self) -> list[nn.Module]:
+        root = self._root()
+        return [] if root is None else [root]
 
-    @module.setter
-    def module(self, value: nn.Module) -> None:
-        self._root = weakref.ref(value)
+    @modules.setter
+    def modules(self, value: list[nn.Module]) -> None:
+        (root,) = value
+        self._root = weakref.ref(root)
 
 
 class Journal:
@@ -121,10 +138,13 @@ class Journal:
             raise wrapped from exc
 
     def swap_class(self, module: nn.Module, cls: type, attributes: dict[str, object], role: str, *,
-                   root: bool = False) -> _Record:
-        record = swap_class(module, cls, attributes, role, root=root)
-        self._undo.append(record)
-        return record
+                   clears: tuple[str, ...] = (), root: bool = False) -> _Record:
+        return self.add(swap_class(module, cls, attributes, role, clears=clears, root=root))
+
+    def add(self, undo: Callable[[], None]) -> Callable[[], None]:
+        """Journal `undo`, the undo of a change about to be made or just made."""
+        self._undo.append(undo)
+        return undo
 
     def set_tensor(self, module: nn.Module, name: str, value: Tensor) -> None:
         """Put `value` in the parameter or buffer slot `name` of `module` (a parameter if none holds it yet)."""
@@ -153,8 +173,8 @@ class Journal:
         target.__dict__.update(attributes)
 
     def restore(self, record: _Record) -> None:
-        """Undo `record` (a completed operation's change), journaling how the object is now."""
-        self._undo.append(_now(record.module, record.replaced, record.role))
+        """Undo `record` (a completed operation's change), journaling how the objects are now."""
+        self._undo.extend(_now(module, record.replaced, record.role) for module in record.modules)
         record()
 
     def rollback(self) -> None:
@@ -176,9 +196,11 @@ class AppliedState:
         relocating = 0
         for record in self.records:
             if record.role == "stream":
-                kind = protocol.kind_of(record.module)
-                streamed[kind] = streamed.get(kind, 0) + 1
-            relocating += record.role == "relocate"
+                for module in record.modules:
+                    kind = protocol.kind_of(module)
+                    streamed[kind] = streamed.get(kind, 0) + 1
+            elif record.role == "relocate":
+                relocating += len(record.modules)
         return ConversionCounts(dict(sorted(streamed.items())), relocating)
 
 
@@ -257,18 +279,26 @@ def _apply(
         targets = _targets(plan, located)
         step = "quantizing"
         quantized = _quantized(located)  # the heavy part, before anything changes
-        records = []
+        records: list[_Record] = []
+        shared: dict[type, _Record] = {}  # by new class: the record modules converted to it alike join
         step = "converting"
         for entry, module, cls in targets:
-            if type(module) is not cls:
-                converting = entry
-                attributes = protocol.leaf_attributes(module, tree) if entry.stream else {protocol.TREE: tree}
-                if entry.relocate:
-                    attributes[protocol.RELOCATED] = entry.relocate
-                if entry.stream == GENERIC and holds_parameters_below(module):
-                    attributes[protocol.CLAIMED] = claimed_below(module)
-                records.append(journal.swap_class(module, cls, attributes, "stream" if entry.stream else "relocate",
-                                                  root=module is model))
+            if type(module) is cls:
+                continue
+            converting = entry
+            role = "stream" if entry.stream else "relocate"
+            attributes = protocol.leaf_attributes(module, tree) if entry.stream else {protocol.TREE: tree}
+            if entry.relocate:
+                attributes[protocol.RELOCATED] = entry.relocate
+            if entry.stream == GENERIC and holds_parameters_below(module):
+                attributes[protocol.CLAIMED] = claimed_below(module)
+            alike = shared.get(cls)
+            record = swap_class(module, cls, attributes, role, clears=_MAY_SET[role], root=module is model,
+                                alike=alike)
+            if record is not alike:
+                records.append(journal.add(record))
+                if type(record.replaced) is tuple and module is not model:
+                    shared[cls] = record  # the modules converted to `cls` next join it
         step, converting = "making quantized residents", None
         from ..quant.residents import make_resident
 
@@ -299,19 +329,26 @@ def revert(model: nn.Module) -> None:
     with journal.atomic(lambda exc: ConversionError(f"reverting failed ({exc!r}); the tree is converted as before")):
         for record in reversed(state.records):
             journal.restore(record)
-        journal.restore(_Record(model, type(model), {STATE_ATTRIBUTE: _ABSENT}, ""))  # the root state goes last
+        journal.restore(_Record([model], type(model), {STATE_ATTRIBUTE: _ABSENT}, ""))  # the root state goes last
 
 
 def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str, *,
-               root: bool = False) -> _Record:
-    """Give `module` the class `cls` and plain `attributes`, returning how to undo it (holding the module weakly when
-    it is the `root` that will keep the record)."""
+               clears: tuple[str, ...] = (), root: bool = False, alike: _Record | None = None) -> _Record:
+    """Give `module` the class `cls` and plain `attributes`, returning how to undo it: the class back, `attributes`
+    and `clears` (names a host may set on the instance later) as they were.
+
+    `alike`: the record of modules given `cls` the same way, none of which held its names; `module` joins it when it
+    holds none either (one record for a class's modules, not one each). The record holds the module weakly when it
+    is the `root` that will keep the record.
+    """
     held = module.__dict__
-    if held.keys().isdisjoint(attributes):  # a first conversion: undoing it removes each name again
-        replaced = dict.fromkeys(attributes, _ABSENT)
+    if alike is not None and not root and held.keys().isdisjoint(alike.replaced):
+        alike.modules.append(module)  # first: undoing a module not converted yet changes nothing
+        record = alike
     else:
-        replaced = {name: held.get(name, _ABSENT) for name in attributes}
-    record = (_RootRecord if root else _Record)(module, type(module), replaced, role)
+        names = tuple(dict.fromkeys((*attributes, *clears)))
+        replaced = names if held.keys().isdisjoint(names) else {name: held.get(name, _ABSENT) for name in names}
+        record = (_RootRecord if root else _Record)([module], type(module), replaced, role)
     object.__setattr__(module, "__class__", cls)  # past nn.Module.__setattr__, which only looks for tensors here
     held.update(attributes)
     return record
@@ -382,8 +419,7 @@ def _target_class(entry: ModulePlan, module: nn.Module) -> tuple[type, frozenset
     fits = fit(entry.stream, original)
     if fits.refused is not None:
         raise ConversionError(f"`{entry.path}`: {fits.refused}")
-    needs = frozenset(name for name in COMPUTE_KINDS[entry.stream].requires if not hasattr(original, name))
-    return target, needs, not fits.proven
+    return target, fits.needs, not fits.proven
 
 
 def _probed(plan: Plan, entry: ModulePlan, module: nn.Module) -> bool:

@@ -311,11 +311,19 @@ class Fit(NamedTuple):
     """Why, in a few words, for the plan."""
     refused: str | None = None
     """Why the kind must not compute for the class: it would give other numbers than the class's forward."""
+    needs: frozenset[str] = frozenset()
+    """What the kind reads that the class lacks: each module must hold it (as a parameter, usually)."""
 
 
 def fit(kind_name: str, cls: type) -> Fit:
     """How `kind_name` (a compute kind, or `auto`) fits modules of class `cls`; decided from the class alone."""
     original = protocol.original_class(cls)
+    chosen = _fit(kind_name, original)
+    return chosen._replace(needs=frozenset(
+        name for name in COMPUTE_KINDS[chosen.kind].requires if not hasattr(original, name)))
+
+
+def _fit(kind_name: str, original: type) -> Fit:
     if kind_name == GENERIC:
         return Fit(GENERIC, True, "its own forward")
     if kind_name == AUTO_KIND:

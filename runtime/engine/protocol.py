@@ -1,10 +1,11 @@
 """The low-VRAM protocol every converted leaf speaks: ComfyUI's own attribute names, on purpose.
 
-ComfyUI core's `ModelPatcher` streams a module when it finds three instance attributes on it: the flag
-`comfy_cast_weights` (set while the weights live off the compute device) and the lists `weight_function` and
-`bias_function` (LoRA patches applied to a fetched weight). Streamwise leaves carry exactly these, so core drives
-them with no adapter; the standalone host sets the same flag. This module is the one place outside the ComfyUI
-host that spells those names, and the one place that spells Streamwise's own `_sw_*` markers.
+ComfyUI core's `ModelPatcher` streams a module when it finds three attributes on it: the flag `comfy_cast_weights`
+(set while the weights live off the compute device) and the lists `weight_function` and `bias_function` (LoRA
+patches applied to a fetched weight). Streamwise leaves carry exactly these, so core drives them with no adapter; the
+standalone host sets the same flag. As on core's own layers, the class holds the resting values (`LEAF_DEFAULTS`)
+and a host sets the instance's own when it streams or patches the leaf. This module is the one place outside the
+ComfyUI host that spells those names, and the one place that spells Streamwise's own `_sw_*` markers.
 
 Invariants:
 - a leaf fetches its weights per forward exactly when `is_fetching` is true; otherwise its forward computes from
@@ -35,12 +36,16 @@ TREE = "_sw_tree"  # on converted instances: the tree's StreamTree
 RELOCATED = "_sw_relocated"  # on relocating instances: the names of the tensors that follow the compute device
 CLAIMED = "_sw_claimed"  # on generic containers: the descendants whose parameters it fetches with its own
 
+#: A streamed leaf's class attributes: resident, unpatched. Immutable, so a stray in-place append fails instead of
+#: patching every leaf of the class (core assigns an instance list before it extends one).
+LEAF_DEFAULTS: dict[str, object] = {FETCH_FLAG: False, WEIGHT_FUNCTIONS: (), BIAS_FUNCTIONS: ()}
+
 
 def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> Callable[..., Any]:
     """The forward of every streamed leaf: `streamed(self, args, kwargs)` while fetching, else `resident`.
 
-    The hot path of the whole engine: three instance-dict reads and one branch before the original forward
-    (`benchmarks/bench_fast_path.py` holds it within 3% of an unconverted model).
+    The hot path of the whole engine: three attribute reads (the instance's, else the class's) and one branch before
+    the original forward (`benchmarks/bench_fast_path.py` holds it within 3% of an unconverted model).
     """
 
     def forward(self, *args, **kwargs):
@@ -52,8 +57,12 @@ def leaf_forward(resident: Callable[..., Any], streamed: Callable[..., Any]) -> 
 
 
 def leaf_attributes(module: nn.Module, tree: object) -> dict[str, object]:
-    """The instance attributes a streamed leaf starts with: resident, unpatched, in `tree`."""
-    attributes: dict[str, object] = {TREE: tree, FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []}
+    """The instance attributes a streamed leaf starts with: in `tree`, and resident and unpatched (the class says
+    so, `LEAF_DEFAULTS`, unless the instance holds values of its own). An undo of the conversion also clears
+    `LEAF_DEFAULTS`' names, which a host sets on the instance meanwhile."""
+    attributes: dict[str, object] = {TREE: tree}
+    if not module.__dict__.keys().isdisjoint(LEAF_DEFAULTS):  # reset, as core's `wipe_lowvram_weight` does
+        attributes.update({FETCH_FLAG: False, WEIGHT_FUNCTIONS: [], BIAS_FUNCTIONS: []})
     held = module._parameters  # where they usually are: no call per name
     if "bias" not in held and not has_attribute(module, "bias"):  # core reads `weight` and `bias` of every module
         attributes["bias"] = None  # carrying the flag

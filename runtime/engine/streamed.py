@@ -59,6 +59,7 @@ def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:
             kind.release(tree.fetcher, self, fetched)
 
     return {
+        **protocol.LEAF_DEFAULTS,
         "forward": protocol.leaf_forward(kind.resident_forward(cls), streamed),
         "__doc__": f"{cls.__qualname__}, streamed by Streamwise (compute kind `{kind.name}`).",
         protocol.KIND: kind.name,

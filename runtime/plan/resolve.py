@@ -271,8 +271,8 @@ def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     """A specific kind computes what the class it was made for computes: refused where the class provably computes
     otherwise, or lacks an attribute the kind reads (a probe on real weights covers the rest, in `apply`)."""
     rule = roles.stream
-    if rule is None:
-        return None
+    if rule is None or kind.proven and kind.needs <= module._parameters.keys():
+        return None  # the common case: a proven kind, with what it reads
     if kind.refused is not None:
         message = f"stream rule `{rule.id}`: {kind.refused}"
     else:
@@ -398,34 +398,48 @@ class _CoverageCounter:
         first = self._first
         relocated = roles.relocate is not None
         every = streams is ALL
-        moves_buffers = relocated or every
-        streamed = moved = 0
-        for tensors, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
-            for name, tensor in tensors.items():
-                if tensor is None:
-                    continue
-                key = id(tensor)
-                if key in first:
-                    self._seen_again(key, path, name, tensors, tensor)
-                elif relocated:
-                    first[key] = (path, name)
-                    moved += tensor.nbytes
-                elif streams is not None and (every or name in streams):
-                    first[key] = (path, name)
-                    streamed += tensor.nbytes
-                else:
-                    first[key] = (path, name)
-                    self.stranded_bytes += tensor.nbytes
-                    self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes, type(module).__name__))
-            streams = None  # buffers never come through the fetch
-            relocated = moves_buffers
+        streamed = moved = stranded = 0
+        parameters, buffers = module._parameters, module._buffers
+        for name, tensor in parameters.items():
+            if tensor is None:
+                continue
+            key = id(tensor)
+            if key in first:
+                self._seen_again(key, path, name, parameters, tensor)
+                continue
+            first[key] = (path, name)
+            if relocated:
+                moved += tensor.nbytes
+            elif every or streams is not None and name in streams:
+                streamed += tensor.nbytes
+            else:
+                stranded += tensor.nbytes
+                self._strand(path, name, "parameter", tensor, module)
+        moves_buffers = relocated or every  # buffers never come through the fetch
+        for name, tensor in buffers.items():
+            if tensor is None:
+                continue
+            key = id(tensor)
+            if key in first:
+                self._seen_again(key, path, name, buffers, tensor)
+                continue
+            first[key] = (path, name)
+            if moves_buffers:
+                moved += tensor.nbytes
+            else:
+                stranded += tensor.nbytes
+                self._strand(path, name, "buffer", tensor, module)
         self.streamed += streamed
         self.relocated += moved
+        self.stranded_bytes += stranded
         if not moves_buffers:
             return ()
-        sources = (module._parameters, module._buffers) if roles.relocate is not None else (module._buffers,)
+        sources = (parameters, buffers) if relocated else (buffers,)
         return tuple(name for tensors in sources for name, tensor in tensors.items()
                      if tensor is not None and not _named_earlier(tensors, name, tensor))
+
+    def _strand(self, path: str, name: str, kind: str, tensor: object, module: nn.Module) -> None:
+        self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes, type(module).__name__))
 
     def _seen_again(self, key: int, path: str, name: str, tensors: dict, tensor: object) -> None:
         """A tensor met before: tied elsewhere, unless this module holds it under an earlier name too."""

@@ -95,4 +95,5 @@ def make_resident(
         if tree is None:
             leaf.pop(protocol.TREE, None)
         attributes = {**leaf, **protocol.stored_dtype_attributes(aligned), **attributes}
-        journal.swap_class(module, resident_class(type(module), format_name), attributes, "resident")
+        journal.swap_class(module, resident_class(type(module), format_name), attributes, "resident",
+                           clears=tuple(protocol.LEAF_DEFAULTS))
