@@ -75,6 +75,7 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
     seen: dict[_Decided, int] = {}  # how many modules each decision decided: the rule match counts
     per_module: list[tuple[Diagnostic, str]] = []
     unit_path: str | None = None  # the last compile unit: a pre-order walk meets what lies in it next
+    units = 0
     claim: str | None = None  # the last generic container: it fetches the parameters of what lies in it
 
     key = matcher.key
@@ -82,9 +83,9 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
     unit_by_path = blocks_by_module or bool(declared)  # whether being a compile unit can depend on more than class
     for path, module in walk:
         decided = by_class.get(key(module)) or decide(path, module, ties)
-        seen[decided] = seen.get(decided, 0) + 1
         if decided.inert and not unit_by_path and not (module._parameters or module._buffers):
-            continue  # nothing to decide, count or plan: most containers
+            continue  # nothing to decide, count or plan (no rule decides it): most containers
+        seen[decided] = seen.get(decided, 0) + 1
         roles, template, streams = decided.roles, decided.template, decided.streams
         kind = decided.fit
         for check in decided.checks if module._modules else decided.leaf_checks:
@@ -107,9 +108,9 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
             unit_path is not None and within(path, unit_path))
         if unit:
             unit_path = path
-        if unit or roles.any or relocated:
-            plans.append(tuple.__new__(ModulePlan, (path, *template[0], relocated, *template[1], unit,
-                                                    template[2] if roles.stream is not None else None)))
+            units += 1
+        if unit or relocated or (decided.any if roles is decided.roles else roles.any):
+            plans.append(tuple.__new__(ModulePlan, (path, *template[0], relocated, *template[1], unit, template[2])))
             modules.append(module)
 
     matches = dict.fromkeys(matcher.rule_keys, 0)
@@ -117,12 +118,12 @@ def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
         for rule_key in decided.keys:
             matches[rule_key] += decided_modules
     if blocks is not None:
-        matches["compile.blocks"] = sum(1 for entry in plans if entry.compile_unit)
+        matches["compile.blocks"] = units
     problems += [_conflict(section, conflicts) for (section, *_), conflicts in ties.items()]
     problems += _grouped(per_module)
     problems += _unmatched(matcher, matches, walk)
     problems += _unused(matcher, matches, walk)
-    counted = coverage.coverage()
+    counted = coverage.coverage(walk)
     if counted.stranded:
         problems.append(_stranded(counted))
     plan = Plan(
@@ -171,7 +172,7 @@ class _Decided:
     Compared by identity: resolve counts the modules each one decides.
     """
 
-    __slots__ = ("roles", "keys", "fit", "checks", "leaf_checks", "template", "streams", "block", "inert")
+    __slots__ = ("roles", "any", "keys", "fit", "checks", "leaf_checks", "template", "streams", "block", "inert")
 
     def __init__(self, roles: _Roles, keys: tuple[str, ...], cls: type, block: bool) -> None:
         self.roles = roles
@@ -186,6 +187,7 @@ class _Decided:
         # what a fetch brings; a host's own streaming layer (ComfyUI's `comfy.ops`) fetches its weight and bias
         self.streams = FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)
         self.block = block  # whether the compile blocks select the class
+        self.any = roles.any
         self.inert = not roles.any and not block  # no role, no compile unit: a module holding no tensors is skipped
 
 
@@ -383,13 +385,14 @@ def _streams(roles: _Roles, kind: Fit | None) -> tuple[str, ...] | None:
 class _CoverageCounter:
     """Bytes per role, counting every tensor once (tied parameters are one tensor).
 
-    Names are kept as (module path, tensor name) and joined only for what is reported.
+    A tensor's first place is kept as the module's path alone (its name is looked up for the rare tied tensor), the
+    others as (module path, tensor name); they are joined only for what is reported.
     """
 
     def __init__(self) -> None:
         self.streamed = self.relocated = self.stranded_bytes = 0
         self.stranded: list[TensorRef] = []
-        self._first: dict[int, tuple[str, str]] = {}  # by tensor id: where it was first seen
+        self._first: dict[int, str] = {}  # by tensor id: the path of the module it was first seen in
         self._aliases: dict[int, list[tuple[str, str]]] = {}  # by tensor id: where else it was seen
 
     def count(self, path: str, module: nn.Module, roles: _Roles, streams: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -407,7 +410,7 @@ class _CoverageCounter:
             if key in first:
                 self._seen_again(key, path, name, parameters, tensor)
                 continue
-            first[key] = (path, name)
+            first[key] = path
             if relocated:
                 moved += tensor.nbytes
             elif every or streams is not None and name in streams:
@@ -423,7 +426,7 @@ class _CoverageCounter:
             if key in first:
                 self._seen_again(key, path, name, buffers, tensor)
                 continue
-            first[key] = (path, name)
+            first[key] = path
             if moves_buffers:
                 moved += tensor.nbytes
             else:
@@ -446,14 +449,22 @@ class _CoverageCounter:
         if not _named_earlier(tensors, name, tensor):  # one tensor under two names of one module: torch yields it once
             self._aliases.setdefault(key, []).append((path, name))
 
-    def coverage(self) -> Coverage:
-        """The census; tied groups in the order their tensors were first seen."""
-        tied = tuple(
-            tuple(_joined(*where) for where in (self._first[key], *self._aliases[key]))
-            for key in self._first if key in self._aliases
-        ) if self._aliases else ()
+    def coverage(self, walk: list[tuple[str, nn.Module]]) -> Coverage:
+        """The census; tied groups in the order their tensors were first seen (`walk`: the tree counted)."""
+        tied = ()
+        if self._aliases:
+            modules = dict(walk)
+            tied = tuple((_joined(self._first[key], _name_of(modules[self._first[key]], key)),
+                          *(_joined(*where) for where in self._aliases[key]))
+                         for key in self._first if key in self._aliases)
         counted = {"streamed": self.streamed, "relocated": self.relocated, "stranded": self.stranded_bytes}
         return Coverage(counted, tuple(self.stranded), tied)
+
+
+def _name_of(module: nn.Module, key: int) -> str:
+    """The first name under which `module` holds the tensor of id `key`."""
+    return next(name for tensors in (module._parameters, module._buffers) for name, tensor in tensors.items()
+                if id(tensor) == key)
 
 
 def _named_earlier(tensors: dict, name: str, tensor: object) -> bool:

@@ -217,11 +217,12 @@ def walk_modules(model) -> list[tuple[str, object]]:
     seen = set()
     stack = [("", model)]
     while stack:
-        path, module = stack.pop()
+        entry = stack.pop()
+        path, module = entry
         if module in seen:
             continue
         seen.add(module)
-        found.append((path, module))
+        found.append(entry)
         children = module._modules
         if children:
             prefix = path + "." if path else ""
