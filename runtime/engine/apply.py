@@ -228,22 +228,22 @@ def apply_policy(
     """
     from ..plan.resolve import plan_and_modules
 
-    def planned() -> tuple[Plan, list]:
+    def planned() -> tuple[Plan, list[nn.Module]]:
         nonlocal policy  # the name or file becomes the loaded Policy
         policy, plan, modules = plan_and_modules(policy, model, dirs=dirs)
-        return plan, list(zip(plan.modules, modules, strict=True))
+        return plan, modules
 
     plan, _ = _apply(model, planned, journal or Journal())
     return policy, plan
 
 
-def check(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module, type]]:
+def check(plan: Plan, model: nn.Module) -> None:
     """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
-    return _targets(plan, _located(plan, model))
+    _targets(plan, _located(plan, model))
 
 
-def _located(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module]]:
-    """Each entry of an ok plan with the module of `model` it names (raises ConversionError)."""
+def _located(plan: Plan, model: nn.Module) -> list[nn.Module]:
+    """The module of `model` each entry of an ok plan names, in order (raises ConversionError)."""
     if not plan.ok:
         raise ConversionError("the plan has errors; fix the policy first:\n" + "\n".join(
             f"{d.severity}[{d.code}]: {d.message}" for d in plan.diagnostics if d.is_error
@@ -256,7 +256,7 @@ def _located(plan: Plan, model: nn.Module) -> list[tuple[ModulePlan, nn.Module]]
         module = modules.get(entry.path)
         if module is None:
             raise ConversionError(f"the plan names `{entry.path}`, which this model does not have")
-        located.append((entry, module))
+        located.append(module)
     return located
 
 
@@ -278,12 +278,12 @@ def _apply(
         plan, located = planned()
         targets = _targets(plan, located)
         step = "quantizing"
-        quantized = _quantized(located)  # the heavy part, before anything changes
+        quantized = _quantized(plan, located)  # the heavy part, before anything changes
         records: list[_Record] = []
         shared: dict[type, _Record] = {}  # by new class: the record modules converted to it alike join
         step = "converting"
-        for entry, module, cls in targets:
-            if type(module) is cls:
+        for entry, module, cls in zip(plan.modules, located, targets, strict=True):
+            if cls is None or type(module) is cls:
                 continue
             converting = entry
             role = "stream" if entry.stream else "relocate"
@@ -304,7 +304,7 @@ def _apply(
 
         for entry, module, stored in quantized:
             make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, tree)
-        for entry, module in located:  # residents a checkpoint load made before the tree existed
+        for entry, module in zip(plan.modules, located, strict=True):  # residents a checkpoint load made
             if entry.quant and protocol.tree_of(module) is None and protocol.is_resident(module):
                 journal.set_attributes(module, {protocol.TREE: tree})
         step = "recording the conversion"
@@ -354,7 +354,7 @@ def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role
     return record
 
 
-def _quantized(located: list[tuple[ModulePlan, nn.Module]]) -> list[tuple[ModulePlan, nn.Module, dict[str, Tensor]]]:
+def _quantized(plan: Plan, located: list[nn.Module]) -> list[tuple[ModulePlan, nn.Module, dict[str, Tensor]]]:
     """The quantized tensors for the plan's int8-family layers, computed without changing the tree.
 
     GGUF residents come from GGUF files (`streamwise.load`); a `gguf` rule on float weights keeps the floats.
@@ -363,22 +363,24 @@ def _quantized(located: list[tuple[ModulePlan, nn.Module]]) -> list[tuple[Module
 
     on_load = {name: handler for name, handler in FORMATS.items() if handler.quantizes_on_load}
     quantized = []
-    for entry, module in located:
+    for entry, module in zip(plan.modules, located, strict=True):
         if entry.quant in on_load and not protocol.is_resident(module):
             weight = module.weight.detach()
             quantized.append((entry, module, on_load[entry.quant].quantize(weight, entry.group_size)))
     return quantized
 
 
-def _targets(plan: Plan, located: Iterable[tuple[ModulePlan, nn.Module]]) -> list[tuple[ModulePlan, nn.Module, type]]:
-    """Each module an ok plan converts, with the class it must end up with; checks everything first.
+def _targets(plan: Plan, located: list[nn.Module]) -> list[type | None]:
+    """The class each module an ok plan names must end up with (None: the plan converts it not); checks everything
+    first.
 
     What depends on the class alone (which class the plan expects, the derived class) is decided once per class.
     """
     by_class: dict[tuple, tuple[type, frozenset | None, bool]] = {}
-    targets = []
-    for entry, module in located:
+    targets: list[type | None] = []
+    for entry, module in zip(plan.modules, located, strict=True):
         if not (entry.stream or entry.relocate):
+            targets.append(None)
             continue
         key = (type(module), entry.class_name, entry.stream, bool(entry.relocate))
         decided = by_class.get(key)
@@ -389,7 +391,7 @@ def _targets(plan: Plan, located: Iterable[tuple[ModulePlan, nn.Module]]) -> lis
             _check_leaf(entry, module)  # the rare case, explained
         if unproven and _probed(plan, entry, module):
             by_class[key] = (target, needs, False)  # one probe per class and kind
-        targets.append((entry, module, target))
+        targets.append(target)
     return targets
 
 
