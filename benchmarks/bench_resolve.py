@@ -13,8 +13,9 @@ Timed in interleaved rounds, medians:
 - `resolve`: the plan alone (precedence, coverage census, diagnostics);
 - `resolve + apply`: `streamwise.apply_policy`, the plan carried out (`streamwise.revert` resets the tree
   outside the timed part).
-Both walks swap the same modules the plan converts, and are swapped back outside the timed part.
-Goal: `resolve + apply` no slower than the seed walk. Run:
+Both walks swap the same modules the plan converts, and are swapped back outside the timed part. Timed in this
+thread's CPU time, so time the machine spends on other work does not count; the ratios are medians of per-round
+ratios (each round runs every variant once). Goal: `resolve + apply` no slower than the seed walk. Run:
 
     python benchmarks/bench_resolve.py [--rounds 15]
 """
@@ -96,9 +97,9 @@ def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
 
 
 def timed(run: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    start = time.thread_time()
     run()
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 def main() -> None:
@@ -162,8 +163,11 @@ def main() -> None:
     print(f"apply within resolve + apply: {applying * 1e3:.2f} ms ({applying / median['resolve + apply']:.0%})")
     for walk_name in ("seed walk", "lean walk"):
         goal = " (goal <= 1.00x)" if walk_name == "seed walk" else ""
-        print(f"resolve / {walk_name}: {median['resolve'] / median[walk_name]:.2f}x; resolve + apply / {walk_name}: "
-              f"{median['resolve + apply'] / median[walk_name]:.2f}x{goal}")
+        ratio = {name: [ours / walk for ours, walk in zip(samples[name], samples[walk_name], strict=True)]
+                 for name in ("resolve", "resolve + apply")}
+        low, _, high = statistics.quantiles(ratio["resolve + apply"], n=4)
+        print(f"resolve / {walk_name}: {statistics.median(ratio['resolve']):.2f}x; resolve + apply / {walk_name}: "
+              f"{statistics.median(ratio['resolve + apply']):.2f}x (quartiles {low:.2f}x, {high:.2f}x){goal}")
 
 
 if __name__ == "__main__":
