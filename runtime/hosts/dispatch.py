@@ -32,6 +32,7 @@ from ..engine.tree import TorchFetcher
 from ..plan import Plan, plan_for
 from ..policy.diagnostics import PolicyError
 from ..sizes import SizeError, parse_size
+from .devices import weight_device
 
 CPU = "cpu"
 _HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")  # what accelerate's add_hook_to_module sets
@@ -100,12 +101,7 @@ def _device_name(key: object) -> str:
     if key in ("disk", "meta"):
         raise DispatchError(f"max_memory key {key!r}: Streamwise streams from CPU memory; weights on {key} "
                             "would not be there to stream (give the CPU a budget instead)")
-    try:
-        device = torch.device(key)
-    except (RuntimeError, TypeError) as exc:
-        raise DispatchError(f"max_memory key {key!r} is not a device ({exc})") from exc
-    if device.type == "meta":
-        raise DispatchError(f"max_memory key {key!r}: meta holds no data")
+    device = weight_device(key, f"max_memory key {key!r}", DispatchError)
     if device.type == CPU:
         return CPU
     return str(torch.device(device.type, 0 if device.index is None else device.index))

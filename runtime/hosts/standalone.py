@@ -31,6 +31,7 @@ from ..engine.tree import TorchFetcher
 from ..plan.selectors import walk_modules
 from ..policy.diagnostics import PolicyError
 from ..sizes import SizeError, human, parse_size
+from .devices import weight_device
 
 AUTO_MARGIN = 0.10
 """The share of a device's total memory `budget="auto"` leaves free: for activations, the KV cache and the
@@ -123,12 +124,7 @@ def offload(
 
 def _usable(device: str | torch.device, argument: str) -> torch.device:
     """`device` as a torch.device that exists here and can hold weights (an accelerator with its index)."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise OffloadError(f"{argument}={device!r} is not a device ({exc})") from exc
-    if device.type == "meta":
-        raise OffloadError(f"{argument}='meta' holds no data: the weights placed there would be lost")
+    device = weight_device(device, f"{argument}={device!r}", OffloadError)
     if device.type == "cpu":
         return torch.device("cpu")  # as tensors report it: `cpu:0` would move every tensor onto itself
     backend = getattr(torch, device.type, None)

@@ -403,46 +403,32 @@ class _CoverageCounter:
         every = streams is ALL
         streamed = moved = stranded = 0
         parameters, buffers = module._parameters, module._buffers
-        for name, tensor in parameters.items():
-            if tensor is None:
-                continue
-            key = id(tensor)
-            if key in first:
-                self._seen_again(key, path, name, parameters, tensor)
-                continue
-            first[key] = path
-            if relocated:
-                moved += tensor.nbytes
-            elif every or streams is not None and name in streams:
-                streamed += tensor.nbytes
-            else:
-                stranded += tensor.nbytes
-                self._strand(path, name, "parameter", tensor, module)
-        moves_buffers = relocated or every  # buffers never come through the fetch
-        for name, tensor in buffers.items():
-            if tensor is None:
-                continue
-            key = id(tensor)
-            if key in first:
-                self._seen_again(key, path, name, buffers, tensor)
-                continue
-            first[key] = path
-            if moves_buffers:
-                moved += tensor.nbytes
-            else:
-                stranded += tensor.nbytes
-                self._strand(path, name, "buffer", tensor, module)
+        # per slot: what the fetch brings (buffers never come through it), whether all of it follows the device
+        slots = ((parameters, "parameter", streams, relocated), (buffers, "buffer", None, relocated or every))
+        for tensors, kind, fetched, follows in slots if buffers else slots[:1]:
+            for name, tensor in tensors.items():
+                if tensor is None:
+                    continue
+                key = id(tensor)
+                if key in first:
+                    self._seen_again(key, path, name, tensors, tensor)
+                    continue
+                first[key] = path
+                if follows:
+                    moved += tensor.nbytes
+                elif fetched is ALL or fetched is not None and name in fetched:
+                    streamed += tensor.nbytes
+                else:
+                    stranded += tensor.nbytes
+                    self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes, type(module).__name__))
         self.streamed += streamed
         self.relocated += moved
         self.stranded_bytes += stranded
-        if not moves_buffers:
+        if not (relocated or every):
             return ()
         sources = (parameters, buffers) if relocated else (buffers,)
         return tuple(name for tensors in sources for name, tensor in tensors.items()
                      if tensor is not None and not _named_earlier(tensors, name, tensor))
-
-    def _strand(self, path: str, name: str, kind: str, tensor: object, module: nn.Module) -> None:
-        self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes, type(module).__name__))
 
     def _seen_again(self, key: int, path: str, name: str, tensors: dict, tensor: object) -> None:
         """A tensor met before: tied elsewhere, unless this module holds it under an earlier name too."""
