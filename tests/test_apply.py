@@ -72,12 +72,23 @@ def test_revert_restores_classes_and_attributes_exactly():
 
 def test_revert_gives_back_attributes_the_instance_held_before():
     model = tiny_qwen2()
-    leaf = model.model.layers[0].mlp.up_proj
+    leaf, neighbour = model.model.layers[0].mlp.up_proj, model.model.layers[0].mlp.down_proj  # one class
     leaf.weight_function = ["the caller's own"]
     convert(model)
-    assert leaf.weight_function == []
+    assert leaf.weight_function == [] and neighbour.weight_function == ()
+    neighbour.weight_function = ["a host's patch"]
     streamwise.revert(model)
     assert leaf.weight_function == ["the caller's own"]
+    assert "weight_function" not in vars(neighbour) and not hasattr(neighbour, "weight_function")
+
+
+def test_the_resting_values_on_a_leaf_class_cannot_be_patched_for_every_leaf():
+    model = tiny_qwen2()
+    convert(model)
+    leaf = model.lm_head
+    assert "weight_function" not in vars(leaf) and not leaf.comfy_cast_weights
+    with pytest.raises(AttributeError):
+        leaf.weight_function.append(lambda weight: weight)  # a host assigns its own list first, as core does
 
 
 def test_a_leaf_with_a_forward_of_its_own_is_refused():
