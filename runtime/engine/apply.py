@@ -284,6 +284,8 @@ def _apply(
         step = "converting"
         for entry, module, cls in zip(plan.modules, located, targets, strict=True):
             if cls is None or type(module) is cls:
+                if entry.quant and protocol.is_resident(module) and protocol.tree_of(module) is None:
+                    journal.set_attributes(module, {protocol.TREE: tree})  # a resident a checkpoint load made
                 continue
             converting = entry
             role = "stream" if entry.stream else "relocate"
@@ -304,9 +306,6 @@ def _apply(
 
         for entry, module, stored in quantized:
             make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, tree)
-        for entry, module in zip(plan.modules, located, strict=True):  # residents a checkpoint load made
-            if entry.quant and protocol.tree_of(module) is None and protocol.is_resident(module):
-                journal.set_attributes(module, {protocol.TREE: tree})
         step = "recording the conversion"
         journal.set_attributes(state, {"records": state.records + records, "plan": plan})
         journal.set_attributes(model, {STATE_ATTRIBUTE: state})
