@@ -53,11 +53,10 @@ class ConversionCounts:
 
 
 _ABSENT = object()
-_LEAF_FLAGS = tuple(protocol.LEAF_DEFAULTS)
 # The instance attributes a conversion may set, by role (and a host, later, on a streamed leaf): modules holding none
 # of them before share one record per class they are converted to.
 _MAY_SET = {
-    "stream": (protocol.TREE, protocol.RELOCATED, protocol.CLAIMED, "weight", "bias", *_LEAF_FLAGS),
+    "stream": (protocol.TREE, protocol.RELOCATED, protocol.CLAIMED, "weight", "bias", *protocol.LEAF_DEFAULTS),
     "relocate": (protocol.TREE, protocol.RELOCATED),
 }
 
