@@ -18,6 +18,12 @@ from streamwise.runtime.engine import applied_state
 from llama_cpp_files import CORPUS, FAMILIES, MORE, float_model, train_tokenizer_parts, write_llama_cpp_gguf
 
 
+def assert_same_logits(model, expected, ids):
+    """The loaded model computes what the float model the file was written from computes, to float32 rounding."""
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_parts():
     return train_tokenizer_parts()
@@ -49,9 +55,7 @@ def test_llama_cpp_gguf_alone_loads_quantized_and_matches(tmp_path, tokenizer_pa
     assert report.dequantized == 1 and report.ignored == {}
 
     ids = torch.tensor([[eos, 5, 17, 42, 99, 7]])
-    with torch.no_grad():
-        got, want = model(ids).logits, expected(ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_same_logits(model, expected, ids)
     greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=eos)
     assert torch.equal(model.generate(ids, **greedy), expected.generate(ids, **greedy))
 
@@ -118,8 +122,7 @@ def test_a_llama_cpp_file_into_a_model_built_elsewhere_maps_too(tmp_path, tokeni
     report = streamwise.load(model, path, "transformers")
     assert report.residents == {"gguf": 14}
     ids = torch.tensor([[1, 2, 3, 4]])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+    assert_same_logits(model, expected, ids)
 
 
 def test_a_folder_holding_only_the_gguf_loads_and_extra_tensors_are_reported(tmp_path, tokenizer_parts):
@@ -132,8 +135,7 @@ def test_a_folder_holding_only_the_gguf_loads_and_extra_tensors_are_reported(tmp
     model, report, _ = streamwise.load_pretrained(tmp_path, "auto")
     assert list(report.ignored) == ["rope_freqs.weight"] and "no parameter" in report.ignored["rope_freqs.weight"]
     ids = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+    assert_same_logits(model, expected, ids)
 
 
 def test_a_config_json_beside_wins_and_a_mismatch_leaves_the_skeleton_untouched(tmp_path, tokenizer_parts):
@@ -145,8 +147,7 @@ def test_a_config_json_beside_wins_and_a_mismatch_leaves_the_skeleton_untouched(
     model, report, _ = streamwise.load_pretrained(path, "auto")
     assert applied_state(model).source == str(tmp_path) and report.residents == {"gguf": 14}
     ids = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+    assert_same_logits(model, expected, ids)
 
     wider = source.config.to_dict() | {"intermediate_size": 256}
     with streamwise.skeleton():
@@ -170,8 +171,7 @@ def test_more_architectures_load_from_the_gguf_alone(tmp_path, tokenizer_parts, 
     assert report.residents["gguf"] == len(report.quantized) > 0
     assert set(report.quantized.values()) == {"Q4_0"}
     ids = torch.tensor([[eos, 5, 17, 42]])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+    assert_same_logits(model, expected, ids)
 
 
 def test_a_gguf_without_an_architecture_and_without_a_config_is_a_clear_error(tmp_path):
