@@ -335,9 +335,9 @@ def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role
     """Give `module` the class `cls` and plain `attributes`, returning how to undo it: the class back, `attributes`
     and `clears` (names a host may set on the instance later) as they were.
 
-    `alike`: the record of modules given `cls` the same way, none of which held its names; `module` joins it when it
-    holds none either (one record for a class's modules, not one each). The record holds the module weakly when it
-    is the `root` that will keep the record.
+    `alike`: the record of modules given `cls` the same way, none of which held its names (which cover `attributes`
+    and `clears`); `module` joins it when it holds none either (one record for a class's modules, not one each).
+    The record holds the module weakly when it is the `root` that will keep the record.
     """
     held = module.__dict__
     if alike is not None and not root and held.keys().isdisjoint(alike.replaced):

@@ -30,6 +30,7 @@ from ..engine import ConversionError, applied_state, apply_policy, protocol
 from ..engine.apply import Journal
 from ..engine.tree import TorchFetcher
 from ..plan import Plan, plan_for
+from ..plan.selectors import joined
 from ..policy.diagnostics import PolicyError
 from ..sizes import SizeError, parse_size
 from .devices import weight_device
@@ -166,11 +167,10 @@ def _units(model: nn.Module, plan: Plan, accelerate) -> tuple[list[list[str]], d
     tensors_of: dict[str, list[str]] = {}
 
     def walk(module: nn.Module, path: str) -> None:
-        named = [f"{path}.{n}" if path else n for n, t in [*module._parameters.items(), *module._buffers.items()]
-                 if t is not None]
+        named = [joined(path, n) for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
         split = path in holding and path not in whole and type(module).__name__ not in no_split
         if not split:
-            below = [f"{path}.{n}" if path else n for n, _ in
+            below = [joined(path, n) for n, _ in
                      [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]]
             if below:
                 atoms.append(path)
@@ -180,15 +180,14 @@ def _units(model: nn.Module, plan: Plan, accelerate) -> tuple[list[list[str]], d
             atoms.append(name)
             tensors_of[name] = [name]
         for name, child in module.named_children():
-            walk(child, f"{path}.{name}" if path else name)
+            walk(child, joined(path, name))
 
     walk(model, "")
-    streamed_tensors = {f"{path}.{name}" if path else name
-                        for path in streamed for name, _ in model.get_submodule(path).named_parameters(
-                            remove_duplicate=False)}
+    streamed_tensors = {joined(path, name) for path in streamed
+                        for name, _ in model.get_submodule(path).named_parameters(remove_duplicate=False)}
     generic = [entry.path for entry in plan.modules if entry.stream == "generic"]
     for path in generic:  # a generic entry's buffers follow its own forward's device
-        streamed_tensors.update(f"{path}.{name}" if path else name
+        streamed_tensors.update(joined(path, name)
                                 for name, _ in model.get_submodule(path).named_buffers(remove_duplicate=False))
     movable = {atom: all(t in streamed_tensors for t in tensors_of[atom]) for atom in atoms}
 

@@ -30,7 +30,17 @@ from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
 from .auto import choose_policy
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
-from .selectors import HOLDS, CompiledSelector, ModuleRef, class_names, declared_blocks, holds, walk_modules, within
+from .selectors import (
+    HOLDS,
+    CompiledSelector,
+    ModuleRef,
+    class_names,
+    declared_blocks,
+    holds,
+    joined,
+    walk_modules,
+    within,
+)
 
 _MAX_LISTED = 8
 
@@ -187,7 +197,7 @@ class _Decided:
         # what a fetch brings; a host's own streaming layer (ComfyUI's `comfy.ops`) fetches its weight and bias
         self.streams = FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)
         self.block = block  # whether the compile blocks select the class
-        self.any = roles.any
+        self.any = roles.any  # read per module: a slot, not the property
         self.inert = not roles.any and not block  # no role, no compile unit: a module holding no tensors is skipped
 
 
@@ -420,7 +430,7 @@ class _CoverageCounter:
                     streamed += tensor.nbytes
                 else:
                     stranded += tensor.nbytes
-                    self.stranded.append(TensorRef(_joined(path, name), kind, tensor.nbytes, type(module).__name__))
+                    self.stranded.append(TensorRef(joined(path, name), kind, tensor.nbytes, type(module).__name__))
         self.streamed += streamed
         self.relocated += moved
         self.stranded_bytes += stranded
@@ -440,8 +450,8 @@ class _CoverageCounter:
         tied = ()
         if self._aliases:
             modules = dict(walk)
-            tied = tuple((_joined(self._first[key], _name_of(modules[self._first[key]], key)),
-                          *(_joined(*where) for where in self._aliases[key]))
+            tied = tuple((joined(self._first[key], _name_of(modules[self._first[key]], key)),
+                          *(joined(*where) for where in self._aliases[key]))
                          for key in self._first if key in self._aliases)
         counted = {"streamed": self.streamed, "relocated": self.relocated, "stranded": self.stranded_bytes}
         return Coverage(counted, tuple(self.stranded), tied)
@@ -461,10 +471,6 @@ def _named_earlier(tensors: dict, name: str, tensor: object) -> bool:
         if other is tensor:
             return True
     return False
-
-
-def _joined(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
 
 
 def _rule_location(rule: Any):

@@ -230,5 +230,10 @@ def walk_modules(model) -> list[tuple[str, object]]:
     return found
 
 
+def joined(path: str, name: str) -> str:
+    """The path of `name` (a child, parameter or buffer) of the module at `path` (`""`: the root)."""
+    return f"{path}.{name}" if path else name
+
+
 def _glob_specificity(glob: str) -> Specificity:
     return (EXACT_PATH, 0) if is_exact_path(glob) else (GLOB_PATH, glob_literal_segments(glob))

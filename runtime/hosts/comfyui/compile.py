@@ -23,6 +23,7 @@ from ....schemas import CompileSettings
 from ...compile.arm import Armed, Target, compile_stats, lazy_compile
 from ...compile.regions import Region, is_region_forward, log
 from ...engine import applied_state
+from ...plan.selectors import joined
 
 #: Per-call dictionaries whose contents change every call: guarding on them only forces recompiles.
 PER_CALL_DICTS = ("transformer_options", "model_options", "patches_replace")
@@ -53,7 +54,7 @@ class _PatcherTarget(Target):
         return self if demoted is self.holder else _PatcherTarget(demoted)
 
     def install(self, path: str, unit: nn.Module, forward: Any, own: Any, armed: Armed) -> None:
-        self.holder.add_object_patch(f"{path}.forward" if path else "forward", forward)
+        self.holder.add_object_patch(joined(path, "forward"), forward)
 
     def remove(self, armed: Armed) -> None:
         patches = self.holder.object_patches
