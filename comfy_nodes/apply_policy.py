@@ -28,5 +28,5 @@ class ApplyStreamwisePolicy(io.ComfyNode):
     @classmethod
     def execute(cls, model, policy: str) -> io.NodeOutput:
         dirs = comfy_policy_dirs()
-        policy, _ = choose_policy(chosen_policy(policy, dirs, auto=True), model.model, dirs=dirs)
+        policy = choose_policy(chosen_policy(policy, dirs, auto=True), model.model, dirs=dirs).policy
         return io.NodeOutput(adopt(model, policy))

@@ -1,42 +1,124 @@
-"""`auto`: a policy picked by root class, then model_type, state-dict key patterns, base class, then the fallback;
-equal matches are an error, never a guess."""
+"""`auto`: candidates ranked by root class, then model_type, state-dict key patterns, base class, then the fallback;
+the strongest whose plan fits the tree (no error, nothing stranded) wins; equal fitting candidates are an error,
+never a guess."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from helpers import tiny_acoustic_tokenizer, tiny_qwen2, write_policy
 from streamwise import PolicyError
-from streamwise.runtime.plan.auto import select_policy
+from streamwise.runtime.plan.auto import select_policy, tree_keys
 
 
 class Unknown(torch.nn.Module):
     pass
 
 
+class Holder(nn.Module):
+    """A root no policy names, holding a VibeVoice acoustic tokenizer under the name VibeVoice uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acoustic_tokenizer = tiny_acoustic_tokenizer()
+
+
 def test_key_patterns_pick_a_policy_when_class_and_model_type_do_not():
-    keys = ["model.acoustic_tokenizer.encoder.stem.weight", "model.language_model.embed_tokens.weight"]
-    policy, reason = select_policy(Unknown(), keys=keys)
-    assert (policy.name, reason) == ("vibevoice", "`auto` picked `vibevoice` by its state-dict key patterns")
+    choice = select_policy(Holder())
+    assert (choice.policy.name, choice.reason) == ("vibevoice", "`auto` picked `vibevoice` by its state-dict key "
+                                                                "patterns")
 
 
-def test_a_family_policy_beats_the_library_policy_which_beats_the_fallback(tmp_path):
+def test_the_keys_are_the_trees_own_so_memory_and_files_agree():
+    model = Holder()
+    assert sorted(tree_keys(model)) == sorted(model.state_dict())
+    # the same tree, matched against the keys a file would list, is planned alike
+    assert select_policy(model, keys=model.state_dict()).policy.name == select_policy(model).policy.name
+
+
+def test_every_key_pattern_must_match_not_just_one(tmp_path):
+    write_policy(tmp_path, "both", '\n[match]\nstate_dict_keys = ["a.**", "b.**"]\n')
+    model = nn.Module()
+    assert select_policy(model, keys=["a.x"], dirs=[tmp_path]).policy.name == "any-module"
+    assert select_policy(model, keys=["a.x", "b.y"], dirs=[tmp_path]).policy.name == "both"
+
+
+def test_a_family_policy_beats_the_library_policy_which_beats_the_fallback():
     import transformers
 
-    from helpers import tiny_qwen2
-
-    assert select_policy(tiny_qwen2())[0].name == "decoder-llm"  # by root class
-    config = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64, head_dim=16)
-    policy, reason = select_policy(transformers.Qwen3ForCausalLM(config))
-    assert (policy.name, reason) == ("transformers", "`auto` picked `transformers` by base class `PreTrainedModel`, "
-                                                     "no family policy")
-    policy, reason = select_policy(Unknown(), keys=["encoder.weight"])
-    assert (policy.name, reason) == ("any-module", "`auto` picked `any-module` by fallback: no other policy "
-                                                   "recognizes it")
+    assert select_policy(tiny_qwen2()).policy.name == "decoder-llm"  # by root class
+    config = transformers.CohereConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    choice = select_policy(transformers.CohereForCausalLM(config))
+    assert choice.policy.name == "transformers"
+    assert choice.reason.startswith("`auto` picked `transformers` by base class `PreTrainedModel`, no family policy")
+    choice = select_policy(Unknown(), keys=["encoder.weight"])
+    assert (choice.policy.name, choice.reason) == (
+        "any-module", "`auto` picked `any-module` by fallback: no other policy recognizes it")
 
 
-def test_two_fallbacks_are_an_error_not_a_guess(tmp_path):
-    (tmp_path / "mine.toml").write_text('schema_version = 1\n[policy]\nname = "mine"\n[match]\nfallback = true\n')
-    with pytest.raises(PolicyError, match="policies `any-module`, `mine` all match `Unknown` by fallback"):
-        select_policy(Unknown(), dirs=[tmp_path])
+def test_a_candidate_whose_plan_does_not_fit_is_passed_over_with_its_reason():
+    """Cohere's keys match `decoder-llm`'s pattern, which outranks the base-class match, but its norms are not
+    the ones `decoder-llm` names: the library policy fits and wins, and the reason says what was passed over."""
+    import transformers
+
+    config = transformers.CohereConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    model = transformers.CohereForCausalLM(config)
+    choice = select_policy(model)
+    assert choice.policy.name == "transformers"
+    assert "passed over `decoder-llm` (by its state-dict key patterns): error[unmatched-rule]" in choice.reason
+    assert "rule `rms-norm`" in choice.reason
+    plan, modules = choice.resolved
+    assert plan.ok and not plan.coverage.stranded and len(modules) == len(plan.modules)
+
+
+def test_a_candidate_that_strands_tensors_is_passed_over(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    write_policy(tmp_path, "linears-only", '\n[match]\nclasses = ["Sequential"]\n'
+                 '[[stream.rule]]\nid = "linear"\nkind = "linear"\nselect = { class = "Linear" }\n')
+    choice = select_policy(model, dirs=[tmp_path])
+    assert choice.policy.name == "any-module"
+    assert "passed over `linears-only` (by root class `Sequential`): strands 2 tensors (32 B), e.g. `1.weight`" \
+        in choice.reason
+
+
+@pytest.mark.parametrize("level, match", [
+    ("fallback", "fallback = true"),
+    ("root class", 'classes = ["Unknown"]'),
+    ("keys", 'state_dict_keys = ["**"]'),
+])
+def test_two_fitting_candidates_of_equal_strength_are_an_error_not_a_guess(tmp_path, level, match):
+    for name in ("mine", "yours"):
+        write_policy(tmp_path, name, f"\n[match]\n{match}\n"
+                     '[[relocate.rule]]\nid = "buffers"\nselect = { holds = "buffers-only" }\n')
+    model = Unknown()
+    model.register_buffer("b", torch.zeros(1))
+    if level == "fallback":
+        expected = "policies `any-module`, `mine`, `yours` all match `Unknown` by fallback"
+    else:
+        expected = "policies `mine`, `yours` all match `Unknown` by "
+    with pytest.raises(PolicyError, match=expected):
+        select_policy(model, dirs=[tmp_path])
+
+
+def test_a_tied_candidate_that_does_not_fit_leaves_the_other_to_win(tmp_path):
+    write_policy(tmp_path, "mine", '\n[match]\nclasses = ["Unknown"]\n')
+    write_policy(tmp_path, "yours", '\n[match]\nclasses = ["Unknown"]\n'
+                 '[[stream.rule]]\nid = "linear"\nkind = "linear"\nselect = { class = "Linear" }\n')
+    choice = select_policy(Unknown(), dirs=[tmp_path])
+    assert choice.policy.name == "mine"
+    assert "passed over `yours` (by root class `Unknown`): error[unmatched-rule]" in choice.reason
+
+
+def test_no_fitting_policy_is_an_error_that_lists_what_was_tried(tmp_path, monkeypatch):
+    write_policy(tmp_path, "strict", '\n[match]\nfallback = true\n'
+                 '[[stream.rule]]\nid = "linear"\nkind = "linear"\nselect = { class = "Linear" }\n')
+    import streamwise.runtime.plan.auto as auto
+
+    monkeypatch.setattr(auto, "policy_dirs", lambda dirs: [tmp_path])  # only the strict policy exists
+    with pytest.raises(PolicyError, match=r"no policy fits `Unknown`: `strict` \(by fallback: no other policy "
+                                          r"recognizes it\): error\[unmatched-rule\]"):
+        select_policy(Unknown())

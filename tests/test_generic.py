@@ -38,7 +38,7 @@ def test_auto_streams_the_sample_at_budget_zero_bit_for_bit(name):
     model, inputs = _tiny(name)
     model.eval()
     expected = _output(model, inputs)
-    policy, _ = select_policy(model)
+    policy = select_policy(model).policy
     plan = streamwise.resolve(policy, model)
     assert plan.ok and plan.coverage.stranded == () and plan.coverage.bytes["stranded"] == 0
     report = streamwise.offload(model, policy, device="cpu", budget=0)

@@ -130,8 +130,8 @@ def test_hostile_state_dict_keys_pick_a_policy_through_auto_at_once(tmp_path, gu
     keys = open_checkpoint(tmp_path / "model.safetensors").tensors
     for name, last in (("misses", "bias"), ("hits", "weight")):
         write_policy(tmp_path, name, f'\n[match]\nstate_dict_keys = ["{INTERLEAVED[:-4]}{last}"]\n')
-    policy, reason = select_policy(nn.Module(), keys=keys, dirs=[tmp_path])
-    assert (policy.name, reason) == ("hits", "`auto` picked `hits` by its state-dict key patterns")
+    choice = select_policy(nn.Module(), keys=keys, dirs=[tmp_path])
+    assert (choice.policy.name, choice.reason) == ("hits", "`auto` picked `hits` by its state-dict key patterns")
 
 
 @pytest.mark.parametrize(

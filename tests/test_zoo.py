@@ -2,9 +2,11 @@
 
 Every installed `*ForCausalLM` and `*ForConditionalGeneration` class, and the main encoder, audio and vision base
 models, built on the `meta` device from its default config; the policy picked by `auto`, the plan resolved: no
-plan error and no stranded byte, for each one. A class whose default config does not build is not a Streamwise
-failure (the README lists them with their reasons); the test asserts that nearly all build, so it cannot pass
-vacuously. The builds run in a pool of worker processes, one per core (about 0.1 s per model).
+plan error and no stranded byte, for each one, and the same policy and plan when `auto` matches the keys its saved
+file would list (the checkpoint route) as when it reads the tree in memory. A class whose default config does not
+build is not a Streamwise failure (the README lists them with their reasons); the test asserts that nearly all
+build, so it cannot pass vacuously. The builds run in a pool of worker processes, one per core (about 0.1 s per
+model).
 """
 
 from __future__ import annotations
@@ -47,12 +49,26 @@ def convert_on_meta(name: str) -> tuple[str, str, str]:
             model = cls(config)
     except Exception as exc:  # the library's default config does not build: not ours to judge
         return name, "no-build", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
-    policy, _ = select_policy(model, model_type=getattr(config, "model_type", None))
-    plan = streamwise.resolve(policy, model)
+    model_type = getattr(config, "model_type", None)
+    in_memory = select_policy(model, model_type=model_type)
+    policy, plan = in_memory.policy, streamwise.resolve(in_memory.policy, model)
     problems = [f"{d.code}: {d.message[:200]}" for d in plan.diagnostics if d.is_error]
+    from_file = select_policy(model, model_type=model_type, keys=file_keys(model))  # what a saved folder lists
+    if (from_file.policy.name, from_file.resolved[0].modules) != (policy.name, plan.modules):
+        problems.append(f"from its file's keys `auto` picks `{from_file.policy.name}`, in memory `{policy.name}`")
     if plan.coverage.bytes["stranded"]:
         problems.append(f"stranded {plan.coverage.bytes['stranded']} bytes: {plan.coverage.stranded[0].name}")
     return name, "built", f"{policy.name}|" + "; ".join(problems)
+
+
+def file_keys(model) -> list[str]:
+    """The keys `save_pretrained` writes: the state dict with each tied tensor once (the first name it has)."""
+    seen, keys = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            keys.append(name)
+    return keys
 
 
 @pytest.fixture(scope="module")

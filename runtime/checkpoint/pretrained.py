@@ -66,7 +66,8 @@ def load_pretrained(
     else:
         model = build_skeleton(folder, dtype)
         source, kind = str(folder), model_type(folder)
-    policy, chosen = choose_policy(policy, model, model_type=kind, keys=checkpoint.tensors, dirs=policy_dirs)
+    choice = choose_policy(policy, model, model_type=kind, dirs=policy_dirs)
+    policy, chosen = choice.policy, choice.reason
     _log.info("load_pretrained: %s: %s", path.name, chosen)
     report = load(model, checkpoint.path, policy, dtype=dtype, progress=progress)
     applied_state(model).source = source

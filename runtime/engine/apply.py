@@ -225,7 +225,7 @@ def apply_policy(
     Returns the loaded Policy and its Plan; raises PolicyError when the policy does not fit. One walk over the
     tree serves both steps: resolve hands over the modules its plan names. A `journal` is as for `apply`.
     """
-    from ..plan.resolve import plan_and_modules
+    from ..plan.auto import plan_and_modules
 
     def planned() -> tuple[Plan, list[nn.Module]]:
         nonlocal policy  # the name or file becomes the loaded Policy

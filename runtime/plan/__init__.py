@@ -5,7 +5,8 @@ Invariants:
 - a policy is matched by names only (class names, paths), so resolving imports nothing.
 """
 
+from .auto import plan_for
 from .plan import Coverage, ModulePlan, Plan, TensorRef
-from .resolve import plan_for, resolve
+from .resolve import resolve
 
 __all__ = ["Coverage", "ModulePlan", "Plan", "TensorRef", "plan_for", "resolve"]

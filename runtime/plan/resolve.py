@@ -14,9 +14,8 @@ one pass (`benchmarks/bench_resolve.py`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -26,8 +25,7 @@ from ...schemas.vocabulary import AUTO_KIND, LINEAR_ONLY_QUANT_FORMATS
 from ..engine import protocol
 from ..engine.kinds import COMPUTE_KINDS, FETCHED, GENERIC, Fit, fit
 from ..engine.streamed import holds_parameters_below
-from ..policy.diagnostics import Diagnostic, Note, PolicyError, did_you_mean
-from .auto import choose_policy
+from ..policy.diagnostics import Diagnostic, Note, did_you_mean
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
 from .selectors import (
@@ -45,34 +43,13 @@ from .selectors import (
 _MAX_LISTED = 8
 
 
-def plan_for(
-    policy: Policy | str | os.PathLike[str], model: nn.Module, *, dirs: Iterable[str | os.PathLike] = ()
-) -> tuple[Policy, Plan]:
-    """The policy (loaded when given a name or path) and its plan for `model`; PolicyError unless the plan is ok."""
-    policy, plan, _ = plan_and_modules(policy, model, dirs=dirs)
-    return policy, plan
-
-
-def plan_and_modules(
-    policy: Policy | str | os.PathLike[str], model: nn.Module, *, dirs: Iterable[str | os.PathLike] = ()
-) -> tuple[Policy, Plan, list[nn.Module]]:
-    """`plan_for`, and the module each plan entry names, in order: an apply that follows at once needs no walk.
-
-    `policy` may be `"auto"`: the policy whose `[match]` recognizes the model (`auto.choose_policy`).
-    """
-    policy, _ = choose_policy(policy, model, dirs=dirs)
-    plan, modules = _resolve(policy, model)
-    if not plan.ok:
-        raise PolicyError(plan.diagnostics)
-    return policy, plan, modules
-
-
 def resolve(policy: Policy, model: nn.Module) -> Plan:
     """Every module's roles with their deciding rules, the coverage census and the diagnostics."""
-    return _resolve(policy, model)[0]
+    return resolve_with_modules(policy, model)[0]
 
 
-def _resolve(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
+def resolve_with_modules(policy: Policy, model: nn.Module) -> tuple[Plan, list[nn.Module]]:
+    """`resolve`, and the module each plan entry names, in order: an apply that follows needs no walk."""
     matcher = _matcher(policy)
     walk = walk_modules(model)
     problems: list[Diagnostic] = []
