@@ -21,7 +21,7 @@ from streamwise.runtime.engine.kinds import fit
 from streamwise.runtime.engine.tree import TorchFetcher
 from streamwise.runtime.plan.auto import select_policy
 
-from helpers import SAMPLE, LayerScaleNorm, make_policy, stream_rule
+from helpers import SAMPLE, LayerScaleNorm, force_streaming, make_policy, stream_rule
 from helpers import tiny_sample as _tiny
 
 LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -75,7 +75,10 @@ def test_fit_proves_from_the_class_alone():
     assert fit("auto", Scaled).kind == "generic"
     assert fit("embedding", Scaled).refused is not None and "overrides `forward` of `Embedding`" in (
         fit("embedding", Scaled).refused)
-    assert not fit("linear", LayerScaleNorm).proven and fit("linear", LayerScaleNorm).refused is None  # probed
+    named = fit("linear", LayerScaleNorm, named=True)  # a deliberate claim: probed on real weights
+    assert (named.kind, named.proven, named.refused) == ("linear", False, None)
+    look_alike = fit("linear", LayerScaleNorm)  # selected by a short name: computes with its own forward
+    assert (look_alike.kind, look_alike.proven) == ("generic", True) and "look-alike" in look_alike.note
 
 
 def _conv1d_model(square: bool) -> nn.Module:
@@ -102,18 +105,38 @@ def test_linear_on_gpt2_conv1d_is_refused_by_the_probe(select, shape):
     assert [(n, type(m)) for n, m in model.named_modules()] == before and applied_state(model) is None
 
 
-def test_llama_rms_norm_on_gemma_rms_norm_is_refused_by_the_probe():
-    model, _ = _tiny("gemma")
+def _gemma_with_real_norms():
+    model, inputs = _tiny("gemma")
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__ == "GemmaRMSNorm":
                 module.weight.normal_()  # Gemma's weights start at 0, where 1 + w and w * 1 still differ
-    policy = make_policy(stream={"rule": [stream_rule("norms", "llama_rms_norm", **{"class": "GemmaRMSNorm"})]})
+    return model, inputs
+
+
+def test_llama_rms_norm_named_for_gemma_rms_norm_is_refused_by_the_probe():
+    model, _ = _gemma_with_real_norms()
+    qualified = "transformers.models.gemma.modeling_gemma.GemmaRMSNorm"
+    policy = make_policy(stream={"rule": [stream_rule("norms", "llama_rms_norm", **{"class": qualified})]})
     plan = streamwise.resolve(policy, model)
     assert plan.ok
     with pytest.raises(ConversionError, match=r"\(GemmaRMSNorm\) as `llama_rms_norm`, which does not reproduce the "
                                               r"class: `llama_rms_norm` differs .* by [0-9.]+"):
         streamwise.apply(plan, model)
+
+
+def test_llama_rms_norm_on_a_look_alike_selected_by_short_name_computes_its_own_forward():
+    model, inputs = _gemma_with_real_norms()
+    expected = _output(model, inputs)
+    policy = make_policy(stream={"rule": [stream_rule("norms", "llama_rms_norm", **{"class": "GemmaRMSNorm"})]})
+    plan = streamwise.resolve(policy, model)
+    (note,) = [d for d in plan.diagnostics if d.code == "unproven-kind"]
+    assert note.severity == "warning" and "GemmaRMSNorm` is not a class `llama_rms_norm` is proven for (a " \
+        "look-alike), so it computes with its own forward (`generic`)" in note.message
+    assert {e.stream for e in plan.modules if e.class_name.endswith("GemmaRMSNorm")} == {"generic"}
+    streamwise.apply(plan, model)
+    force_streaming(model)
+    assert torch.equal(_output(model, inputs), expected)
 
 
 def test_embedding_with_subclasses_on_gemma_scaled_embedding_is_refused_when_resolving():
@@ -269,8 +292,9 @@ def test_quantized_layers_inside_a_generic_container_travel_as_their_storage():
 def test_an_unproven_kind_on_meta_is_a_warning_that_names_the_probe():
     with torch.device("meta"):
         model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32))
-    rules = [stream_rule("conv1d-as-linear", "linear", **{"class": "Conv1D"}), stream_rule("rest", "auto",
-                                                                                          holds="parameters")]
+    named = "transformers.pytorch_utils.Conv1D"  # a deliberate claim: a short name would be a look-alike
+    rules = [stream_rule("conv1d-as-linear", "linear", **{"class": named}), stream_rule("rest", "auto",
+                                                                                        holds="parameters")]
     plan = streamwise.resolve(make_policy(stream={"rule": rules}), model)
     (warning,) = [d for d in plan.diagnostics if d.code == "unproven-kind"]
     assert plan.ok and warning.severity == "warning"

@@ -416,7 +416,8 @@ def _target_class(entry: ModulePlan, module: nn.Module) -> tuple[type, frozenset
         raise ConversionError(f"`{entry.path}` was already converted differently ({cls.__name__})")
     if not entry.stream:
         return target, None, False
-    fits = fit(entry.stream, original)
+    # a plan keeps a specific kind for a class it is not proven for only where the rule named the class exactly
+    fits = fit(entry.stream, original, named=True)
     if fits.refused is not None:
         raise ConversionError(f"`{entry.path}`: {fits.refused}")
     return target, fits.needs, not fits.proven

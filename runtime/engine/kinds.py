@@ -313,17 +313,26 @@ class Fit(NamedTuple):
     """Why the kind must not compute for the class: it would give other numbers than the class's forward."""
     needs: frozenset[str] = frozenset()
     """What the kind reads that the class lacks: each module must hold it (as a parameter, usually)."""
+    note: str | None = None
+    """Why the kind named for the class was replaced by `generic` (a look-alike of the classes it is proven for)."""
 
 
-def fit(kind_name: str, cls: type) -> Fit:
-    """How `kind_name` (a compute kind, or `auto`) fits modules of class `cls`; decided from the class alone."""
+def fit(kind_name: str, cls: type, *, named: bool = False) -> Fit:
+    """How `kind_name` (a compute kind, or `auto`) fits modules of class `cls`; decided from the class alone.
+
+    A specific kind computes a class it is proven for. For any other class it computes only when the rule `named`
+    the class by its qualified name or the module by its exact path (a deliberate claim, which the probe then checks
+    on real weights); otherwise
+    the class is a look-alike of what the kind was made for (`Linear`, `LlamaRMSNorm` of another library) and
+    computes with its own forward (`generic`), with a note saying so: a kind can never change the numbers.
+    """
     original = protocol.original_class(cls)
-    chosen = _fit(kind_name, original)
+    chosen = _fit(kind_name, original, named)
     return chosen._replace(needs=frozenset(
         name for name in COMPUTE_KINDS[chosen.kind].requires if not hasattr(original, name)))
 
 
-def _fit(kind_name: str, original: type) -> Fit:
+def _fit(kind_name: str, original: type, named: bool) -> Fit:
     if kind_name == GENERIC:
         return Fit(GENERIC, True, "its own forward")
     if kind_name == AUTO_KIND:
@@ -334,8 +343,13 @@ def _fit(kind_name: str, original: type) -> Fit:
     proof = _proof(COMPUTE_KINDS[kind_name], original)
     if proof is True:
         return Fit(kind_name, True, f"`{kind_name}` reproduces `{original.__name__}`")
-    if proof is None:
+    if proof is None and named:
         return Fit(kind_name, False, f"`{kind_name}` is not proven for `{original.__name__}`: probed on real weights")
+    if proof is None:
+        qualified = f"{original.__module__}.{original.__qualname__}"
+        return Fit(GENERIC, True, f"`{kind_name}` is not proven for `{original.__name__}`; its own forward",
+                   note=f"`{qualified}` is not a class `{kind_name}` is proven for (a look-alike), so it computes "
+                        f"with its own forward (`generic`) instead")
     return Fit(kind_name, False, proof, refused=proof)
 
 

@@ -29,7 +29,10 @@ from ..policy.diagnostics import Diagnostic, Note, did_you_mean
 from .plan import Coverage, ModulePlan, Plan, TensorRef
 from .precedence import RuleConflict, Section
 from .selectors import (
+    CLASS,
+    EXACT_PATH,
     HOLDS,
+    QUALIFIED_CLASS,
     CompiledSelector,
     ModuleRef,
     class_names,
@@ -41,6 +44,8 @@ from .selectors import (
 )
 
 _MAX_LISTED = 8
+# Selections that name one class or module exactly: a deliberate claim that an unproven kind computes it (probed).
+_NAMED = {(CLASS, QUALIFIED_CLASS), (EXACT_PATH, 0)}
 
 
 def resolve(policy: Policy, model: nn.Module) -> Plan:
@@ -161,10 +166,11 @@ class _Decided:
 
     __slots__ = ("roles", "any", "keys", "fit", "checks", "leaf_checks", "template", "streams", "block", "inert")
 
-    def __init__(self, roles: _Roles, keys: tuple[str, ...], cls: type, block: bool) -> None:
+    def __init__(self, roles: _Roles, keys: tuple[str, ...], cls: type, block: bool, named: bool) -> None:
         self.roles = roles
         self.keys = keys  # the `rule_matches` keys of the deciding rules
-        self.fit = fit(roles.stream.kind, cls) if roles.stream is not None else None  # `auto` chosen per class
+        # `auto` chosen per class; a specific kind holds an unproven class only where the rule named it exactly
+        self.fit = fit(roles.stream.kind, cls, named=named) if roles.stream is not None else None
         self.checks = tuple(check for needs, check in _CHECKS  # those that apply and may fail for this class
                             if needs <= roles.decided and not (check in _PASSES_FOR_CLASS
                                                                and _PASSES_FOR_CLASS[check](roles, cls)))
@@ -221,7 +227,8 @@ class _Matcher:
         rules = {name: decision.rule for name, decision in decisions.items()}
         keys = [f"{name}.{decision.rule.id}" for name, decision in decisions.items()]
         blocks = self.blocks is not None and self.blocks.of_class[type(module)] is not None
-        decided = _Decided(_Roles(**rules), tuple(keys), type(module), blocks)
+        named = "stream" in decisions and decisions["stream"].specificity in _NAMED
+        decided = _Decided(_Roles(**rules), tuple(keys), type(module), blocks, named)
         if self._per_class and not tied:  # a tie is reported per module, so it is never cached
             self.by_class[self.key(module)] = decided
         return decided
@@ -244,13 +251,13 @@ def _stream_leaf(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     """A streamed module fetches only its own tensors: with a specific kind, which computes the whole module from
     them, children holding parameters would be left out (a `generic` container runs their forwards)."""
     rule = roles.stream
-    if rule is None or kind.kind == GENERIC or not holds_parameters_below(module):
-        return None
+    if rule is None or kind.kind == GENERIC and kind.note is None or not holds_parameters_below(module):
+        return None  # a look-alike's note stands for a specific kind, which a container refuses
     if rule.kind == AUTO_KIND:  # not proven for a container: its own forward is
         return roles._replace(stream=rule.model_copy(update={"kind": GENERIC})), None
     return roles._replace(stream=None), (_rule_problem(
         "stream-container", rule,
-        f"stream rule `{rule.id}` (kind `{kind.kind}`) selects {ModuleRef.of(path, module).name}, whose children "
+        f"stream rule `{rule.id}` (kind `{rule.kind}`) selects {ModuleRef.of(path, module).name}, whose children "
         "hold parameters; a specific kind computes leaves",
         help='stream the container with `kind = "generic"` (it claims its children), or select its leaves',
     ), path)
@@ -258,27 +265,35 @@ def _stream_leaf(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
 
 def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
     """A specific kind computes what the class it was made for computes: refused where the class provably computes
-    otherwise, or lacks an attribute the kind reads (a probe on real weights covers the rest, in `apply`)."""
+    otherwise, or lacks an attribute the kind reads; a look-alike of the class computes with its own forward, with
+    a note; a class the rule named exactly is probed on real weights (in `apply`)."""
     rule = roles.stream
-    if rule is None or kind.proven and kind.needs <= module._parameters.keys():
+    if rule is None or kind.proven and kind.note is None and kind.needs <= module._parameters.keys():
         return None  # the common case: a proven kind, with what it reads
+    asked = rule.kind if kind.note is not None else kind.kind  # the kind the rule stands for
+    missing = COMPUTE_KINDS[asked].missing(module) if asked != GENERIC else ()
     if kind.refused is not None:
         message = f"stream rule `{rule.id}`: {kind.refused}"
-    else:
-        missing = COMPUTE_KINDS[kind.kind].missing(module) if kind.kind != GENERIC else ()
-        weight = module._parameters.get("weight")
-        if not missing and not kind.proven and weight is not None and weight.is_meta:
-            # it stands, but say so where no probe can run yet (`policy-validate --model`, on meta)
-            return roles, (Diagnostic(
-                "unproven-kind", f"stream rule `{rule.id}` computes `{ModuleRef.of(path, module).name}` as "
-                f"`{kind.kind}`, which nothing about the class proves; apply probes it on real weights",
-                _rule_location(rule), severity="warning",
-                help='`kind = "auto"` picks a specific kind only where it is proven, else `generic`',
-            ), path)
-        if not missing:
-            return None
+    elif missing:
         message = (f"stream rule `{rule.id}`: `{ModuleRef.of(path, module).name}` has no {', '.join(missing)}, "
-                   f"which kind `{kind.kind}` reads")
+                   f"which kind `{asked}` reads")
+    elif kind.note is not None:  # a look-alike: it computes with its own forward, and the plan says so
+        return roles, (Diagnostic(
+            "unproven-kind", f"stream rule `{rule.id}` (kind `{rule.kind}`): {kind.note}", _rule_location(rule),
+            severity="warning",
+            help="select the class by its qualified name to hold it to this kind (a probe checks it on real "
+                 'weights), or use `kind = "auto"`',
+        ), path)
+    elif not kind.proven and (weight := module._parameters.get("weight")) is not None and weight.is_meta:
+        # it stands, but say so where no probe can run yet (`policy-validate --model`, on meta)
+        return roles, (Diagnostic(
+            "unproven-kind", f"stream rule `{rule.id}` computes `{ModuleRef.of(path, module).name}` as "
+            f"`{kind.kind}`, which nothing about the class proves; apply probes it on real weights",
+            _rule_location(rule), severity="warning",
+            help='`kind = "auto"` picks a specific kind only where it is proven, else `generic`',
+        ), path)
+    else:
+        return None
     return roles._replace(stream=None), (_rule_problem(
         "kind-mismatch", rule, message,
         help='use `kind = "auto"` (a specific kind only where it is proven) or `kind = "generic"` (any module)',
