@@ -100,7 +100,7 @@ def load(
     journal = Journal()  # what can still fail after the checks (quantizing on load: memory) undoes everything
     with journal.atomic(failed):
         _, plan = plan_for(policy, model)
-        checkpoint = open_checkpoint(path)
+        checkpoint = open_checkpoint(path, dtype)
         mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
         if mapped is not None:
             checkpoint = mapped.checkpoint_view()

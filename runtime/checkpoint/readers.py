@@ -26,6 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .weight_files import SHARD_INDEX as SHARD_INDEX  # re-exported: callers and tests name it here
+from .weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
+
 # The safetensors library's dtypes and their sizes in bits (its `Dtype::bitsize`).
 SAFETENSORS_BITS = {
     "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
@@ -41,7 +44,6 @@ SAFETENSORS_DTYPES = {name: dtype for name, dtype in {
     "F8_E8M0": getattr(torch, "float8_e8m0fnu", None), "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
     "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
 }.items() if dtype is not None}
-SHARD_INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000  # the safetensors library's limit
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 _USIZE = 2**64  # the library reads sizes and offsets as 64-bit unsigned integers
@@ -98,19 +100,17 @@ def _regular(path: Path) -> None:
         raise CheckpointError([f"{path}: not a regular file (a folder, pipe or device); a checkpoint must be a file"])
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Checkpoint:
+    """The checkpoint at `path`: a file, a shard index, or a folder holding one (`weight_files` says which file of a
+    folder; `dtype` picks among variants such as `diffusion_pytorch_model.fp16.safetensors`)."""
     path = Path(path)
     if file_type(path) == stat.S_IFDIR:
-        index = path / SHARD_INDEX
-        if file_type(index) is not None:
-            return _sharded(index)
-        singles = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))
-        if len(singles) != 1:
-            raise CheckpointError(
-                [f"{path}: expected `{SHARD_INDEX}`, or one .safetensors or .gguf file, in the folder"]
-            )
-        path = singles[0]
-    if path.name.endswith(".index.json"):
+        variant = VARIANTS.get(str(dtype).removeprefix("torch."))  # None for None
+        try:
+            path = path / weights_file(os.listdir(path), variant)
+        except (NoWeights, OSError) as exc:
+            raise CheckpointError([f"{path}: {exc}"]) from None
+    if is_shard_index(path.name):
         return _sharded(path)
     if path.suffix == ".gguf":
         return Checkpoint(str(path), *_gguf(path))
