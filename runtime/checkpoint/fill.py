@@ -9,7 +9,8 @@ tensors are views of the file's memory map; GGUF tensors that a `gguf` rule sele
 their raw blocks as residents (other quantized GGUF tensors, embeddings and convolutions, are
 dequantized once, each with its reason in the report); `.comfy_quant` layers load as INT8 residents;
 int8-family rules quantize the float weights on load. A GGUF in llama.cpp's layout (`blk.0.attn_q.weight`)
-is seen under the model's own keys first (`llama_cpp.Mapped`).
+is seen under the model's own keys first (`llama_cpp.Mapped`), and so is a transformers checkpoint in its published
+layout (`conversion`: renamed keys, stacked experts, the base model's prefix).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
 from ..sizes import human
 from . import comfy_quant
+from .conversion import under_model_keys
 from .llama_cpp import Mapped, is_llama_cpp_layout
 from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 
@@ -102,8 +104,7 @@ def load(
         _, plan = plan_for(policy, model)
         checkpoint = open_checkpoint(path, dtype)
         mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
-        if mapped is not None:
-            checkpoint = mapped.checkpoint_view()
+        checkpoint = mapped.checkpoint_view() if mapped is not None else under_model_keys(checkpoint, model)
         filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
         filling.collect()
         if filling.problems:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..policy.diagnostics import PolicyError
 from . import protocol
 from .kinds import COMPUTE_KINDS, GENERIC, fit
-from .probe import probe
+from .probe import configuration, probe
 from .relocating import relocating_class
 from .streamed import claimed_below, holds_parameters_below, streaming_class
 from .tree import StreamTree, move_in_place
@@ -375,6 +375,7 @@ def _targets(plan: Plan, located: list[nn.Module]) -> list[type | None]:
     What depends on the class alone (which class the plan expects, the derived class) is decided once per class.
     """
     by_class: dict[tuple, tuple[type, frozenset | None, bool]] = {}
+    probed: set[tuple] = set()  # (class key, configuration) of the unproven modules found to compute alike
     targets: list[type | None] = []
     for entry, module in zip(plan.modules, located, strict=True):
         if not (entry.stream or entry.relocate):
@@ -387,8 +388,10 @@ def _targets(plan: Plan, located: list[nn.Module]) -> list[type | None]:
         target, needs, unproven = decided
         if needs is not None and ("forward" in module.__dict__ or not needs <= module._parameters.keys()):
             _check_leaf(entry, module)  # the rare case, explained
-        if unproven and _probed(plan, entry, module):
-            by_class[key] = (target, needs, False)  # one probe per class and kind
+        if unproven:  # one probe per distinct configuration of the class's modules
+            seen = (key, configuration(COMPUTE_KINDS[entry.stream], module))
+            if seen not in probed and _probed(plan, entry, module):
+                probed.add(seen)
         targets.append(target)
     return targets
 

@@ -53,8 +53,8 @@ class ComputeKind:
     reference: Callable[..., Any] | None = None
     """A verbatim copy of a forward the kind reproduces: a class whose forward compiles to the same code is proven
     (transformers' many copies of LlamaRMSNorm)."""
-    probe: Callable[[nn.Module, torch.Generator], Tensor | None] | None = None
-    """A small input for the class's own forward, shaped from the module's weight, for the numerical check."""
+    probe: Probe | None = None
+    """Small inputs for the class's own forward, shaped from the module's weight, for the numerical check."""
 
     def missing(self, module: nn.Module) -> list[str]:
         """Attributes the handler needs that `module` lacks (checked before any conversion)."""
@@ -145,8 +145,7 @@ COMPUTE_KINDS.register(GENERIC, GenericKind(GENERIC, None, "stored", ()))
 
 def compute_kind(
     name: str, *, dtype: WeightDtype, requires: tuple[str, ...] = ("weight",), made_for: tuple[type, ...] = (),
-    computes: tuple[str, ...] = ("forward",), reference: Callable[..., Any] | None = None,
-    probe: Callable[[nn.Module, torch.Generator], Tensor | None] | None = None,
+    computes: tuple[str, ...] = ("forward",), reference: Callable[..., Any] | None = None, probe: Probe | None = None,
 ):
     return COMPUTE_KINDS.decorator(name, lambda name, function: ComputeKind(
         name, function, dtype, requires, made_for, computes, reference, probe))
@@ -157,33 +156,45 @@ _CONV_T = ("weight", "bias", "stride", "padding", "groups", "dilation", "_output
 _EMBEDDING = ("weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
 
-# Probe inputs: small, shaped from the module's weight, drawn from the caller's generator (never the global one).
+# Probe inputs: small, shaped from the module's weight, drawn from the caller's generator (never the global one), one
+# per input rank a model feeds such a layer (a class may compute otherwise for one rank only).
+_LEADING = ((), (2,), (2, 3), (2, 1, 3))  # unbatched, batched, a sequence, and one more leading dimension
+
+
 def _like(module: nn.Module, generator: torch.Generator, *shape: int) -> Tensor:
     weight = module.weight
     return torch.randn(*shape, generator=generator, device=weight.device).to(weight.dtype)
 
 
-def _features(module: nn.Module, generator: torch.Generator) -> Tensor:
-    """(2, in): what a Linear-shaped or 1-D-weight module takes."""
-    return _like(module, generator, 2, module.weight.shape[-1])
+def _trailing(module: nn.Module, generator: torch.Generator, *shape: int) -> list[Tensor]:
+    """Inputs ending in `shape` (features, or a norm's normalized shape) with every leading rank."""
+    return [_like(module, generator, *leading, *shape) for leading in _LEADING]
 
 
-def _channels_first(module: nn.Module, generator: torch.Generator, spatial: int, channels: int | None = None):
+def _features(module: nn.Module, generator: torch.Generator) -> list[Tensor]:
+    """What a Linear-shaped or 1-D-weight module takes: (..., in)."""
+    return _trailing(module, generator, module.weight.shape[-1])
+
+
+def _channels_first(module: nn.Module, generator: torch.Generator, spatial: int, channels: int | None = None, *,
+                    unbatched: bool = True) -> list[Tensor]:
+    """(1, channels, *spatial) and, where the class takes it, the unbatched (channels, *spatial)."""
     kernel = module.weight.shape[2:] or (1,)
     size = 4 * max(kernel) + 8
     channels = channels if channels is not None else module.weight.shape[0]
-    return _like(module, generator, 1, channels, *(size,) * spatial)
+    batched = _like(module, generator, 1, channels, *(size,) * spatial)
+    return [batched, batched[0]] if unbatched else [batched]
 
 
-def _conv_probe(spatial: int):
-    def probe(module: nn.Module, generator: torch.Generator) -> Tensor:
+def _conv_probe(spatial: int) -> Probe:
+    def probe(module: nn.Module, generator: torch.Generator) -> list[Tensor]:
         return _channels_first(module, generator, spatial, module.weight.shape[1] * getattr(module, "groups", 1))
 
     return probe
 
 
-def _normalized(module: nn.Module, generator: torch.Generator) -> Tensor:
-    return _like(module, generator, 2, *getattr(module, "normalized_shape", module.weight.shape))
+def _normalized(module: nn.Module, generator: torch.Generator) -> list[Tensor]:
+    return _trailing(module, generator, *getattr(module, "normalized_shape", module.weight.shape))
 
 
 @compute_kind("linear", dtype="input", requires=("weight", "bias"), made_for=(nn.Linear,), probe=_features)
@@ -191,8 +202,9 @@ def _linear(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -
     return F.linear(x, weight, bias)
 
 
-def _embedding_probe(module: nn.Module, generator: torch.Generator) -> Tensor:
-    return torch.randint(0, module.weight.shape[0], (2, 3), generator=generator, device=module.weight.device)
+def _embedding_probe(module: nn.Module, generator: torch.Generator) -> list[Tensor]:
+    return [torch.randint(0, module.weight.shape[0], (*leading, 3), generator=generator, device=module.weight.device)
+            for leading in _LEADING[:3]]
 
 
 @compute_kind("embedding", dtype="stored", requires=_EMBEDDING, made_for=(nn.Embedding,), probe=_embedding_probe)
@@ -243,7 +255,8 @@ def _layer_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tenso
 
 
 @compute_kind("group_norm", dtype="stored", requires=("weight", "bias", "num_groups", "eps"),
-              made_for=(nn.GroupNorm,), probe=lambda module, generator: _channels_first(module, generator, 1))
+              made_for=(nn.GroupNorm,), probe=lambda module, generator: [
+                  x for spatial in (0, 1, 2) for x in _channels_first(module, generator, spatial, unbatched=False)])
 def _group_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return F.group_norm(x, module.num_groups, weight, bias, module.eps)
 
@@ -273,7 +286,7 @@ def _llama_rms_norm_forward(self, hidden_states):
     return self.weight * hidden_states.to(input_dtype)
 
 
-def _weighted_features(module: nn.Module, generator: torch.Generator) -> Tensor | None:
+def _weighted_features(module: nn.Module, generator: torch.Generator) -> list[Tensor] | None:
     return _features(module, generator) if module._parameters.get("weight") is not None else None
 
 
@@ -282,8 +295,10 @@ def _llama_rms_norm(module: nn.Module, x: Tensor, weight: Tensor | None, bias: T
     return _llama_rms(module, x, weight)
 
 
-def _channels_first_norm(module: nn.Module, generator: torch.Generator) -> Tensor | None:
-    return _channels_first(module, generator, 1) if module._parameters.get("weight") is not None else None
+def _channels_first_norm(module: nn.Module, generator: torch.Generator) -> list[Tensor] | None:
+    """(batch, channels, length): the only rank a conv norm's transposes take."""
+    weighted = module._parameters.get("weight") is not None
+    return _channels_first(module, generator, 1, unbatched=False) if weighted else None
 
 
 @compute_kind("conv_rms_norm", dtype="stored", probe=_channels_first_norm)

@@ -1,0 +1,102 @@
+"""The probe holds a class named exactly with a specific kind to that kind: every configuration, every input rank,
+two magnitudes, a few ulp in float32. Each case is a difference a looser probe would let through."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamwise
+from streamwise.runtime.engine import ConversionError, applied_state
+from streamwise.runtime.engine.kinds import COMPUTE_KINDS
+from streamwise.runtime.engine.probe import ULPS, probe
+
+from helpers import make_policy, stream_rule, tiny_qwen2
+from look_alikes import make, swap_in
+
+
+def _named(name: str, kind: str, base: str, perturbation: str, rank: int = 3) -> tuple[nn.Module, object]:
+    """A tiny Qwen2 whose `name` modules are look-alikes, and a policy naming them exactly with `kind`."""
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    swap_in(model, make(name, base, perturbation, rank), base, perturbation)
+    rules = [stream_rule("named", kind, **{"class": f"look_alike_models.{name}"}),
+             stream_rule("rest", "auto", holds="parameters")]
+    return model, make_policy(stream={"rule": rules})
+
+
+class Nudged(nn.Linear):
+    """`nn.Linear` off by a relative 3e-6: under a 1e-5 tolerance it would pass as `linear`."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) * (1 + 3e-6)
+
+
+def test_a_difference_of_a_few_millionths_is_caught():
+    problem = probe(COMPUTE_KINDS["linear"], Nudged(16, 8))
+    assert problem is not None and re.search(r"differs from the class's own forward by (2\.9|3\.0)\d*e-06", problem)
+    assert ULPS * torch.finfo(torch.float32).eps < 3e-6 / 4  # the allowance is well inside what it catches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_same_math_under_another_class_passes_in_every_dtype(dtype):
+    model, policy = _named("Linear", "linear", "linear", "plain")
+    model.to(dtype)
+    streamwise.apply_policy(model, policy)  # no ConversionError: the probe found the kind computes the class
+    assert applied_state(model) is not None
+
+
+def test_a_term_for_three_dimensional_inputs_only_is_caught():
+    """A probe on (2, features) alone would pass it."""
+    model, policy = _named("Linear", "linear", "linear", "rank-term", rank=3)
+    with pytest.raises(ConversionError, match=r"differs from the class's own forward by .*input shape \(2, 3, 64\)"):
+        streamwise.apply_policy(model, policy)
+    assert applied_state(model) is None
+
+
+def test_a_per_instance_parameter_that_is_neutral_on_the_first_module_only_is_caught():
+    """A probe of the first module of the class alone would pass it: each configuration is probed."""
+    model, policy = _named("Qwen2RMSNorm", "llama_rms_norm", "rms_norm", "instance-scale")
+    first = next(m for m in model.modules() if type(m).__name__ == "Qwen2RMSNorm")
+    assert first.scale.item() == 1.0
+    with pytest.raises(ConversionError, match=r"computes `model\.layers\.0\.post_attention_layernorm` "):
+        streamwise.apply_policy(model, policy)
+
+
+def test_eps_outside_the_square_root_is_caught():
+    model, policy = _named("Qwen2RMSNorm", "llama_rms_norm", "rms_norm", "eps-outside")
+    with pytest.raises(ConversionError, match=r"differs from the class's own forward by 1\.\d+e-06"):
+        streamwise.apply_policy(model, policy)
+
+
+class ClampedRMSNorm(nn.Module):
+    """LlamaRMSNorm with the variance clamped at eps instead of eps added: at unit scale the two differ by a few
+    parts in 10^7, where activations are as small as sqrt(eps) by far more."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(size))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True).clamp_min(self.variance_epsilon)
+        return self.weight * (x * torch.rsqrt(variance))
+
+
+def test_a_difference_that_shows_only_at_small_magnitudes_is_caught():
+    problem = probe(COMPUTE_KINDS["llama_rms_norm"], ClampedRMSNorm(64))
+    assert problem is not None and "at magnitude 0.001" in problem
+
+
+def test_the_probe_leaves_the_tree_and_the_callers_random_state_alone():
+    layer = Nudged(16, 8).to(torch.bfloat16)
+    before = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
+    state = torch.random.get_rng_state()
+    probe(COMPUTE_KINDS["linear"], layer)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert "weight" not in vars(layer) and layer.weight.dtype == torch.bfloat16  # the float32 shadows are gone
+    assert all(torch.equal(before[name], tensor) for name, tensor in layer.state_dict().items())
