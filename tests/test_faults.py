@@ -247,8 +247,8 @@ def test_load_completes_or_restores(monkeypatch, tmp_path):
     small().save_pretrained(tmp_path)
     real_open = fill.open_checkpoint
 
-    def opened(path):  # every tensor read goes through the counted functions too
-        checkpoint = real_open(path)
+    def opened(path, dtype=None):  # every tensor read goes through the counted functions too
+        checkpoint = real_open(path, dtype)
         checkpoint.tensors = {name: dataclasses.replace(stored, read=faults.counted(stored.read))
                               for name, stored in checkpoint.tensors.items()}
         return checkpoint
