@@ -179,6 +179,52 @@ def tiny_sample(name: str) -> tuple[nn.Module, dict]:
 SAMPLE = ["dense", "moe", "state-space", "gemma", "gpt2", "encoder-decoder", "audio", "vision", "custom"]
 
 
+def tiny_vision_language():
+    """transformers' Qwen2.5-VL at toy size (vision tower, language model, LM head), and the token ids of a forward."""
+    import transformers as T
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=128, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                  spatial_merge_size=1, temporal_patch_size=1, fullatt_block_indexes=[0])
+    torch.manual_seed(0)
+    model = T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+    return model.eval(), {"input_ids": torch.randint(0, 128, (2, 6))}
+
+
+def tiny_diffusers(name: str) -> tuple[nn.Module, dict]:
+    """A tiny diffusers model from seed 0: `transformer` (Flux), `unet` (Stable Diffusion's) or `vae` (AutoencoderKL),
+    and the inputs of one forward (its output's `.sample`). A batch of 2: on the CPU a one-row matrix product rounds by
+    its weight's address (16-byte aligned or not), and a loaded weight sits where its file puts it."""
+    import diffusers
+
+    torch.manual_seed(0)
+    if name == "transformer":
+        model = diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(2, 2, 4))
+        inputs = dict(hidden_states=torch.randn(2, 4, 8), encoder_hidden_states=torch.randn(2, 3, 16),
+                      pooled_projections=torch.randn(2, 16), timestep=torch.tensor([0.5, 0.25]),
+                      img_ids=torch.zeros(4, 3), txt_ids=torch.zeros(3, 3))
+    elif name == "unet":
+        model = diffusers.UNet2DConditionModel(
+            block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8, cross_attention_dim=16,
+            attention_head_dim=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), sample_size=8, in_channels=4, out_channels=4)
+        inputs = dict(sample=torch.randn(2, 4, 8, 8), timestep=3, encoder_hidden_states=torch.randn(2, 5, 16))
+    elif name == "vae":
+        model = diffusers.AutoencoderKL(
+            block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=16,
+            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+        inputs = dict(sample=torch.randn(2, 3, 16, 16))
+    else:
+        raise KeyError(name)
+    return model.eval(), inputs
+
+
+DIFFUSERS_SAMPLE = ["transformer", "unet", "vae"]
+
+
 # The chat template of the tiny VibeVoice folder: VibeVoice's prompt layout (voice section for speakers that bring a
 # recording, then the script, then the start of speech), written for these tests.
 VIBEVOICE_TEMPLATE = (

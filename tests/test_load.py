@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import struct
 
@@ -596,11 +597,13 @@ def test_loading_tells_what_it_did_in_one_line_each_and_the_bar_can_be_turned_of
     monkeypatch.setattr(tqdm, "tqdm", lambda *args, **kwargs: pytest.fail("progress=False shows no bar"))
     with caplog.at_level(logging.INFO, logger="streamwise"):
         model, report, chosen = streamwise.load_pretrained(tmp_path, progress=False)
+    assert report.built == "Qwen2ForCausalLM (config.architectures)"
     assert [(r.name, r.getMessage()) for r in caplog.records] == [
-        ("streamwise.load", f"load_pretrained: {tmp_path.name}: {chosen}"),
-        ("streamwise.load", f"load: policy `decoder-llm`, {report}"),
+        ("streamwise.load", f"load_pretrained: {tmp_path.name}: built {report.built}; {chosen}"),
+        ("streamwise.load", f"load: policy `decoder-llm`, {dataclasses.replace(report, built=None)}"),
     ]
-    assert str(report) == f"{report.tensors} tensors ({human(report.bytes)}) from model.safetensors"
+    read = f"{report.tensors} tensors ({human(report.bytes)}) from model.safetensors"
+    assert str(report) == f"built {report.built}; {read}"
 
 
 def test_a_gguf_load_report_says_what_stayed_quantized_and_why_the_rest_did_not(tmp_path):

@@ -57,10 +57,15 @@ class LoadReport:
     """Model key -> why its quantized values were dequantized."""
     ignored: dict[str, str] = field(default_factory=dict)
     """File tensor -> why nothing in the model takes it (a llama.cpp-layout GGUF only)."""
+    built: str | None = None
+    """Which class `load_pretrained` built and why (`WhisperForConditionalGeneration (config.architectures)`); None
+    from `load`, which fills a tree it is given."""
 
     def __str__(self) -> str:
-        """One line for people: what was read, what stayed quantized (by type), what was dequantized (by reason)."""
-        parts = [f"{self.tensors} tensors ({human(self.bytes)}) from {Path(self.file).name}"]
+        """One line for people: the class built, what was read, what stayed quantized (by type), what was dequantized
+        (by reason)."""
+        parts = [f"built {self.built}"] if self.built else []
+        parts.append(f"{self.tensors} tensors ({human(self.bytes)}) from {Path(self.file).name}")
         if self.quantized:
             parts.append(f"{len(self.quantized)} kept quantized ({_tally(self.quantized.values())})")
         if self.dequantized:

@@ -2,8 +2,8 @@
 
 Specs:
 - `transformers:Qwen2ForCausalLM`: a transformers class with its default (full-size) config;
-- `transformers:qwen2`: a config `model_type`, built with the causal-LM auto class where one
-  exists and the base auto class otherwise;
+- `transformers:qwen2`: a config `model_type`, built as `auto_model` picks its class (the causal LM where
+  transformers has one, else the first generating task's, else the base model);
 - `package.module:factory`: a Python callable returning an `nn.Module` (this imports your code:
   the model is yours, unlike a policy, which is only ever read).
 Config overrides (a small JSON object) apply to the transformers forms.
@@ -17,7 +17,7 @@ import inspect
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -39,15 +39,37 @@ def read_config(folder: str | os.PathLike):
         raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
 
 
-def auto_model(config, dtype: torch.dtype | None = None) -> nn.Module:
-    """The causal-LM model for a transformers config where one exists, else the base model, built in `dtype`
-    (default: the config's `dtype`) for this thread only (`build_dtype`).
+class Built(NamedTuple):
+    """A model built from a config, and which class it is and why that one, in words for the load report."""
 
-    transformers reports a dtype it cannot build in as a ValueError, which would read as "no auto class builds this
-    model", so the config's dtype is checked first; and it would switch the process's default dtype to build in one,
-    so it is handed none and the dtype is recorded on the config afterwards, as it records it."""
-    import transformers
+    model: nn.Module
+    how: str
+    """E.g. `WhisperForConditionalGeneration (config.architectures)`."""
 
+
+# transformers' task mappings, tried in this order where `config.architectures` names no class transformers builds
+# from the config (a config made by `AutoConfig.for_model`, a llama.cpp GGUF's): the tasks that generate first, since a
+# streamed model is most often run to generate, the causal LM first of them (the class this default always was:
+# Whisper's decoder alone, `WhisperForCausalLM`), then image/audio-text-to-text, seq2seq, speech-to-text and
+# text-to-speech; the bare base model last.
+TASKS = (
+    ("causal LM", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+    ("image/audio-text-to-text", "MODEL_FOR_MULTIMODAL_LM_MAPPING"),
+    ("seq2seq LM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING"),
+    ("speech seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING"),
+    ("text-to-waveform", "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING"),
+    ("base model", "MODEL_MAPPING"),
+)
+
+
+def auto_model(config, dtype: torch.dtype | None = None, model_class: type | str | None = None) -> Built:
+    """The model of a transformers config, built in `dtype` (default: the config's `dtype`) for this thread only
+    (`build_dtype`): `model_class` (a transformers class or its name) where given, else the first class of
+    `config.architectures` that transformers has for this config, else the first of `TASKS` that maps it.
+
+    The config's dtype is checked first, since transformers reports one it cannot build in as an error of the model's
+    own; and transformers would switch the process's default dtype to build in one, so it is handed none and the dtype
+    is recorded on the config afterwards, as it records it."""
     stored = getattr(config, "dtype", None)
     stored = getattr(torch, stored, stored) if isinstance(stored, str) else stored
     if stored is not None and stored not in BUILD_DTYPES:
@@ -57,17 +79,69 @@ def auto_model(config, dtype: torch.dtype | None = None) -> nn.Module:
             f"in; set `dtype` (or `torch_dtype`) in config.json to one of {choices}"
         )
     dtype = dtype or stored
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-        try:
-            with building_in(dtype):
-                model = auto.from_config(config, dtype=None)
-        except ValueError:
-            continue
-        for built in (model.config, *(getattr(model.config, key) for key in model.config.sub_configs)):
-            if built is not None:
-                built.dtype = dtype
-        return model
-    raise ModelSpecError(f"no transformers auto class builds model_type `{config.model_type}`")
+    cls, why = _asked(model_class) if model_class is not None else _named_or_mapped(config)
+    try:
+        with building_in(dtype):
+            model = cls._from_config(_config_for(cls, config) or config, dtype=None)
+    except Exception as exc:  # the model's own code refusing the config, with any exception type
+        raise ModelSpecError(f"transformers cannot build `{cls.__name__}` from this {type(config).__name__}: "
+                             f"{type(exc).__name__}: {exc}") from None
+    for built in (model.config, *(getattr(model.config, key) for key in model.config.sub_configs)):
+        if built is not None:
+            built.dtype = dtype
+    return Built(model, f"{cls.__name__} ({why})")
+
+
+def _asked(model_class: type | str) -> tuple[type, str]:
+    import transformers
+
+    if isinstance(model_class, str):
+        cls = _model_class(transformers, model_class)
+        if cls is None:
+            guess = did_you_mean(model_class, _model_class_names(transformers))
+            raise ModelSpecError(f"transformers has no model class `{model_class}`"
+                                 + (f"; did you mean `{guess}`?" if guess else ""))
+        return cls, "asked for"
+    if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
+        return model_class, "asked for"
+    raise ModelSpecError(f"`model_class` must be a transformers model class or its name, not {model_class!r}")
+
+
+def _named_or_mapped(config) -> tuple[type, str]:
+    """The class `config.architectures` names, else the first task mapping's, with why."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    named = list(getattr(config, "architectures", None) or ())
+    for name in named:
+        cls = _model_class(transformers, name)
+        if cls is not None and _config_for(cls, config) is not None:
+            return cls, "config.architectures"
+    unusable = f"; config.architectures {named} names no transformers class for it" if named else ""
+    for task, mapping in TASKS:
+        mapping = getattr(modeling_auto, mapping)
+        if type(config) in mapping:
+            found = mapping[type(config)]
+            return (found[0] if isinstance(found, tuple) else found), f"task mapping: {task}{unusable}"
+    raise ModelSpecError(f"no transformers class builds model_type `{config.model_type}`")
+
+
+def _model_class(transformers, name: str) -> type | None:
+    """The transformers model class of that name (one with a config class), else None."""
+    cls = getattr(transformers, name, None) if name.isidentifier() else None
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and cls.config_class is not None:
+        return cls
+    return None
+
+
+def _config_for(cls: type, config):
+    """The config `cls` builds from: `config`, or its text part for a text-only class (as transformers' auto classes
+    pick it); None when it is neither."""
+    if isinstance(config, cls.config_class):
+        return config
+    if cls.config_class is config.sub_configs.get("text_config"):
+        return config.get_text_config()
+    return None
 
 
 def build_model(spec: str, overrides: dict[str, Any] | None = None) -> nn.Module:
@@ -101,7 +175,7 @@ def _transformers(name: str, overrides: dict[str, Any]) -> nn.Module:
         _check_keys(overrides, [*defaults.to_dict(), *defaults.attribute_map], f"the `{name}` config")
         if cls is not None:
             return cls(cls.config_class(**overrides))
-        return auto_model(transformers.AutoConfig.for_model(name, **overrides))
+        return auto_model(transformers.AutoConfig.for_model(name, **overrides)).model
     except ModelSpecError:
         raise
     except Exception as exc:

@@ -1,7 +1,8 @@
 """`load_pretrained(path, policy)`: a model folder or weight file in, a loaded, converted tree out.
 
 The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the
-skeleton from the config beside the weights (`skeleton`), or, for a GGUF with no config.json beside it,
+skeleton from the config beside the weights (`skeleton`: transformers' or diffusers'), or, for a GGUF with no
+config.json beside it,
 from the GGUF's own metadata (`llama_cpp.gguf_config`), pick the policy by name or by its `[match]`
 table (`plan.auto`), and fill the skeleton from the file (`fill`).
 """
@@ -12,6 +13,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,7 +28,7 @@ from .fill import LoadReport, load
 from .llama_cpp import gguf_config
 from .model_spec import auto_model
 from .readers import Checkpoint, open_checkpoint
-from .skeleton import build_skeleton, config_folder, model_type, skeleton
+from .skeleton import built_skeleton, config_folder, model_type, skeleton
 
 _log = logging.getLogger("streamwise.load")
 
@@ -42,34 +44,40 @@ def load_pretrained(
     policy: Policy | str | os.PathLike = "auto",
     *,
     dtype: torch.dtype | None = None,
+    model_class: type | str | None = None,
     policy_dirs: Iterable[str | os.PathLike] = (),
     progress: Callable[[int, int], None] | bool | None = None,
 ) -> Pretrained:
-    """Build, convert and load the model at `path` (a Hugging Face folder, a weight file beside its config.json,
-    or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
+    """Build, convert and load the model at `path` (a Hugging Face or diffusers model folder, a weight file beside its
+    config.json, or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
 
-    `policy="auto"` picks the policy whose `[match]` recognizes the model, and refuses to guess
-    between equal matches. Without `dtype` the model takes the floating dtype most of the file's
-    values are stored in (float8 counts as bfloat16). The tree's recorded `source` (where its
-    tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from alone. `progress` is
-    as for `load`; the choice of policy is logged (logger `streamwise.load`), then the load's report.
+    The class built is `model_class` (a transformers or diffusers class, or its name) where given, else the one the
+    config names (`config.architectures`, diffusers' `_class_name`), else what transformers' task mappings give
+    (`model_spec.auto_model`); `report.built` says which and why. `policy="auto"` picks the policy whose `[match]`
+    recognizes the model, and refuses to guess between equal matches. Without `dtype` the model takes the floating
+    dtype most of the file's values are stored in (float8 counts as bfloat16); a folder holding several variants of
+    its weights loads the one named for `dtype` (`model.fp16.safetensors`), else the plain one. The tree's recorded
+    `source` (where its tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from
+    alone. `progress` is as for `load`; the class built and the choice of policy are logged (logger
+    `streamwise.load`), then the load's report.
     """
     path = Path(path)
-    checkpoint = open_checkpoint(path)  # first: an unusable path is a CheckpointError, before any other look at it
+    checkpoint = open_checkpoint(path, dtype)  # first: an unusable path is a CheckpointError, before any other look
     folder = config_folder(path)
     dtype = dtype or _file_dtype(checkpoint)
     if checkpoint.kind == "gguf" and not (folder / "config.json").is_file():
         config = gguf_config(checkpoint.path)  # a CheckpointError naming the architecture when it cannot be mapped
         with skeleton():
-            model = auto_model(config, dtype).eval()
+            model, built = auto_model(config, dtype, model_class)
+        model.eval()
         source, kind = checkpoint.path, config.model_type
     else:
-        model = build_skeleton(folder, dtype)
+        model, built = built_skeleton(folder, dtype, model_class)
         source, kind = str(folder), model_type(folder)
     choice = choose_policy(policy, model, model_type=kind, dirs=policy_dirs)
     policy, chosen = choice.policy, choice.reason
-    _log.info("load_pretrained: %s: %s", path.name, chosen)
-    report = load(model, checkpoint.path, policy, dtype=dtype, progress=progress)
+    _log.info("load_pretrained: %s: built %s; %s", path.name, built, chosen)
+    report = replace(load(model, checkpoint.path, policy, dtype=dtype, progress=progress), built=built)
     applied_state(model).source = source
     return Pretrained(model, report, chosen)
 
