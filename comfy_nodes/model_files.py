@@ -1,10 +1,10 @@
-"""Which models a picker offers: only what `load_pretrained` can load, so weights with a `config.json` beside them,
-or a loose `.gguf` written by llama.cpp's converter (its metadata describes the model; a loose `.safetensors`, or a
-`.gguf` Streamwise wrote, has nothing to build a skeleton from). A folder with a `config.json` is offered whole (the
-weights it loads by itself: its shard index, its one `.safetensors`, else its one `.gguf`) and file by file
-(`folder/model.gguf`), shards excepted: they are parts of the folder's weights. Symlinked folders are followed, each
-real folder once per root, so a cycle ends. Labels resolve back only to what was listed. No ComfyUI import:
-unit-tested without a core.
+"""Which models a picker offers: only what `load_pretrained` can load, so weights with a `config.json` beside them
+(transformers' or diffusers'), or a loose `.gguf` written by llama.cpp's converter (its metadata describes the model; a
+loose `.safetensors`, or a `.gguf` Streamwise wrote, has nothing to build a skeleton from). A folder with a
+`config.json` is offered whole when it holds weights the loader picks by itself (`weight_files`: its shard index, its
+one `.safetensors` or the variants of one, else its one `.gguf`) and file by file (`folder/model.gguf`), shards
+excepted: they are parts of the folder's weights. Symlinked folders are followed, each real folder once per root, so
+a cycle ends. Labels resolve back only to what was listed. No ComfyUI import: unit-tested without a core.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ..runtime.checkpoint.weight_files import SHARD_INDEX as SHARD_INDEX  # re-exported: the tests name it here
+from ..runtime.checkpoint.weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
+
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
-SHARD_INDEX = "model.safetensors.index.json"
 MAX_INDEX = 64 * 1024**2  # read on every listing: a larger "index" is not one worth parsing
 
 
@@ -80,25 +82,38 @@ def _offered(relative: str, here: Path, files: set[str]) -> Iterator[tuple[str, 
                 yield relative + name, here / name
         return
     weights = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
-    sharded = SHARD_INDEX in files
-    defaults = [name for name in weights if name.endswith(".safetensors")] or weights  # as `open_checkpoint` picks
-    if relative and (sharded or len(defaults) == 1):  # a root has no label of its own
+    if relative and _loads_whole(files):  # a root has no label of its own
         yield relative.rstrip("/"), here
-    shards = _shards(here / SHARD_INDEX) if sharded else set()
+    shards = _shards(here, sorted(name for name in files if is_shard_index(name)))
     for name in weights:
         if name.endswith(".gguf") or (shards is not None and name not in shards):
             yield relative + name, here / name
 
 
-def _shards(index: Path) -> set[str] | None:
-    """The files a shard index names; None when it cannot be read, and then no `.safetensors` beside it is offered
+def _loads_whole(files: set[str]) -> bool:
+    """Whether the loader picks the folder's weights by itself for some dtype (variants without a plain file need the
+    dtype; loading with `auto` then says so)."""
+    for variant in (None, *VARIANTS.values()):
+        try:
+            weights_file(files, variant)
+            return True
+        except NoWeights:
+            continue
+    return False
+
+
+def _shards(folder: Path, indexes: list[str]) -> set[str] | None:
+    """The files the shard indexes name; None when one cannot be read, and then no `.safetensors` beside it is offered
     alone (any may be a shard; the folder itself still is, and loading it says what is wrong with the index)."""
-    try:
-        if index.stat().st_size > MAX_INDEX:
+    shards: set[str] = set()
+    for name in indexes:
+        try:
+            if (folder / name).stat().st_size > MAX_INDEX:
+                return None
+            shards |= set(json.loads((folder / name).read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
-        return set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return None
+    return shards
 
 
 def gguf_architecture(path: Path) -> str | None:

@@ -8,11 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import REPO, tiny_qwen2
 
-# By its file: the `comfy_nodes` package imports ComfyUI's `folder_paths`, which model_files must not need.
-_SPEC = importlib.util.spec_from_file_location("model_files", REPO / "comfy_nodes" / "model_files.py")
+# By its file: the `comfy_nodes` package imports ComfyUI's `folder_paths`, which model_files must not need (named as
+# in the package, so that its relative import of the runtime resolves).
+_SPEC = importlib.util.spec_from_file_location("streamwise.comfy_nodes.model_files",
+                                               REPO / "comfy_nodes" / "model_files.py")
 model_files = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(model_files)
 
@@ -163,3 +166,30 @@ def test_the_first_root_of_a_key_wins_a_shared_label(tmp_path):
         "LLM/m": tmp_path / "other" / "m", "LLM/m/model.gguf": tmp_path / "other" / "m" / "model.gguf",
         "k/m": first, "k/m/model.gguf": first / "model.gguf",
     }
+
+
+def test_diffusers_model_folders_are_offered_whole_and_load(tmp_path):
+    pytest.importorskip("diffusers")
+    from streamwise.runtime.checkpoint import load_pretrained
+
+    from helpers import tiny_diffusers
+
+    model, _ = tiny_diffusers("vae")
+    model.save_pretrained(tmp_path / "vae")
+    model.save_pretrained(tmp_path / "vae", variant="fp16")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    (tmp_path / "variants").mkdir()
+    for variant in ("fp16", "bf16"):  # no plain file: the folder loads with a dtype, and says so without one
+        model.save_pretrained(tmp_path / "variants", variant=variant)
+    roots = {"k": [tmp_path]}
+    assert list(model_files.list_models(roots)) == [
+        "k/sharded", "k/vae", "k/vae/diffusion_pytorch_model.fp16.safetensors",
+        "k/vae/diffusion_pytorch_model.safetensors", "k/variants",
+        "k/variants/diffusion_pytorch_model.bf16.safetensors", "k/variants/diffusion_pytorch_model.fp16.safetensors",
+    ]
+    for label in ("k/sharded", "k/vae", "k/vae/diffusion_pytorch_model.fp16.safetensors"):
+        report = load_pretrained(model_files.resolve_model(label, roots), "any-module", progress=False).report
+        assert report.built == "AutoencoderKL (diffusers `_class_name`)"
+    report = load_pretrained(model_files.resolve_model("k/variants", roots), "any-module", dtype=torch.bfloat16,
+                             progress=False).report
+    assert report.file.endswith("diffusion_pytorch_model.bf16.safetensors")
