@@ -38,6 +38,8 @@ WeightDtype = Literal["input", "stored"]
 #: What a specific kind's fetch brings; any other direct tensor of its module would stay behind.
 FETCHED = ("weight", "bias")
 Function = Callable[..., Tensor]
+#: Small inputs for a class's own forward, shaped from the module's weight (None: nothing to probe on).
+Probe = Callable[[nn.Module, torch.Generator], "list[Tensor] | None"]
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,16 @@ class GenericKind(ComputeKind):
     """
 
     def split(self, module: nn.Module, input_name: str | None, args: tuple, kwargs: dict) -> tuple[Tensor, tuple]:
-        """The first tensor argument, for the device; every argument stays where it is."""
+        """The first tensor argument, for the device (without one, an empty tensor on the tree's compute device);
+        every argument stays where it is."""
         for value in (*args, *kwargs.values()):
             if isinstance(value, Tensor):
                 return value, args
-        raise TypeError(f"{type(module).__name__}.forward() got no tensor argument, so the device to fetch its "
-                        "weights to is unknown; stream it with a specific kind or relocate it instead")
+        device = protocol.tree_of(module).compute_device
+        if device is None:
+            raise TypeError(f"{type(module).__name__}.forward() got no tensor argument and its tree has no compute "
+                            "device yet, so the device to fetch its weights to is unknown; relocate it instead")
+        return torch.empty(0, device=device), args
 
     def fetch(self, fetcher: Any, module: nn.Module, x: Tensor) -> tuple:
         parameters = module._parameters
@@ -124,9 +130,11 @@ class GenericKind(ComputeKind):
         shadows, _ = fetched
         for owner, tensors in shadows:
             owner.__dict__.update(tensors)
+        derived = _derived_again(module)
         try:
             return protocol.original_class(type(module)).forward(module, *args, **kwargs)
         finally:
+            module.__dict__.update(derived)
             for owner, tensors in shadows:
                 held = owner.__dict__
                 for name in tensors:
@@ -136,6 +144,21 @@ class GenericKind(ComputeKind):
         _, through_host = fetched
         if through_host is not None:
             fetcher.release(module, *through_host)
+
+
+def _derived_again(module: nn.Module) -> dict[str, object]:
+    """Recompute, from the fetched parameters, what `weight_norm`'s forward pre-hook computed from the stored ones
+    before the forward (the module's `weight`); returns what to put back afterwards."""
+    if not module._forward_pre_hooks:
+        return {}
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    held, previous = module.__dict__, {}
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, WeightNorm):
+            previous[hook.name] = held.get(hook.name)
+            held[hook.name] = hook.compute_weight(module)
+    return previous
 
 
 COMPUTE_KINDS: Registry[ComputeKind] = Registry("compute kind")

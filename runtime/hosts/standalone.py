@@ -33,6 +33,9 @@ from ..policy.diagnostics import PolicyError
 from ..sizes import SizeError, human, parse_size
 from .devices import weight_device
 
+UNIT_SHARE = 0.5
+"""A streamed unit (a leaf, or a generic container with what it claims) larger than this share of the budget (of
+everything streamed, at budget 0) is warned of: it must fit on the device whole while it computes."""
 AUTO_MARGIN = 0.10
 """The share of a device's total memory `budget="auto"` leaves free: for activations, the KV cache and the
 allocator's slack."""
@@ -54,12 +57,18 @@ class OffloadReport:
     streamed_bytes: int
     budget: int | None = None
     """The budget in bytes it was placed within (None: everything resident)."""
+    large_units: tuple[tuple[str, int], ...] = ()
+    """(path, bytes) of each streamed unit larger than `UNIT_SHARE` of the budget (of all streamed bytes at 0)."""
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
-        return (f"{budget} on {self.device}: {self.resident_modules} streamed leaves resident "
+        line = (f"{budget} on {self.device}: {self.resident_modules} streamed leaves resident "
                 f"({human(self.resident_bytes)}), {self.streamed_modules} stream from {self.offload_device} "
                 f"({human(self.streamed_bytes)})")
+        if self.large_units:
+            listed = ", ".join(f"`{path or '<root>'}` ({human(size)})" for path, size in self.large_units)
+            line += f"; units larger than {UNIT_SHARE:.0%} of the budget: {listed}"
+        return line
 
 
 def offload(
@@ -90,10 +99,12 @@ def offload(
         policy, plan = apply_policy(model, policy, journal=journal)
         state = applied_state(model)
         modules = dict(walk_modules(model))  # one walk, not a path lookup per leaf
-        leaves = [modules[entry.path] for entry in plan.modules if entry.stream]
+        paths = [entry.path for entry in plan.modules if entry.stream]
+        leaves = [modules[path] for path in paths]
         streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
         resident_bytes = streamed_bytes = resident_count = 0
-        for group, size, resident in _residency(leaves, budget):
+        placed = _residency(leaves, budget)
+        for group, size, resident in placed:
             for leaf in group:
                 for owner in _owners(leaf):
                     _place(journal, owner, device if resident else offload_device,
@@ -117,8 +128,8 @@ def offload(
         elif is_armed(model):  # armed before: its compiled blocks cannot trace prefetch bookkeeping
             streamer.inline_for_compile()
     report = OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
-                           resident_bytes, streamed_bytes, budget)
-    _log.info("offload: policy `%s`, %s", policy.name, report)
+                           resident_bytes, streamed_bytes, budget, _large_units(placed, paths, leaves, budget))
+    (_log.warning if report.large_units else _log.info)("offload: policy `%s`, %s", policy.name, report)
     return report
 
 
@@ -194,6 +205,17 @@ def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[n
         used += size if resident else 0
         placed.append((group, size, resident))
     return placed
+
+
+def _large_units(placed: list[tuple[list[nn.Module], int, bool]], paths: list[str], leaves: list[nn.Module],
+                 budget: int | None) -> tuple[tuple[str, int], ...]:
+    """The units larger than `UNIT_SHARE` of the budget (of all streamed bytes at budget 0), by the path of their
+    first leaf: each must fit on the device whole while it computes."""
+    if budget is None or len(placed) < 2:
+        return ()
+    limit = UNIT_SHARE * (budget or sum(size for _, size, _ in placed))
+    path_of = {id(leaf): path for leaf, path in zip(leaves, paths, strict=True)}
+    return tuple((path_of[id(group[0])], size) for group, size, _ in placed if size > limit)
 
 
 def _owners(leaf: nn.Module) -> list[nn.Module]:

@@ -35,7 +35,8 @@ class ModulePlan(NamedTuple):
     gguf_type: str | None = None
     compile_unit: bool = False
     kind_reason: str | None = None
-    """Why `stream` is the kind this module computes with (`auto`'s choice, or whether it is proven)."""
+    """Why `stream` is the kind this module computes with (`auto`'s choice, or whether it is proven), or why a
+    module a stream rule selected relocates instead."""
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ one pass (`benchmarks/bench_resolve.py`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from torch import nn
+from torch import Tensor, nn
 
 from ...schemas import Policy
 from ...schemas.vocabulary import AUTO_KIND, LINEAR_ONLY_QUANT_FORMATS
@@ -69,6 +70,7 @@ def resolve_with_modules(policy: Policy, model: nn.Module) -> tuple[Plan, list[n
     unit_path: str | None = None  # the last compile unit: a pre-order walk meets what lies in it next
     units = 0
     claim: str | None = None  # the last generic container: it fetches the parameters of what lies in it
+    blocks_below: _BlocksBelow | None = None  # made when a generic container is met (few trees have one)
 
     key = matcher.key
     declared = declared_blocks(walk) if matcher.no_split else frozenset()
@@ -93,7 +95,14 @@ def resolve_with_modules(policy: Policy, model: nn.Module) -> tuple[Plan, list[n
             roles, streams = roles._replace(stream=None, relocate=None), ALL
             kind, template = None, _template(template[0][0], roles, None)
         elif roles.stream is not None and kind.kind == GENERIC and holds_parameters_below(module):
-            claim = path
+            auto = decided.roles.stream is not None and decided.roles.stream.kind == AUTO_KIND
+            if auto and (blocks_below := blocks_below or _BlocksBelow(walk, matcher)).hold(path):
+                # one streamed unit would hold the model's blocks (the whole model, for the root): its own tensors
+                # follow the compute device instead, and what it holds is planned on its own
+                roles, streams, kind = roles._replace(stream=None, relocate=decided.roles.stream), None, None
+                template = _template(template[0][0], roles, None, _ABOVE_BLOCKS)
+            else:
+                claim = path
         relocated = count(path, module, roles, streams) if module._parameters or module._buffers else ()
         unit = (decided.block or blocks_by_module and blocks.module_specificity(path, module) is not None
                 or declared and class_names(type(module))[0][0] in declared) and not (
@@ -272,7 +281,13 @@ def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
         return None  # the common case: a proven kind, with what it reads
     asked = rule.kind if kind.note is not None else kind.kind  # the kind the rule stands for
     missing = COMPUTE_KINDS[asked].missing(module) if asked != GENERIC else ()
-    if kind.refused is not None:
+    derived = [name for name in FETCHED if isinstance(module.__dict__.get(name), Tensor)] if asked != GENERIC else ()
+    if derived and rule.kind == AUTO_KIND:  # computed from other parameters: its own forward computes it
+        return roles._replace(stream=rule.model_copy(update={"kind": GENERIC})), None
+    if derived:
+        message = (f"stream rule `{rule.id}`: `{ModuleRef.of(path, module).name}` computes its `{derived[0]}` from "
+                   f"other parameters (`weight_norm`, or a hook), which kind `{asked}` cannot fetch")
+    elif kind.refused is not None:
         message = f"stream rule `{rule.id}`: {kind.refused}"
     elif missing:
         message = (f"stream rule `{rule.id}`: `{ModuleRef.of(path, module).name}` has no {', '.join(missing)}, "
@@ -298,6 +313,22 @@ def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
         "kind-mismatch", rule, message,
         help='use `kind = "auto"` (a specific kind only where it is proven) or `kind = "generic"` (any module)',
     ), path)
+
+
+def _stream_takes_input(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
+    """A generic module fetches to the device of its input: one whose forward takes none relocates instead (its
+    parameters follow the compute device), decided here rather than failing at its first forward."""
+    if roles.stream is None or kind.kind != GENERIC:
+        return None
+    return roles._replace(stream=None, relocate=roles.stream), None
+
+
+def _takes_input(cls: type) -> bool:
+    """Whether the class's forward takes any argument (an input a generic fetch can follow)."""
+    try:
+        return len(inspect.signature(protocol.original_class(cls).forward).parameters) > 1
+    except (TypeError, ValueError):  # no signature to read: assume it does
+        return True
 
 
 def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
@@ -354,6 +385,7 @@ _CHECKS: tuple[tuple[set[str], Check], ...] = (
     ({"stream"}, _stream_leaf),
     ({"stream"}, _kind_fits),
     ({"stream", "relocate"}, _stream_or_relocate),
+    ({"stream"}, _stream_takes_input),
     ({"quant"}, _quant_worth_it),
     ({"quant"}, _quant_linear_only),
     ({"quant"}, _quant_group_size),
@@ -362,19 +394,38 @@ _CHECKS: tuple[tuple[set[str], Check], ...] = (
 
 # Checks that a class alone can pass, for every module of it: not run per module then.
 _PASSES_FOR_CLASS: dict[Check, Callable[[_Roles, type], bool]] = {
+    _stream_takes_input: lambda roles, cls: _takes_input(cls),
     _quant_linear_only: lambda roles, cls: (roles.quant.format not in LINEAR_ONLY_QUANT_FORMATS
                                             or issubclass(cls, nn.Linear)),
     _quant_group_size: lambda roles, cls: not roles.quant.effective_group_size or not issubclass(cls, nn.Linear),
 }
 
 
-def _template(class_name: str, roles: _Roles, kind: Fit | None) -> Template:
-    """The plan entry `roles` make of a module of `class_name`, less its path, relocated tensors and unit flag."""
+def _template(class_name: str, roles: _Roles, kind: Fit | None, reason: str | None = None) -> Template:
+    """The plan entry `roles` make of a module of `class_name`, less its path, relocated tensors and unit flag
+    (`reason`: why a module a stream rule selected relocates instead)."""
     stream, relocate, quant = roles
     head = (class_name, kind.kind if stream else None, stream.id if stream else None)
     tail = (relocate.id if relocate else None, quant.format if quant else None, quant.id if quant else None,
             quant.effective_group_size if quant else None, quant.effective_gguf_type if quant else None)
-    return head, tail, kind.reason if stream else None
+    return head, tail, kind.reason if stream else reason
+
+
+_ABOVE_BLOCKS = "holds the model's blocks: its own tensors follow the compute device, not one streamed unit"
+
+
+class _BlocksBelow:
+    """Where a tree's blocks are (its declared `_no_split_modules`, and the policy's compile blocks): a generic
+    container above one would make a single streamed unit of them all."""
+
+    def __init__(self, walk: list[tuple[str, nn.Module]], matcher: _Matcher) -> None:
+        declared, selector = declared_blocks(walk), matcher.blocks
+        self.paths = [path for path, module in walk if class_names(type(module))[0][0] in declared
+                      or selector is not None and selector.matches_module(path, module)]
+
+    def hold(self, outer: str) -> bool:
+        """Whether a block lies strictly inside the module at `outer`."""
+        return any(path != outer and within(path, outer) for path in self.paths)
 
 
 def _streams(roles: _Roles, kind: Fit | None) -> tuple[str, ...] | None:
