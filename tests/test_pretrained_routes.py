@@ -88,6 +88,7 @@ def test_the_base_model_loads_from_a_task_models_folder(tmp_path):
     ("WhisperModle", "transformers has no model class `WhisperModle`; did you mean `WhisperModel`?"),
     ("WhisperConfig", "transformers has no model class `WhisperConfig`"),
     (nn.Linear, "`model_class` must be a transformers model class or its name, not <class"),
+    (transformers.PreTrainedModel, "`model_class` must be a transformers model class"),  # builds from no config
     ("UNet2DConditionModel", "transformers has no model class `UNet2DConditionModel`"),  # a transformers folder
 ])
 def test_a_class_that_cannot_be_asked_for_is_named(tmp_path, asked, message):

@@ -102,9 +102,9 @@ def _asked(model_class: type | str) -> tuple[type, str]:
             raise ModelSpecError(f"transformers has no model class `{model_class}`"
                                  + (f"; did you mean `{guess}`?" if guess else ""))
         return cls, "asked for"
-    if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
-        return model_class, "asked for"
-    raise ModelSpecError(f"`model_class` must be a transformers model class or its name, not {model_class!r}")
+    if not _is_model_class(transformers, model_class):
+        raise ModelSpecError(f"`model_class` must be a transformers model class or its name, not {model_class!r}")
+    return model_class, "asked for"
 
 
 def _named_or_mapped(config) -> tuple[type, str]:
@@ -127,11 +127,14 @@ def _named_or_mapped(config) -> tuple[type, str]:
 
 
 def _model_class(transformers, name: str) -> type | None:
-    """The transformers model class of that name (one with a config class), else None."""
+    """The transformers model class of that name, else None."""
     cls = getattr(transformers, name, None) if name.isidentifier() else None
-    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and cls.config_class is not None:
-        return cls
-    return None
+    return cls if _is_model_class(transformers, cls) else None
+
+
+def _is_model_class(transformers, cls: object) -> bool:
+    """A transformers model class that builds from a config (its base classes have no config class)."""
+    return isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and cls.config_class is not None
 
 
 def _config_for(cls: type, config):
