@@ -1,10 +1,9 @@
 """`load_pretrained(path, policy)`: a model folder or weight file in, a loaded, converted tree out.
 
-The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the
-skeleton from the config beside the weights (`skeleton`: transformers' or diffusers'), or, for a GGUF with no
-config.json beside it,
-from the GGUF's own metadata (`llama_cpp.gguf_config`), pick the policy by name or by its `[match]`
-table (`plan.auto`), and fill the skeleton from the file (`fill`).
+The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the skeleton from the
+config beside the weights (`skeleton`: transformers' or diffusers'), or, for a GGUF with no config.json beside it,
+from the GGUF's own metadata (`llama_cpp.gguf_config`), pick the policy by name or by its `[match]` table
+(`plan.auto`), and fill the skeleton from the file (`fill`).
 """
 
 from __future__ import annotations
