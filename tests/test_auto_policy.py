@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import tiny_acoustic_tokenizer, tiny_qwen2, write_policy
 from streamwise import PolicyError
 from streamwise.runtime.plan.auto import select_policy, tree_keys
+
+from helpers import tiny_acoustic_tokenizer, tiny_qwen2, write_policy
 
 
 class Unknown(torch.nn.Module):

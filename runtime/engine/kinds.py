@@ -89,8 +89,9 @@ class GenericKind(ComputeKind):
     """Any module with parameters, through its own forward: right by construction, for leaves and containers.
 
     Fetch: `weight` and `bias` the host's way (its weight functions, LoRA, applied), every other direct parameter
-    raw; all in the stored dtype. A container also fetches its descendants' parameters raw (`protocol.claimed`):
-    its forward may read them without calling the child (Mamba's mixer reads `conv1d.weight`). Compute: the fetched
+    as stored with what the host would merge into it by key (`fetch_parameters`); all in the stored dtype. A
+    container also fetches its descendants' parameters that way (`protocol.claimed`): its forward may read them
+    without calling the child (Mamba's mixer reads `conv1d.weight`). Compute: the fetched
     tensors shadow the stored ones in each owner's instance dictionary for the call (attribute lookup finds them
     before `nn.Module.__getattr__`), the original forward runs, and they are taken away again. Buffers are not
     fetched: a module that holds some also relocates them (`apply`).
@@ -119,11 +120,11 @@ class GenericKind(ComputeKind):
                 fetched["bias"] = through_host[1]
         raw = tuple(name for name, tensor in parameters.items() if tensor is not None and name not in fetched)
         if raw:
-            fetched.update(zip(raw, fetcher.fetch_raw(module, raw, x.device), strict=True))
+            fetched.update(zip(raw, fetcher.fetch_parameters(module, raw, x.device), strict=True))
         shadows = [(module, fetched)]
         for owner in protocol.claimed(module):
             names = tuple(name for name, tensor in owner._parameters.items() if tensor is not None)
-            shadows.append((owner, dict(zip(names, fetcher.fetch_raw(owner, names, x.device), strict=True))))
+            shadows.append((owner, dict(zip(names, fetcher.fetch_parameters(owner, names, x.device), strict=True))))
         return shadows, through_host
 
     def compute(self, module: nn.Module, x: Tensor, fetched: tuple, *args, **kwargs) -> Tensor:

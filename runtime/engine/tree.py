@@ -32,6 +32,11 @@ class Fetcher(Protocol):
         """Tensors of a quantized resident, moved as they are stored: never cast, no functions applied."""
         ...
 
+    def fetch_parameters(self, module: nn.Module, names: tuple[str, ...], device: torch.device) -> list[Tensor | None]:
+        """Direct parameters a generic module computes with, moved in their stored dtype, with whatever the host
+        would have merged into them by their state-dict key (core's LoRA patches)."""
+        ...
+
     def inline_for_compile(self) -> None:
         """Fetch inline from now on: a compiled graph cannot hold a fetcher's Python bookkeeping (prefetch)."""
         ...
@@ -46,6 +51,8 @@ class TorchFetcher:
     def fetch_raw(self, module, names, device):
         return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=self.non_blocking)
                 for name in names]
+
+    fetch_parameters = fetch_raw  # plain torch patches by weight functions alone
 
     def fetch(self, module, device, dtype):
         return self.for_compute(module, module.weight, getattr(module, "bias", None), device, dtype)

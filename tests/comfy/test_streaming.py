@@ -53,7 +53,7 @@ def test_the_fetcher_matches_the_cores_cast_api(core):
     from streamwise.runtime.hosts.comfyui.patcher import ComfyFetcher
 
     offloadable = "offloadable" in inspect.signature(core.ops.cast_bias_weight).parameters
-    assert ComfyFetcher()._offloadable is offloadable
+    assert ComfyFetcher({})._offloadable is offloadable
     assert hasattr(core.ops, "uncast_bias_weight") is offloadable
 
 
@@ -245,3 +245,62 @@ def test_a_tree_of_native_comfy_layers_is_accepted_as_it_is(core):
     patcher.load(CPU, lowvram_model_memory=200)
     assert model[0].comfy_cast_weights or model[2].comfy_cast_weights  # core streams them itself
     assert torch.equal(model(x), expected)
+
+
+def _siglip():
+    import transformers as T
+
+    torch.manual_seed(0)
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = T.SiglipConfig(text_config=dict(layers, vocab_size=64, max_position_embeddings=16, bos_token_id=1,
+                                             eos_token_id=2, pad_token_id=0),
+                            vision_config=dict(layers, image_size=16, patch_size=8))
+    return T.SiglipModel(config), {"input_ids": torch.tensor([[1, 5, 9, 2]]), "pixel_values": torch.randn(1, 3, 16, 16)}
+
+
+def _patched_keys(name: str, model) -> list[str]:
+    """Keys a LoRA of every Linear (and Conv1d) weight patches, plus the direct parameters of containers."""
+    counts: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        counts[id(parameter)] = counts.get(id(parameter), 0) + 1
+    tied = {key for key, count in counts.items() if count > 1}  # a tied weight is patched under one key only
+    layers = [path for path, module in model.named_modules()
+              if isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)) and id(module.weight) not in tied]
+    extra = {"state-space": ["backbone.layers.0.mixer.A_log", "backbone.layers.1.mixer.D",
+                             "backbone.layers.0.mixer.dt_proj.bias"],  # a parent reads these directly
+             "custom": ["blocks.0.gamma", "blocks.1.gamma"],  # a generic container's own parameters
+             "siglip": ["logit_scale", "logit_bias"]}[name]  # the root's own, relocated
+    return [f"{path}.weight" for path in layers] + extra
+
+
+@pytest.mark.parametrize("name", ["state-space", "custom", "siglip"])
+@pytest.mark.parametrize("budget", [1, 20_000, None])
+def test_patches_apply_wherever_a_weight_is_read_at_any_budget(core, name, budget):
+    """Core merges a patch per module key; a parent reading a child's weight directly (Mamba's mixer), a container's
+    own parameters and the root's must give the merged numbers at every budget, as leaves do."""
+    original, inputs = _siglip() if name == "siglip" else tiny_sample(name)
+    original.eval()
+    torch.manual_seed(1)
+    keys = _patched_keys(name, original)
+    diffs = {key: torch.randn_like(original.get_parameter(key)) * 0.1 for key in keys}
+    merged = copy.deepcopy(original)
+    with torch.no_grad():
+        for key, diff in diffs.items():
+            merged.get_parameter(key).add_(diff)
+        expected, unpatched = merged(**inputs), original(**inputs)
+    model = copy.deepcopy(original)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU, policy="auto")
+    assert sorted(patcher.add_patches({key: ("diff", (diff,)) for key, diff in diffs.items()}, 1.0)) == sorted(keys)
+    if budget is None:
+        patcher.load(CPU, full_load=True)
+    else:
+        patcher.load(CPU, lowvram_model_memory=budget)
+    with torch.no_grad():
+        out = model(**inputs)
+    field = "logits_per_image" if name == "siglip" else "logits"
+    pick = (lambda o: o) if name == "custom" else (lambda o: getattr(o, field))
+    assert not torch.allclose(pick(unpatched), pick(expected), atol=1e-3)  # the patches matter
+    assert torch.allclose(pick(out), pick(expected), atol=1e-5, rtol=1e-5)
+    patcher.unpatch_model(CPU)
+    with torch.no_grad():
+        assert torch.allclose(pick(model(**inputs)), pick(unpatched), atol=1e-6)  # unpatched again, exactly

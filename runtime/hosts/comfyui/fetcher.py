@@ -12,14 +12,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...engine import ConversionError
+from ...engine import ConversionError, protocol
+from ...plan.selectors import joined
 
 
 class ComfyFetcher:
-    """Fetch through `comfy.ops.cast_bias_weight`, which also applies LoRA `LowVramPatch` functions."""
+    """Fetch through `comfy.ops.cast_bias_weight`, which also applies LoRA `LowVramPatch` functions.
 
-    def __init__(self) -> None:
+    Core patches a weight by its state-dict key: merged in place where it loads the module whole, through the
+    module's weight functions where it streams it. It looks only at modules whose parameters are all their own, so a
+    generic container (and what it claims, where core left it unmerged) would compute with unpatched tensors: for
+    those, `fetch_parameters` applies the loading patcher's patches (`patches`) by key as it fetches.
+    """
+
+    def __init__(self, paths: dict[int, str]) -> None:
         import comfy.model_management
+        import comfy.model_patcher
         import comfy.ops
 
         if not isinstance(getattr(comfy.ops.CastWeightBiasOp, "weight_function", None), list):
@@ -28,6 +36,10 @@ class ComfyFetcher:
         self._offloadable = "offloadable" in inspect.signature(self._cast).parameters
         self._uncast = getattr(comfy.ops, "uncast_bias_weight", None)
         self._cast_to = comfy.model_management.cast_to
+        self._patch = comfy.model_patcher.LowVramPatch
+        self._paths = paths  # by module id: its path in the tree, the prefix of its parameters' keys
+        self.patches: dict[str, list] | None = None
+        """The patches of the patcher that loaded the tree, by key (None once it is unpatched)."""
 
     def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
         """Per forward of every streamed leaf: keep it cheap."""
@@ -52,6 +64,23 @@ class ComfyFetcher:
         """Raw storage through core's `cast_to`: `cast_bias_weight` would recast and patch it."""
         return [None if (t := getattr(module, name)) is None else self._cast_to(t, None, device, non_blocking=True)
                 for name in names]
+
+    def fetch_parameters(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
+        """`fetch_raw`, each tensor with the loading patcher's patches for its key unless core merged them into the
+        module already (`comfy_patched_weights`): a patch computes on a copy, never on the stored tensor."""
+        patches = self.patches
+        if not patches or module.__dict__.get(protocol.PATCHED_FLAG, False) or protocol.is_resident(module):
+            return self.fetch_raw(module, names, device)  # a resident keeps its patch beside its raw storage
+        prefix = self._paths[id(module)]
+        fetched = []
+        for name in names:
+            tensor, key = getattr(module, name), joined(prefix, name)
+            if tensor is not None and key in patches:
+                tensor = self._patch(key, patches)(self._cast_to(tensor, None, device, non_blocking=True, copy=True))
+            elif tensor is not None:
+                tensor = self._cast_to(tensor, None, device, non_blocking=True)
+            fetched.append(tensor)
+        return fetched
 
     def inline_for_compile(self) -> None:
         pass  # core fetches inline already

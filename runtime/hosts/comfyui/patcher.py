@@ -24,6 +24,7 @@ from ...engine.apply import swap_class
 from ...engine.classes import derived_class
 from ...engine.relocating import offload_relocated
 from ...engine.streamed import holds_parameters_below
+from ...plan.selectors import joined, walk_modules
 from .fetcher import ComfyFetcher
 
 
@@ -64,8 +65,9 @@ def _host(model: nn.Module, policy: Policy | str | None) -> Policy | None:
     state = applied_state(model)
     if state is None:
         raise ConversionError("convert the model first (streamwise.apply) or pass policy=")
-    state.tree.fetcher = ComfyFetcher()
-    for module in model.modules():
+    walk = walk_modules(model)
+    state.tree.fetcher = ComfyFetcher({id(module): path for path, module in walk})
+    for _, module in walk:
         if protocol.kind_of(module) is not None and holds_parameters_below(module):
             protocol.set_fetching(module, True)  # a streamed container: core places leaves only, never its tensors
     if not isinstance(type(model).__dict__.get("device"), _SettableDevice):
@@ -119,8 +121,30 @@ class _TreeKeeping:
     """Keeps a Streamwise tree's compute device, relocated tensors and resident patches in step with core."""
 
     def load(self, device_to=None, *args, **kwargs):
-        applied_state(self.model).tree.compute_device = device_to if device_to is not None else self.load_device
-        return super().load(device_to, *args, **kwargs)
+        device = device_to if device_to is not None else self.load_device
+        tree = applied_state(self.model).tree
+        tree.compute_device = device
+        loaded = super().load(device_to, *args, **kwargs)
+        self._patch_what_core_skips(tree, device)
+        return loaded
+
+    def _patch_what_core_skips(self, tree, device) -> None:
+        """Core patches only modules whose parameters are all their own. Generic containers and what they claim get
+        the patches as they fetch (`ComfyFetcher.fetch_parameters`; their own weight and bias through their weight
+        functions), relocated parameters the way core patches a weight it loads whole: merged on the device, with
+        a backup that `unpatch_model` puts back."""
+        tree.fetcher.patches = self.patches
+        from comfy.model_patcher import LowVramPatch
+
+        for path, module in walk_modules(self.model):
+            if protocol.kind_of(module) is not None and holds_parameters_below(module):
+                for attribute, name in ((protocol.WEIGHT_FUNCTIONS, "weight"), (protocol.BIAS_FUNCTIONS, "bias")):
+                    key = joined(path, name)
+                    setattr(module, attribute, [LowVramPatch(key, self.patches)] if key in self.patches else [])
+            for name in protocol.relocated_names(module):
+                key = joined(path, name)
+                if name in module._parameters and key in self.patches and key not in self.backup:
+                    self.patch_weight_to_device(key, device_to=device)
 
     def partially_unload(self, device_to, *args, **kwargs):
         freed = super().partially_unload(device_to, *args, **kwargs)
@@ -137,8 +161,11 @@ class _TreeKeeping:
         unpatch_weights = kwargs.get("unpatch_weights", args[0] if args else True)
         result = super().unpatch_model(device_to, *args, **kwargs)
         if unpatch_weights:
+            applied_state(self.model).tree.fetcher.patches = None
             for module in self.model.modules():
                 module.__dict__.pop(protocol.MERGED_PATCH, None)
+                if protocol.kind_of(module) is not None and holds_parameters_below(module):
+                    module.weight_function, module.bias_function = [], []
         if device_to is not None:
             offload_relocated(self.model, device_to)
         return result
