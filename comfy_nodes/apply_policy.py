@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import choose_policy
-from .folders import chosen_policy, comfy_policy_dirs, policy_input
+from .folders import allow_stranded_input, chosen_policy, comfy_policy_dirs, policy_input
 
 
 class ApplyStreamwisePolicy(io.ComfyNode):
@@ -21,12 +21,13 @@ class ApplyStreamwisePolicy(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="A MODEL from any loader (a transformers-style module tree inside)."),
                 policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
+                allow_stranded_input(),
             ],
             outputs=[io.Model.Output("model_out", display_name="model", tooltip="The same model, converted.")],
         )
 
     @classmethod
-    def execute(cls, model, policy: str) -> io.NodeOutput:
+    def execute(cls, model, policy: str, allow_stranded: bool = False) -> io.NodeOutput:
         dirs = comfy_policy_dirs()
         policy = choose_policy(chosen_policy(policy, dirs, auto=True), model.model, dirs=dirs).policy
-        return io.NodeOutput(adopt(model, policy))
+        return io.NodeOutput(adopt(model, policy, allow_stranded))

@@ -29,6 +29,15 @@ def policy_input(tooltip: str, *, auto: bool = False) -> io.Combo.Input:
     return io.Combo.Input("policy", options=choices, tooltip=tooltip)
 
 
+def allow_stranded_input() -> io.Boolean.Input:
+    """The opt-in to a plan that strands tensors (optional, so saved workflows without it still run)."""
+    return io.Boolean.Input(
+        "allow_stranded", default=False, optional=True,
+        tooltip="Accept a policy that leaves some tensors to no rule. Off: such a plan is refused with the classes "
+                "it strands and the rule that would cover them, since a partial load onto the GPU would crash on "
+                "them.")
+
+
 def chosen_policy(policy: object, dirs: list[Path], *, auto: bool = False) -> str:
     """`policy` when the picker over `dirs` offers it; otherwise a `PolicyError` that quotes no file."""
     refused = unknown_choice(policy, dirs, auto=auto)

@@ -7,7 +7,7 @@ from comfy_api.latest import io
 
 from ..runtime.checkpoint import load_pretrained
 from ..runtime.hosts.comfyui import model_patcher
-from .folders import chosen_policy, comfy_policy_dirs, model_roots, policy_input
+from .folders import allow_stranded_input, chosen_policy, comfy_policy_dirs, model_roots, policy_input
 from .model_files import list_models, resolve_model
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,6 +35,7 @@ class StreamwiseModelLoader(io.ComfyNode):
                 io.Combo.Input("dtype", options=list(DTYPES), default="auto",
                                tooltip="The dtype of the floating-point weights; `auto` takes the one most of the "
                                        "checkpoint's values are stored in."),
+                allow_stranded_input(),
             ],
             outputs=[
                 io.Model.Output("model_out", display_name="model",
@@ -45,7 +46,7 @@ class StreamwiseModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model: str, policy: str, dtype: str) -> io.NodeOutput:
+    def execute(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -56,9 +57,10 @@ class StreamwiseModelLoader(io.ComfyNode):
         path = resolve_model(model, model_roots())
         progress = comfy.utils.ProgressBar(100)
         tree, report, chosen = load_pretrained(
-            path, policy, dtype=DTYPES[dtype], policy_dirs=dirs,
+            path, policy, dtype=DTYPES[dtype], policy_dirs=dirs, allow_stranded=allow_stranded,
             progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
         )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
-                                offload_device=comfy.model_management.unet_offload_device())
+                                offload_device=comfy.model_management.unet_offload_device(),
+                                allow_stranded=allow_stranded)
         return io.NodeOutput(patcher, f"{chosen}; {report}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import struct
 
 import gguf
@@ -70,6 +71,28 @@ def test_safetensors_load_is_exact_and_converts_the_tree(saved):
     assert not any(p.is_meta for p in model.parameters())
     assert torch.equal(logits(model), expected)
     assert type(model.model.layers[0].mlp.up_proj).__name__ == "StreamedLinear"
+
+
+def test_a_stranding_plan_is_refused_before_anything_is_read_when_asked(saved, tmp_path):
+    folder, _, expected = saved
+    linears_only = write_policy(tmp_path, "linears", '\n[[stream.rule]]\nid = "linear"\nkind = "linear"\n'
+                                'select = { class = "Linear" }\n')
+    model = skeleton_model()
+    before = fingerprint(model)
+    with pytest.raises(streamwise.PolicyError, match=r"^error\[stranded-tensors\]: policy `linears` on "
+                                                     r"`Qwen2ForCausalLM`: \d+ tensors .* allow_stranded") as refused:
+        streamwise.load(model, folder / "model.safetensors", linears_only, allow_stranded=False)
+    assert '[[stream.rule]] kind = "auto", select = { class = "Embedding" }' in str(refused.value)
+    assert fingerprint(model) == before and all(p.is_meta for p in model.parameters())  # nothing read
+    report = streamwise.load(model, folder / "model.safetensors", linears_only)  # the library's default: accepted
+    tensors = [(type(m), t) for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()]
+               if t is not None]
+    left = sum(t.nbytes for cls, t in tensors if not issubclass(cls, torch.nn.Linear))  # all but the Linears'
+    share = math.floor(10_000 * (1 - left / sum(t.nbytes for _, t in tensors))) / 100
+    assert 0 < share < 100 and report.covered == f"{share:.2f}%" and str(report).endswith(f"; covered {share:.2f}%")
+    assert torch.equal(logits(model), expected)
+    full = streamwise.load(skeleton_model(), folder / "model.safetensors", "decoder-llm", allow_stranded=False)
+    assert full.covered == "100.00%"
 
 
 def test_sharded_folder_with_an_index(saved, tmp_path):

@@ -60,6 +60,9 @@ class LoadReport:
     built: str | None = None
     """Which class `load_pretrained` built and why (`WhisperForConditionalGeneration (config.architectures)`); None
     from `load`, which fills a tree it is given."""
+    covered: str = "100.00%"
+    """The share of the tree's bytes its plan streams or relocates (`Coverage.percent`): below 100%, tensors are
+    stranded."""
 
     def __str__(self) -> str:
         """One line for people: the class built, what was read, what stayed quantized (by type), what was dequantized
@@ -75,6 +78,7 @@ class LoadReport:
             parts.append("residents " + ", ".join(f"{name} x{count}" for name, count in self.residents.items()))
         if self.ignored:
             parts.append(f"{len(self.ignored)} file tensors unused")
+        parts.append(f"covered {self.covered}")
         return "; ".join(parts)
 
 
@@ -90,13 +94,15 @@ def load(
     *,
     dtype: torch.dtype | None = None,
     progress: Callable[[int, int], None] | bool | None = None,
+    allow_stranded: bool = True,
 ) -> LoadReport:
     """Load `path` into `model` as `policy` says, then convert the tree (see `apply`); the report is also logged
     (logger `streamwise.load`).
 
     `dtype` converts floating-point tensors; without it a file dtype that differs from the
     model's is an error. `progress(done, total)` is called as tensors are placed; without one, a
-    tqdm bar shows on a terminal; `progress=False` shows none.
+    tqdm bar shows on a terminal; `progress=False` shows none. `allow_stranded=False` refuses a plan that strands
+    tensors before anything is read (`Plan.refuse_stranded`): what the ComfyUI loader asks.
     """
 
     def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
@@ -107,6 +113,8 @@ def load(
     journal = Journal()  # what can still fail after the checks (quantizing on load: memory) undoes everything
     with journal.atomic(failed):
         _, plan = plan_for(policy, model)
+        if not allow_stranded:
+            plan.refuse_stranded()
         checkpoint = open_checkpoint(path, dtype)
         mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
         checkpoint = mapped.checkpoint_view() if mapped is not None else under_model_keys(checkpoint, model)
@@ -134,7 +142,7 @@ def load(
         checkpoint.path, len(filling.tensors) + len(filling.residents),
         sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())),
         len(filling.dequantized), dict(sorted(filling.kept.items())), dict(sorted(filling.dequantized.items())),
-        dict(sorted(mapped.ignored.items())) if mapped is not None else {},
+        dict(sorted(mapped.ignored.items())) if mapped is not None else {}, covered=plan.coverage.percent,
     )
     _log.info("load: policy `%s`, %s", plan.policy, report)
     return report

@@ -8,11 +8,11 @@ in bytes, and the diagnostics found while resolving.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ...schemas import CompileSettings
-from ..policy.diagnostics import Diagnostic
+from ..policy.diagnostics import Diagnostic, PolicyError
 from ..sizes import human
 
 
@@ -86,6 +86,17 @@ class Plan:
     @property
     def ok(self) -> bool:
         return not any(d.is_error for d in self.diagnostics)
+
+    def refuse_stranded(self) -> None:
+        """Raise PolicyError when the plan strands tensors: where a partial load would crash on them (a ComfyUI
+        MODEL), its `stranded-tensors` warning becomes the error, naming the classes and the rule to add."""
+        stranded = next((d for d in self.diagnostics if d.code == "stranded-tensors"), None)
+        if stranded is not None:
+            raise PolicyError([replace(
+                stranded, severity="error",
+                message=f"policy `{self.policy}` on `{self.root_class.rsplit('.', 1)[-1]}`: {stranded.message} "
+                        "(accept it explicitly with allow_stranded)",
+            )])
 
     def module(self, path: str) -> ModulePlan | None:
         return next((m for m in self.modules if m.path == path), None)

@@ -12,6 +12,7 @@ import torch
 import streamwise
 from streamwise.runtime.engine import applied_state
 from streamwise.runtime.generation import generation_config
+from streamwise.schemas import Policy
 
 from comfy_harness import load_custom_node
 from helpers import REPO, tiny_qwen2
@@ -188,6 +189,32 @@ def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
     linear = x @ (tree[0].weight + 1).T + tree[0].bias
     expected = torch.nn.functional.layer_norm(linear, (8,), tree[1].weight, tree[1].bias)
     assert torch.allclose(tree(x), expected, atol=1e-5)
+
+
+def test_a_stranding_plan_is_refused_by_model_patcher_and_the_apply_node_unless_accepted(nodes):
+    import comfy.model_patcher
+
+    mappings, _ = nodes
+    cpu = torch.device("cpu")
+    tree = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    linears = {"schema_version": 1, "policy": {"name": "linears"},
+               "stream": {"rule": [{"id": "l", "kind": "linear", "select": {"class": "Linear"}}]}}
+    policy = Policy.model_validate(linears)
+    with pytest.raises(streamwise.PolicyError, match=r"(?s)error\[stranded-tensors\]: policy `linears` on `Sequential`: "
+                                                     r"2 tensors .*allow_stranded.*`LayerNorm` x2"):
+        streamwise.model_patcher(tree, load_device=cpu, offload_device=cpu, policy=policy)
+    assert type(tree[0]) is torch.nn.Linear and applied_state(tree) is None  # refused before any change
+    streamwise.model_patcher(tree, load_device=cpu, offload_device=cpu, policy=policy, allow_stranded=True)
+    assert type(tree[0]).__name__ == "StreamedLinear"
+    with pytest.raises(streamwise.PolicyError, match="stranded-tensors"):  # converted elsewhere: refused too
+        streamwise.model_patcher(tree, load_device=cpu, offload_device=cpu)
+
+    foreign = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    plain = comfy.model_patcher.ModelPatcher(foreign, load_device=cpu, offload_device=cpu)
+    node = mappings["ApplyStreamwisePolicy"]
+    assert node.INPUT_TYPES()["optional"]["allow_stranded"][1]["default"] is False
+    (converted,) = node.execute(plain, "any-module").args  # nothing stranded: no opt-in needed
+    assert applied_state(converted.model).plan.coverage.complete
 
 
 def test_errors_reach_the_ui_as_rendered_diagnostics(nodes):

@@ -249,3 +249,20 @@ def test_free_unloads_and_drops_the_cache(server):
     entry = server.run(graph)
     assert cached_nodes(entry) == set()
     assert entry["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 8)]
+
+
+def test_the_loader_refuses_a_stranding_plan_unless_told_to_accept_it(server):
+    """`decoder-llm` covers VibeVoice's language model but not its tokenizers and diffusion head: the loader says
+    which classes it would strand, and which rule covers them, before reading a weight."""
+    graph = workflow("streamwise_generate_speech")
+    graph["1"]["inputs"]["policy"] = "decoder-llm"
+    graph["2"]["inputs"]["max_new_tokens"] = 2
+    entry = server.wait(server.queue(graph))
+    (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert error["node_type"] == "StreamwiseModelLoader"
+    assert error["exception_type"] == "streamwise.runtime.policy.diagnostics.PolicyError"
+    message = error["exception_message"]
+    assert message.startswith("error[stranded-tensors]: policy `decoder-llm` on `VibeVoiceForConditionalGeneration`")
+    assert "allow_stranded" in message and '[[stream.rule]] kind = "auto", select = { class = "Conv1d" }' in message
+    graph["1"]["inputs"]["allow_stranded"] = True
+    server.run(graph)  # accepted: it succeeds

@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from ....schemas import Policy
-from ...engine import ConversionError, applied_state, apply_policy, protocol
+from ...engine import ConversionError, applied_state, apply, protocol
 from ...engine.apply import swap_class
 from ...engine.classes import derived_class
 from ...engine.relocating import offload_relocated
 from ...engine.streamed import holds_parameters_below
+from ...plan import plan_for
 from ...plan.selectors import joined, walk_modules
 from .fetcher import ComfyFetcher
 
@@ -34,37 +35,46 @@ def model_patcher(
     load_device: torch.device,
     offload_device: torch.device,
     policy: Policy | str | None = None,
+    allow_stranded: bool = False,
 ):
     """A ComfyUI `ModelPatcher` for a converted tree (converted here first when `policy` is given; `"auto"` picks
-    the policy by `[match]`)."""
+    the policy by `[match]`).
+
+    A plan that strands tensors is refused (`Plan.refuse_stranded`), since core's first partial load on a GPU would
+    crash on them, unless `allow_stranded`; the tree is then unchanged."""
     import comfy.model_patcher
 
-    policy = _host(model, policy)
+    policy = _host(model, policy, allow_stranded)
     base = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)
     return _armed(patcher_class(base)(model, load_device=load_device, offload_device=offload_device), policy)
 
 
-def adopt(patcher: Any, policy: Policy | str) -> Any:
+def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> Any:
     """A clone of a MODEL another pack loaded, its tree converted by `policy` and hosted here.
 
     The clone keeps everything ComfyUI's `clone` carries (LoRA patches, object patches, wrappers, callbacks,
-    options); only its class gains this host's load and unload steps.
+    options); only its class gains this host's load and unload steps. Stranding is refused as by `model_patcher`.
     """
-    policy = _host(patcher.model, policy)
+    policy = _host(patcher.model, policy, allow_stranded)
     adopted = patcher.clone()
     adopted.__class__ = patcher_class(protocol.original_class(type(patcher)))
     return _armed(adopted, policy)
 
 
-def _host(model: nn.Module, policy: Policy | str | None) -> Policy | None:
+def _host(model: nn.Module, policy: Policy | str | None, allow_stranded: bool) -> Policy | None:
     """Convert `model` (when given a policy) and make its tree fetch through ComfyUI."""
     import comfy.model_management
 
     if policy is not None:
-        policy, _ = apply_policy(model, policy)
+        policy, plan = plan_for(policy, model)
+        if not allow_stranded:
+            plan.refuse_stranded()  # before anything changes
+        apply(plan, model)
     state = applied_state(model)
     if state is None:
         raise ConversionError("convert the model first (streamwise.apply) or pass policy=")
+    if policy is None and not allow_stranded:
+        state.plan.refuse_stranded()  # converted elsewhere (`apply`, `load`), by a plan that may strand
     walk = walk_modules(model)
     state.tree.fetcher = ComfyFetcher({id(module): path for path, module in walk})
     for _, module in walk:
