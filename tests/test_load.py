@@ -626,7 +626,7 @@ def test_loading_tells_what_it_did_in_one_line_each_and_the_bar_can_be_turned_of
         ("streamwise.load", f"load: policy `decoder-llm`, {dataclasses.replace(report, built=None)}"),
     ]
     read = f"{report.tensors} tensors ({human(report.bytes)}) from model.safetensors"
-    assert str(report) == f"built {report.built}; {read}"
+    assert str(report) == f"built {report.built}; {read}; covered 100.00%"
 
 
 def test_a_gguf_load_report_says_what_stayed_quantized_and_why_the_rest_did_not(tmp_path):

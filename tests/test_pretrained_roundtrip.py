@@ -3,7 +3,7 @@ exactly what the model in memory computes, for families no shipped policy names 
 mixture of experts, state-space and hybrid, audio) and diffusers' transformer, UNet and VAE. The class built is the
 one the folder's config names.
 
-The policies are named (`transformers`, `any-module`): these are the ones `auto` falls back to for such models.
+`auto` picks the policy from the files as it does from the model in memory, and plans both alike.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import streamwise
+from streamwise.runtime.engine import applied_state
+from streamwise.runtime.plan.auto import select_policy
 
 from helpers import DIFFUSERS_SAMPLE, tiny_diffusers, tiny_sample, tiny_vision_language
 
@@ -68,11 +70,15 @@ def test_a_saved_folder_loads_the_class_it_names_and_streams_to_what_the_model_c
         expected = getattr(model(**inputs), output)
     config = json.loads((tmp_path / "config.json").read_text())
     diffusers = "_class_name" in config
-    policy = "any-module" if diffusers else "transformers"  # `auto` once its fallback is settled
-    loaded, report, _ = streamwise.load_pretrained(tmp_path, policy, progress=False)
+    in_memory = select_policy(model)
+    loaded, report, chosen = streamwise.load_pretrained(tmp_path, "auto", progress=False)
     named = config["_class_name"] if diffusers else config["architectures"][0]
     assert named == type(model).__name__ and isinstance(loaded, type(model))
     assert report.built == f"{named} ({'diffusers `_class_name`' if diffusers else 'config.architectures'})"
+    policy = applied_state(loaded).plan.policy
+    assert chosen == in_memory.reason and policy == in_memory.policy.name == ("any-module" if diffusers
+                                                                               else "transformers")
+    assert applied_state(loaded).plan.modules == in_memory.resolved[0].modules  # the same plan by either route
     placed = streamwise.offload(loaded, policy, device="cpu", budget=0)
     assert placed.resident_modules == 0 and placed.streamed_modules > 0
     with torch.no_grad():

@@ -52,7 +52,8 @@ class TorchFetcher:
         return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=self.non_blocking)
                 for name in names]
 
-    fetch_parameters = fetch_raw  # plain torch patches by weight functions alone
+    def fetch_parameters(self, module, names, device):
+        return self.fetch_raw(module, names, device)  # plain torch patches by weight functions alone
 
     def fetch(self, module, device, dtype):
         return self.for_compute(module, module.weight, getattr(module, "bias", None), device, dtype)
