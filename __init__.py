@@ -32,6 +32,7 @@ _ENGINE = {
     "load_pretrained": ".runtime.checkpoint",
     "lazy_compile": ".runtime.compile",
     "compile_stats": ".runtime.compile",
+    "draft_policy": ".runtime.cli.draft",
 }
 
 
@@ -80,8 +81,8 @@ elif __package__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        """The public names too, though the engine's are imported only on first use."""
-        return sorted({*globals(), *__all__})
+        """The public names (the engine's are imported only on first use) and the subpackages; no import helpers."""
+        return sorted({*__all__, "runtime", "schemas"})
 
     if _running_in_comfyui():
         from .comfy_nodes import comfy_entrypoint

@@ -47,9 +47,11 @@ def ids(section):
 def test_top_level_api_is_small_and_deliberate():
     assert set(streamwise.__all__) == {
         "Policy", "PolicyError", "load_policy", "resolve", "apply", "apply_policy", "revert", "offload", "dispatch",
-        "model_patcher", "load", "skeleton", "load_pretrained", "lazy_compile", "compile_stats",
+        "model_patcher", "load", "skeleton", "load_pretrained", "lazy_compile", "compile_stats", "draft_policy",
     }
-    assert set(streamwise.__all__) <= set(dir(streamwise))  # listed before first use
+    assert dir(streamwise) == sorted({*streamwise.__all__, "runtime", "schemas"})  # listed before first use, and
+    # nothing of how the package imports itself (`annotations`, `os`, `sys`, `importlib`)
+    assert callable(streamwise.draft_policy)
     assert isinstance(streamwise.load_policy("decoder-llm"), streamwise.Policy)
     assert callable(streamwise.resolve) and callable(streamwise.model_patcher)
     with pytest.raises(AttributeError):

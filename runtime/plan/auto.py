@@ -113,7 +113,7 @@ def select_policy(
     tried = f": {'; '.join(passed)}" if passed else ""
     raise PolicyError([Diagnostic(
         "unknown-policy", f"no policy fits `{root.name}`{tried}",
-        help="choose a policy by name, or write one (`streamwise draft` starts from the model)",
+        help="choose a policy by name, or write one (`streamwise policy draft` starts from the model)",
     )])
 
 
