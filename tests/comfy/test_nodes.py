@@ -158,6 +158,24 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
         mappings["StreamwiseGenerateText"].execute(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
 
 
+def test_a_diffusers_model_folder_is_listed_and_loads_through_the_loader(nodes):
+    pytest.importorskip("diffusers")
+    from helpers import tiny_diffusers
+
+    mappings, root = nodes
+    model, inputs = tiny_diffusers("vae")
+    model.eval().save_pretrained(root / "tiny-vae")
+    with torch.no_grad():
+        expected = model(**inputs).sample
+    loader = mappings["StreamwiseModelLoader"]
+    assert "streamwise/tiny-vae" in loader.INPUT_TYPES()["required"]["model"][1]["options"]
+    patcher, report = loader.execute("streamwise/tiny-vae", "auto", "auto").args
+    assert report.startswith("`auto` picked `any-module`") and "built AutoencoderKL (diffusers `_class_name`)" in report
+    patcher.load(torch.device("cpu"), lowvram_model_memory=1)  # every streamed leaf fetching
+    with torch.no_grad():
+        assert torch.equal(patcher.model(**inputs).sample, expected)
+
+
 def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
     import comfy.model_patcher
 
