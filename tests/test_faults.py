@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
+import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import streamwise
 from streamwise.runtime.checkpoint import fill
 from streamwise.runtime.checkpoint.readers import CheckpointError
+from streamwise.runtime.engine import journal as journal_module
 from streamwise.runtime.engine import protocol
-from streamwise.runtime.engine.apply import ConversionError, Journal, applied_state
+from streamwise.runtime.engine.apply import ConversionError, applied_state
+from streamwise.runtime.engine.journal import Journal
 from streamwise.runtime.hosts import standalone
 from streamwise.runtime.hosts.standalone import OffloadError
 from streamwise.runtime.quant import residents
@@ -152,8 +158,8 @@ def sweep(faults: Faults, build, run, own_errors: tuple[type, ...]) -> tuple[int
 
 
 CONVERTING = [
-    (apply_module, "swap_class"), (apply_module, "streaming_class"), (apply_module.Journal, "set_tensor"),
-    (apply_module.Journal, "keep"), (residents, "make_resident"), (residents, "resident_class"),
+    (apply_module, "swap_class"), (journal_module, "swap_class"), (apply_module, "streaming_class"),
+    (Journal, "set_tensor"), (Journal, "keep"), (residents, "make_resident"), (residents, "resident_class"),
     (protocol, "leaf_attributes"), (FORMATS["int8"], "quantize"),
 ]
 
@@ -171,7 +177,7 @@ def test_revert_completes_or_leaves_the_tree_converted_and_revertible(monkeypatc
         streamwise.apply_policy(model, "decoder-llm")
         return model
 
-    faults = Faults(monkeypatch, [(apply_module.Journal, "restore"), (apply_module._Record, "__call__")])
+    faults = Faults(monkeypatch, [(Journal, "restore"), (journal_module.Record, "__call__")])
     tried, broken = sweep(faults, converted, streamwise.revert, (ConversionError,))
     assert tried >= 8 and not broken, broken  # a class's modules share one record: a call each, not one per module
 
@@ -191,7 +197,7 @@ def test_revert_completes_or_leaves_the_tree_converted_and_revertible(monkeypatc
     not torch.cuda.is_available(), reason="moves between devices need CUDA"))])
 def test_offload_completes_or_restores(monkeypatch, device):
     faults = Faults(monkeypatch, [
-        *CONVERTING, (apply_module, "move_in_place"), (standalone, "_place"), (standalone, "_residency"),
+        *CONVERTING, (journal_module, "move_in_place"), (standalone, "_place"), (standalone, "_residency"),
         (standalone, "_Streamer"), (protocol, "set_fetching"),
     ])
     budget = 40_000  # some leaves resident, the others streamed
@@ -277,3 +283,54 @@ def test_a_journal_moves_a_parameter_back_as_the_same_object():
     journal.move(layer, "offset", torch.device("cpu"))
     journal.rollback()
     assert layer.weight is weight and layer.offset is buffer
+
+
+# --- two threads, one model ----------------------------------------------------------------------------------------
+
+OPERATIONS = {
+    "apply": lambda model: streamwise.apply_policy(model, "decoder-llm"),
+    "revert": streamwise.revert,
+    "offload": lambda model: streamwise.offload(model, "decoder-llm", device="cpu", budget=40_000),
+}
+NOT_CONVERTED = "this model was not converted"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(sorted(OPERATIONS)), min_size=1, max_size=3),
+       st.lists(st.sampled_from(sorted(OPERATIONS)), min_size=1, max_size=3))
+def test_two_threads_leave_one_model_converted_once_or_as_it_was(first, second):
+    """apply, revert and offload of one root, from two threads at once with the interpreter switching threads as
+    often as it can: every call completes (a revert may find nothing to revert), and the tree ends converted once
+    (the counts of one apply, and one revert restores it exactly) or exactly as it was."""
+    once = small()
+    converted_once = streamwise.apply_policy(once, "decoder-llm")[1] and applied_state(once).counts()
+    model = small()
+    original = snapshot(model)
+    start, failures = threading.Barrier(2), []
+
+    def run(operations):
+        start.wait()
+        for name in operations:
+            try:
+                OPERATIONS[name](model)
+            except ConversionError as exc:
+                if name != "revert" or NOT_CONVERTED not in str(exc):
+                    failures.append(f"{name}: {exc!r}")
+            except Exception as exc:  # anything else is a failure the test reports
+                failures.append(f"{name}: {exc!r}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(ops,)) for ops in (first, second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, failures
+    if applied_state(model) is not None:
+        assert applied_state(model).counts() == converted_once
+        streamwise.revert(model)
+    assert not differences(original, snapshot(model))

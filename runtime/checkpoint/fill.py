@@ -27,7 +27,9 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ..engine import protocol
-from ..engine.apply import ConversionError, Journal, apply, check
+from ..engine.apply import ConversionError, apply, check
+from ..engine.exclusive import one_writer
+from ..engine.journal import Journal
 from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
 from ..quant.convrot import check_group_size
@@ -111,7 +113,7 @@ def load(
         return CheckpointError([f"{path}: loading failed ({exc!r}); the model was restored unchanged"])
 
     journal = Journal()  # what can still fail after the checks (quantizing on load: memory) undoes everything
-    with journal.atomic(failed):
+    with one_writer(model), journal.atomic(failed):
         _, plan = plan_for(policy, model)
         if not allow_stranded:
             plan.refuse_stranded()

@@ -9,15 +9,15 @@ Invariants:
 - idempotent: applying the same plan again changes nothing and counts the same;
 - no float tensor is copied: conversion swaps classes and sets a few plain attributes; only an int8-family quant
   rule replaces a layer's weight, with its quantized storage;
-- reversible by `revert`, except once weights were quantized (their float values are gone).
+- reversible by `revert`, except once weights were quantized (their float values are gone);
+- one writer per tree: `apply` and `revert` of one root (and `offload`, `load`, `dispatch`, which apply) run one at
+  a time (`exclusive.one_writer`), so two threads leave it converted once or as it was.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,14 +25,15 @@ from torch import Tensor, nn
 
 from ..policy.diagnostics import PolicyError
 from . import protocol
+from .exclusive import one_writer
+from .journal import ABSENT, Journal, Record, swap_class
 from .kinds import COMPUTE_KINDS, GENERIC, fit
 from .probe import configuration, probe
 from .relocating import relocating_class
 from .streamed import claimed_below, holds_parameters_below, streaming_class
-from .tree import StreamTree, move_in_place
+from .tree import StreamTree
 
 if TYPE_CHECKING:
-    import torch
 
     from ...schemas import Policy
     from ..plan import ModulePlan, Plan
@@ -51,8 +52,6 @@ class ConversionCounts:
     streamed: dict[str, int]
     relocating: int
 
-
-_ABSENT = object()
 # The instance attributes a conversion may set, by role (and a host, later, on a streamed leaf): modules holding none
 # of them before share one record per class they are converted to.
 _MAY_SET = {
@@ -60,133 +59,12 @@ _MAY_SET = {
     "relocate": (protocol.TREE, protocol.RELOCATED),
 }
 
-
-class _Record:
-    """Objects changed alike: the class they had, and each instance attribute the change may have set, with what it
-    held before (a dict, for one object) or as a tuple of names none of the objects held.
-
-    A record is its own undo (a journal entry): calling it restores the objects.
-    """
-
-    __slots__ = ("modules", "original_class", "replaced", "role")
-
-    def __init__(self, modules: list, original_class: type, replaced: dict[str, object] | tuple[str, ...],
-                 role: str) -> None:
-        self.modules = modules
-        self.original_class = original_class
-        self.replaced = replaced  # _ABSENT: the instance held nothing under that name
-        self.role = role  # "stream", "relocate", "resident" or "host" (a host's adaptation of the root, see hosts/)
-
-    def __call__(self) -> None:
-        replaced = self.replaced
-        for module in self.modules:
-            object.__setattr__(module, "__class__", self.original_class)
-            held = module.__dict__
-            if type(replaced) is tuple:
-                for name in replaced:
-                    held.pop(name, None)
-                continue
-            for name, previous in replaced.items():
-                if previous is _ABSENT:
-                    held.pop(name, None)
-                else:
-                    held[name] = previous
-
-
-def _now(target: object, names: Iterable[str], role: str = "") -> _Record:
-    """A record restoring `target`'s class and the instance attributes `names` to what they are now."""
-    held = target.__dict__
-    return _Record([target], type(target), {name: held.get(name, _ABSENT) for name in names}, role)
-
-
-class _RootRecord(_Record):
-    """A record of the root, held weakly: the root holds the state that holds the records, so a strong reference back
-    is a cycle that keeps a dropped model alive until a full collection (ComfyUI warns of a potential leak)."""
-
-    __slots__ = ("_root",)
-
-    @property
-    def modules(self) -> list[nn.Module]:
-        root = self._root()
-        return [] if root is None else [root]
-
-    @modules.setter
-    def modules(self, value: list[nn.Module]) -> None:
-        (root,) = value
-        self._root = weakref.ref(root)
-
-
-class Journal:
-    """The changes one operation made to a tree, undone newest first when the operation fails (apply, revert,
-    offload, load)."""
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-
-    @contextmanager
-    def atomic(self, error: Callable[[Exception], Exception | None]) -> Iterator[Journal]:
-        """Run an operation: on any failure undo everything journaled, then re-raise the failure, an `Exception`
-        as `error(exc)` (from it) unless that gives None, an interrupt as it is."""
-        try:
-            yield self
-        except BaseException as exc:
-            self.rollback()
-            wrapped = error(exc) if isinstance(exc, Exception) else None
-            if wrapped is None:
-                raise
-            raise wrapped from exc
-
-    def swap_class(self, module: nn.Module, cls: type, attributes: dict[str, object], role: str, *,
-                   clears: tuple[str, ...] = (), root: bool = False) -> _Record:
-        return self.add(swap_class(module, cls, attributes, role, clears=clears, root=root))
-
-    def add(self, undo: Callable[[], None]) -> Callable[[], None]:
-        """Journal `undo`, the undo of a change about to be made or just made."""
-        self._undo.append(undo)
-        return undo
-
-    def set_tensor(self, module: nn.Module, name: str, value: Tensor) -> None:
-        """Put `value` in the parameter or buffer slot `name` of `module` (a parameter if none holds it yet)."""
-        slots = module._buffers if name in module._buffers else module._parameters
-        previous = slots.get(name, _ABSENT)
-        self._undo.append(lambda: slots.pop(name, None) if previous is _ABSENT else slots.__setitem__(name, previous))
-        slots[name] = value
-
-    def move(self, module: nn.Module, name: str, device: torch.device, *, pin: bool = False) -> None:
-        """`move_in_place`, undone by moving back: a parameter to its device and pinning (the same object, never a
-        second copy held meanwhile), a buffer by putting the one it replaced back."""
-        if name in module._parameters:
-            tensor = module._parameters[name]
-            was, pinned = tensor.device, tensor.is_pinned()
-            self._undo.append(lambda: move_in_place(module, name, was, pin=pinned))
-        else:
-            self.set_tensor(module, name, module._buffers[name])
-        move_in_place(module, name, device, pin=pin)
-
-    def keep(self, target: object, names: Iterable[str]) -> None:
-        """Restore `target`'s instance attributes `names` on failure: they are about to change."""
-        self._undo.append(_now(target, names))
-
-    def set_attributes(self, target: object, attributes: dict[str, object]) -> None:
-        self.keep(target, attributes)
-        target.__dict__.update(attributes)
-
-    def restore(self, record: _Record) -> None:
-        """Undo `record` (a completed operation's change), journaling how the objects are now."""
-        self._undo.extend(_now(module, record.replaced, record.role) for module in record.modules)
-        record()
-
-    def rollback(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-
-
 @dataclass
 class AppliedState:
     """Kept on the root module: the tree's streaming state and how to undo the conversion."""
 
     tree: StreamTree = field(default_factory=StreamTree)
-    records: list[_Record] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
     plan: Plan | None = None
     source: str | None = None  # the folder the tree was built from, when it was (its tokenizer lives there)
 
@@ -263,52 +141,53 @@ def _apply(
     model: nn.Module, planned: Callable[[], tuple[Plan, list]], journal: Journal
 ) -> tuple[Plan, ConversionCounts]:
     """Convert `model` by the plan `planned()` gives, with the module of each entry, all or nothing."""
-    state = applied_state(model) or AppliedState()
-    tree = state.tree
-    step, converting = "checking", None  # where a failure happened: the step, and the entry being converted
+    with one_writer(model):  # read the state under the lock: another thread may be converting the tree
+        state = applied_state(model) or AppliedState()
+        tree = state.tree
+        step, converting = "checking", None  # where a failure happened: the step, and the entry being converted
 
-    def failed(exc: Exception) -> ConversionError | None:
-        if isinstance(exc, (ConversionError, PolicyError)):  # they say what failed
-            return None
-        where = f"{step} `{converting.path}`" if converting is not None else step
-        return ConversionError(f"{where} failed ({exc!r}); the tree was restored unchanged")
+        def failed(exc: Exception) -> ConversionError | None:
+            if isinstance(exc, (ConversionError, PolicyError)):  # they say what failed
+                return None
+            where = f"{step} `{converting.path}`" if converting is not None else step
+            return ConversionError(f"{where} failed ({exc!r}); the tree was restored unchanged")
 
-    with journal.atomic(failed):
-        plan, located = planned()
-        targets = _targets(plan, located)
-        step = "quantizing"
-        quantized = _quantized(plan, located)  # the heavy part, before anything changes
-        records: list[_Record] = []
-        shared: dict[type, _Record] = {}  # by new class: the record modules converted to it alike join
-        step = "converting"
-        for entry, module, cls in zip(plan.modules, located, targets, strict=True):
-            if cls is None or type(module) is cls:
-                if entry.quant and protocol.is_resident(module) and protocol.tree_of(module) is None:
-                    journal.set_attributes(module, {protocol.TREE: tree})  # a resident a checkpoint load made
-                continue
-            converting = entry
-            role = "stream" if entry.stream else "relocate"
-            attributes = protocol.leaf_attributes(module, tree) if entry.stream else {protocol.TREE: tree}
-            if entry.relocate:
-                attributes[protocol.RELOCATED] = entry.relocate
-            if entry.stream == GENERIC and holds_parameters_below(module):
-                attributes[protocol.CLAIMED] = claimed_below(module)
-            alike = shared.get(cls)
-            record = swap_class(module, cls, attributes, role, clears=_MAY_SET[role], root=module is model,
-                                alike=alike)
-            if record is not alike:
-                records.append(journal.add(record))
-                if type(record.replaced) is tuple and module is not model:
-                    shared[cls] = record  # the modules converted to `cls` next join it
-        step, converting = "making quantized residents", None
-        from ..quant.residents import make_resident
+        with journal.atomic(failed):
+            plan, located = planned()
+            targets = _targets(plan, located)
+            step = "quantizing"
+            quantized = _quantized(plan, located)  # the heavy part, before anything changes
+            records: list[Record] = []
+            shared: dict[type, Record] = {}  # by new class: the record modules converted to it alike join
+            step = "converting"
+            for entry, module, cls in zip(plan.modules, located, targets, strict=True):
+                if cls is None or type(module) is cls:
+                    if entry.quant and protocol.is_resident(module) and protocol.tree_of(module) is None:
+                        journal.set_attributes(module, {protocol.TREE: tree})  # a resident a checkpoint load made
+                    continue
+                converting = entry
+                role = "stream" if entry.stream else "relocate"
+                attributes = protocol.leaf_attributes(module, tree) if entry.stream else {protocol.TREE: tree}
+                if entry.relocate:
+                    attributes[protocol.RELOCATED] = entry.relocate
+                if entry.stream == GENERIC and holds_parameters_below(module):
+                    attributes[protocol.CLAIMED] = claimed_below(module)
+                alike = shared.get(cls)
+                record = swap_class(module, cls, attributes, role, clears=_MAY_SET[role], root=module is model,
+                                    alike=alike)
+                if record is not alike:
+                    records.append(journal.add(record))
+                    if type(record.replaced) is tuple and module is not model:
+                        shared[cls] = record  # the modules converted to `cls` next join it
+            step, converting = "making quantized residents", None
+            from ..quant.residents import make_resident  # quant builds on the engine package: imported when used
 
-        for entry, module, stored in quantized:
-            make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, tree)
-        step = "recording the conversion"
-        journal.set_attributes(state, {"records": state.records + records, "plan": plan})
-        journal.set_attributes(model, {STATE_ATTRIBUTE: state})
-    return plan, state.counts()
+            for entry, module, stored in quantized:
+                make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, tree)
+            step = "recording the conversion"
+            journal.set_attributes(state, {"records": state.records + records, "plan": plan})
+            journal.set_attributes(model, {STATE_ATTRIBUTE: state})
+        return plan, state.counts()
 
 
 def revert(model: nn.Module) -> None:
@@ -316,40 +195,21 @@ def revert(model: nn.Module) -> None:
 
     Atomic: interrupted, the tree is converted as before (and can be reverted again).
     """
-    state = applied_state(model)
-    if state is None:
-        raise ConversionError("this model was not converted by streamwise.apply")
-    if any(protocol.is_resident(m) for m in model.modules()):
-        raise ConversionError(
-            "the tree holds quantized residents, whose float weights are gone; reload the model instead"
-        )
-    journal = Journal()
-    with journal.atomic(lambda exc: ConversionError(f"reverting failed ({exc!r}); the tree is converted as before")):
-        for record in reversed(state.records):
-            journal.restore(record)
-        journal.restore(_Record([model], type(model), {STATE_ATTRIBUTE: _ABSENT}, ""))  # the root state goes last
+    with one_writer(model):
+        state = applied_state(model)
+        if state is None:
+            raise ConversionError("this model was not converted by streamwise.apply")
+        if any(protocol.is_resident(m) for m in model.modules()):
+            raise ConversionError(
+                "the tree holds quantized residents, whose float weights are gone; reload the model instead"
+            )
+        journal = Journal()
+        with journal.atomic(lambda exc: ConversionError(f"reverting failed ({exc!r}); the tree is converted as "
+                                                        "before")):
+            for record in reversed(state.records):
+                journal.restore(record)
+            journal.restore(Record([model], type(model), {STATE_ATTRIBUTE: ABSENT}, ""))  # the root state goes last
 
-
-def swap_class(module: nn.Module, cls: type, attributes: dict[str, object], role: str, *,
-               clears: tuple[str, ...] = (), root: bool = False, alike: _Record | None = None) -> _Record:
-    """Give `module` the class `cls` and plain `attributes`, returning how to undo it: the class back, `attributes`
-    and `clears` (names a host may set on the instance later) as they were.
-
-    `alike`: the record of modules given `cls` the same way, none of which held its names (which cover `attributes`
-    and `clears`); `module` joins it when it holds none either (one record for a class's modules, not one each).
-    The record holds the module weakly when it is the `root` that will keep the record.
-    """
-    held = module.__dict__
-    if alike is not None and not root and held.keys().isdisjoint(alike.replaced):
-        alike.modules.append(module)  # first: undoing a module not converted yet changes nothing
-        record = alike
-    else:
-        names = tuple(dict.fromkeys((*attributes, *clears)))
-        replaced = names if held.keys().isdisjoint(names) else {name: held.get(name, _ABSENT) for name in names}
-        record = (_RootRecord if root else _Record)([module], type(module), replaced, role)
-    object.__setattr__(module, "__class__", cls)  # past nn.Module.__setattr__, which only looks for tensors here
-    held.update(attributes)
-    return record
 
 
 def _quantized(plan: Plan, located: list[nn.Module]) -> list[tuple[ModulePlan, nn.Module, dict[str, Tensor]]]:

@@ -27,7 +27,8 @@ from torch import nn
 
 from ...schemas import Policy
 from ..engine import ConversionError, applied_state, apply_policy, protocol
-from ..engine.apply import Journal
+from ..engine.exclusive import one_writer
+from ..engine.journal import Journal
 from ..engine.tree import TorchFetcher
 from ..plan import Plan, plan_for
 from ..plan.selectors import joined
@@ -262,7 +263,7 @@ def dispatch(
             return None
         return DispatchError(f"dispatching the tree failed ({exc!r}); the tree was restored unchanged")
 
-    with Journal().atomic(failed) as journal:
+    with one_writer(model), Journal().atomic(failed) as journal:
         policy, plan = apply_policy(model, policy, journal=journal)
         device_map = infer_device_map(model, plan, limits)
         state = applied_state(model)

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ..engine import ConversionError, applied_state, apply_policy, protocol
-from ..engine.apply import Journal
+from ..engine.exclusive import one_writer
+from ..engine.journal import Journal
 from ..engine.tree import TorchFetcher
 from ..plan.selectors import walk_modules
 from ..policy.diagnostics import PolicyError
@@ -95,7 +96,7 @@ def offload(
             return None
         return OffloadError(f"placing the tree on {device} failed ({exc!r}); the tree was restored unchanged")
 
-    with Journal().atomic(failed) as journal:
+    with one_writer(model), Journal().atomic(failed) as journal:
         policy, plan = apply_policy(model, policy, journal=journal)
         state = applied_state(model)
         modules = dict(walk_modules(model))  # one walk, not a path lookup per leaf

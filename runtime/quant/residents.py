@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..engine import protocol
-from ..engine.apply import Journal
 from ..engine.classes import derived_class
+from ..engine.journal import Journal
 from ..engine.kinds import ComputeKind
 from ..engine.streamed import leaf_namespace
 from ..engine.tree import StreamTree, cast_for_compute
