@@ -88,3 +88,7 @@ elif __package__:
         from .comfy_nodes import comfy_entrypoint
 
         __all__ += ["comfy_entrypoint"]
+
+if __package__ and _running_in_comfyui():
+    WEB_DIRECTORY = "./web"  # the frontend extension that shows results on the pack's nodes (web/streamwise.js)
+    __all__ += ["WEB_DIRECTORY"]

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+import torch
+from comfy_api.latest import io, ui
 
+from ..runtime.engine import applied_state
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import choose_policy
-from .folders import allow_stranded_input, chosen_policy, comfy_policy_dirs, policy_input
+from .folders import allow_stranded_input, chosen_policy, comfy_policy_dirs, policy_fingerprint, policy_input
+from .schema import schema
 
 
 class ApplyStreamwisePolicy(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
+        return schema(
+            category="model_patches", aliases=("offload", "lowvram", "streaming", "vram", "policy"),
             node_id="ApplyStreamwisePolicy",
             display_name="Apply Streamwise Policy",
-            category="streamwise",
             description="Make a model another pack loaded stream under ComfyUI's low-VRAM loading, by a Streamwise "
                         "policy.",
             inputs=[
@@ -27,7 +30,19 @@ class ApplyStreamwisePolicy(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, policy: str, **_) -> str:
+        """The policy's content (and of every file it extends): an edited policy converts again."""
+        return policy_fingerprint(policy, comfy_policy_dirs())
+
+    @classmethod
     def execute(cls, model, policy: str, allow_stranded: bool = False) -> io.NodeOutput:
+        tree = getattr(model, "model", None)
+        if not isinstance(tree, torch.nn.Module):
+            raise ValueError(f"Apply Streamwise Policy converts a MODEL holding a module tree; this input is a "
+                             f"{type(model).__name__}")
         dirs = comfy_policy_dirs()
-        policy = choose_policy(chosen_policy(policy, dirs, auto=True), model.model, dirs=dirs).policy
-        return io.NodeOutput(adopt(model, policy, allow_stranded))
+        choice = choose_policy(chosen_policy(policy, dirs, auto=True), tree, dirs=dirs)
+        adopted = adopt(model, choice.policy, allow_stranded)
+        plan = applied_state(tree).plan
+        text = f"{choice.reason}; {plan.render(rules=False)}"
+        return io.NodeOutput(adopted, ui=ui.PreviewText(text))

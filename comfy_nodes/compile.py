@@ -13,6 +13,7 @@ from ..runtime.compile.settings import runnable_backends
 from ..runtime.hosts.comfyui.compile import armed_with_report
 from ..schemas.policy import CompileSettings
 from ..schemas.vocabulary import COMPILE_MODES
+from .schema import schema
 
 FIELDS = CompileSettings.model_fields
 
@@ -26,10 +27,10 @@ class QuantizedLazyTorchCompile(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         backends = runnable_backends()
-        return io.Schema(
+        return schema(
+            category="model_patches", aliases=("compile", "torch.compile", "quantize", "int8", "gguf", "inductor"),
             node_id="INT8LazyTorchCompile",
             display_name="Quantized Lazy Torch Compile",
-            category="streamwise",
             description="Compile a MODEL's repeated blocks lazily (on the first run), quantization- and "
                         "streaming-aware. The model is compiled where it runs next, not here.",
             inputs=[

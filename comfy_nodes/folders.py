@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 import folder_paths
 from comfy_api.latest import io
 
-from ..runtime.policy.diagnostics import PolicyError
+from ..runtime.policy.diagnostics import PolicyError, render_text
 from ..runtime.policy.folders import list_policies, policy_dirs, unknown_choice
+from ..runtime.policy.load import check_policy
 
 MODEL_FOLDERS = ("streamwise", "text_encoders", "LLM")  # ComfyUI folder keys the model loader reads
 REGISTERED_FOLDERS = ("streamwise", "LLM")  # no core registers these: added as models/<key> when absent
@@ -36,6 +38,18 @@ def allow_stranded_input() -> io.Boolean.Input:
         tooltip="Accept a policy that leaves some tensors to no rule. Off: such a plan is refused with the classes "
                 "it strands and the rule that would cover them, since a partial load onto the GPU would crash on "
                 "them.")
+
+
+def policy_fingerprint(policy: str, dirs: list[Path]) -> str:
+    """What a node that reads `policy` depends on: the merged content of the policy (every file of its `extends`
+    chain), or for `auto` of every policy it chooses among; its diagnostics where it does not load. A node's
+    fingerprint includes it, so an edited policy re-runs the node and an unchanged one stays cached."""
+    names = list(list_policies(dirs)) if policy == "auto" else [policy]
+    parts = []
+    for name in names:
+        loaded, diagnostics = check_policy(name, dirs=dirs)
+        parts.append(loaded.model_dump_json() if loaded is not None else render_text(diagnostics))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
 def chosen_policy(policy: object, dirs: list[Path], *, auto: bool = False) -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..runtime.engine import applied_state
 from ..runtime.generation import MAX_SPEAKERS, TokenSteps, Voice, generate_speech
+from .inputs import loaded_tree
+from .schema import schema
 
 SCRIPT = "Speaker 0: Hello, and welcome to the show.\nSpeaker 1: Thanks, it's great to be here."
 
@@ -24,10 +25,10 @@ def voice(name: str, audio: dict | None) -> Voice | None:
 class StreamwiseGenerateSpeech(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
+        return schema(
+            category="audio", aliases=("vibevoice", "tts", "text to speech", "speech"),
             node_id="StreamwiseGenerateSpeech",
             display_name="Streamwise Generate Speech",
-            category="streamwise",
             description="Speak a multi-speaker script with a VibeVoice model loaded by the Streamwise Model Loader "
                         "(processor: its folder), optionally in the voices of reference recordings; the node plays it.",
             is_output_node=True,
@@ -62,15 +63,12 @@ class StreamwiseGenerateSpeech(io.ComfyNode):
         import comfy.model_management
         import comfy.utils
 
-        state = applied_state(model.model)
-        source = state.source if state is not None else None
-        if source is None:
-            raise ValueError("this MODEL has no processor folder: load it with the Streamwise Model Loader")
+        tree, source = loaded_tree(model, "speech")
         voices = [voice(f"voice_{n}", audio) for n, audio in enumerate((voice_1, voice_2, voice_3, voice_4), 1)]
         comfy.model_management.load_models_gpu([model])
         frames = TokenSteps(comfy.utils.ProgressBar(max_new_tokens).update,
                             comfy.model_management.throw_exception_if_processing_interrupted)
-        speech = generate_speech(model.model, source, text, voices, seed=seed, steps=steps, cfg=cfg,
+        speech = generate_speech(tree, source, text, voices, seed=seed, steps=steps, cfg=cfg,
                                  max_new_tokens=max_new_tokens, device=model.load_device, stopping_criteria=[frames])
         audio = {"waveform": speech.waveform, "sample_rate": speech.sample_rate}
         return io.NodeOutput(audio, ui=ui.PreviewAudio(audio))  # a temporary FLAC the node's player loads

@@ -6,17 +6,18 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..runtime.checkpoint import load_tokenizer
-from ..runtime.engine import applied_state
 from ..runtime.generation import TokenSteps, generation_config
+from .inputs import loaded_tree
+from .schema import schema
 
 
 class StreamwiseGenerateText(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
+        return schema(
+            category="text", aliases=("llm", "text generation", "prompt", "gguf"),
             node_id="StreamwiseGenerateText",
             display_name="Streamwise Generate Text",
-            category="streamwise",
             description="Generate text with a causal LM loaded by the Streamwise Model Loader (tokenizer: its "
                         "folder), e.g. as a prompt enhancer; the text shows on the node.",
             is_output_node=True,
@@ -47,10 +48,7 @@ class StreamwiseGenerateText(io.ComfyNode):
         import comfy.utils
         import transformers
 
-        state = applied_state(model.model)
-        source = state.source if state is not None else None
-        if source is None:
-            raise ValueError("this MODEL has no tokenizer source: load it with the Streamwise Model Loader")
+        tree, source = loaded_tree(model, "text")
         try:
             tokenizer = load_tokenizer(source)  # its folder's files, or the one a .gguf carries
         except (OSError, ValueError) as exc:
@@ -61,13 +59,13 @@ class StreamwiseGenerateText(io.ComfyNode):
         comfy.model_management.load_models_gpu([model])
         ids = ids.to(model.load_device)
         pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-        config = generation_config(model.model, max_new_tokens, do_sample, pad,
+        config = generation_config(tree, max_new_tokens, do_sample, pad,
                                    temperature=temperature, top_p=top_p, top_k=top_k)
         check_interrupt = getattr(comfy.model_management, "throw_exception_if_processing_interrupted", lambda: None)
         steps = TokenSteps(comfy.utils.ProgressBar(max_new_tokens).update, check_interrupt)
         torch.manual_seed(seed)  # sampling draws from torch's global generator
         with torch.no_grad():
-            tokens = model.model.generate(
+            tokens = tree.generate(
                 ids, generation_config=config, stopping_criteria=transformers.StoppingCriteriaList([steps]),
             )
         text = tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True)

@@ -41,6 +41,21 @@ def resolve_model(label: str, roots: dict[str, Iterable[str | os.PathLike]]) -> 
     return models[label]
 
 
+def model_identity(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """(path, size, mtime) of every file loading `path` can read: a folder's own files, or a weight file and the
+    `.json` files beside it (config, tokenizer, generation config). What a node's fingerprint compares, so that a
+    replaced or re-downloaded model loads again and an unchanged one stays cached."""
+    if path.is_dir():
+        files = [entry for entry in path.iterdir() if entry.is_file()]
+    else:
+        files = [path, *(entry for entry in path.parent.glob("*.json") if entry.is_file())]
+    identity = []
+    for file in sorted(files):
+        stat = file.stat()
+        identity.append((str(file), stat.st_size, stat.st_mtime_ns))
+    return tuple(identity)
+
+
 def _folders(root: Path) -> Iterator[tuple[str, Path, set[str]]]:
     """`(relative label prefix, folder, regular file names)` for each folder under `root`, each real folder once.
 

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..runtime.checkpoint import load_pretrained
 from ..runtime.hosts.comfyui import model_patcher
-from .folders import allow_stranded_input, chosen_policy, comfy_policy_dirs, model_roots, policy_input
-from .model_files import list_models, resolve_model
+from .folders import (
+    allow_stranded_input,
+    chosen_policy,
+    comfy_policy_dirs,
+    model_roots,
+    policy_fingerprint,
+    policy_input,
+)
+from .model_files import list_models, model_identity, resolve_model
+from .schema import schema
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -16,10 +26,11 @@ DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": t
 class StreamwiseModelLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
+        return schema(
+            category="loaders",
+            aliases=("gguf", "llm", "safetensors", "diffusers", "vibevoice", "tts", "offload", "lowvram", "load model"),
             node_id="StreamwiseModelLoader",
             display_name="Streamwise Model Loader",
-            category="streamwise",
             description="Load a transformers-style model (an HF folder, a .safetensors or .gguf file beside its "
                         "config.json, or a .gguf from llama.cpp's converter alone) from the model folders "
                         "streamwise, text_encoders and LLM, and convert it with a Streamwise policy.",
@@ -46,6 +57,16 @@ class StreamwiseModelLoader(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False) -> str:
+        """The model's files (path, size, mtime) and the policy's content: a replaced model or an edited policy
+        (or any file it extends) loads again; an unchanged one stays cached."""
+        try:
+            files = model_identity(resolve_model(model, model_roots()))
+        except (FileNotFoundError, OSError):
+            files = ()  # execute says what is wrong
+        return json.dumps([files, policy_fingerprint(policy, comfy_policy_dirs()), dtype, allow_stranded])
+
+    @classmethod
     def execute(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
@@ -63,4 +84,5 @@ class StreamwiseModelLoader(io.ComfyNode):
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device(),
                                 allow_stranded=allow_stranded)
-        return io.NodeOutput(patcher, f"{chosen}; {report}")
+        text = f"{chosen}; {report}"
+        return io.NodeOutput(patcher, text, ui=ui.PreviewText(text))

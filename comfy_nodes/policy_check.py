@@ -6,16 +6,17 @@ from comfy_api.latest import io, ui
 
 from ..runtime import check_policy, render_text
 from ..runtime.policy.folders import unknown_choice
-from .folders import comfy_policy_dirs, policy_input
+from .folders import comfy_policy_dirs, policy_fingerprint, policy_input
+from .schema import schema
 
 
 class StreamwisePolicyCheck(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
+        return schema(
+            category="utils", aliases=("policy", "validate", "lint"),
             node_id="StreamwisePolicyCheck",
             display_name="Streamwise Policy Check",
-            category="streamwise",
             description="Validate a Streamwise policy (shipped or from your user folder) and show its diagnostics.",
             is_output_node=True,
             inputs=[policy_input("A shipped policy or one of yours (<user>/streamwise/policies).")],
@@ -24,9 +25,9 @@ class StreamwisePolicyCheck(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, policy: str) -> float:
-        """Always re-check: any file of the policy's `extends` chain may have changed, and checking is cheap."""
-        return float("nan")
+    def fingerprint_inputs(cls, policy: str) -> str:
+        """The policy's content (and of every file it extends): an edited policy is checked again."""
+        return policy_fingerprint(policy, comfy_policy_dirs())
 
     @classmethod
     def execute(cls, policy: str) -> io.NodeOutput:

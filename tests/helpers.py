@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from streamwise.runtime.cli import example_models
+
 TESTS = Path(__file__).resolve().parent
 INVALID = TESTS / "fixtures" / "invalid"
 REPO = TESTS.parent
@@ -66,19 +68,7 @@ def tiny_acoustic_tokenizer():
 
 def tiny_vibevoice():
     """transformers' VibeVoiceForConditionalGeneration at toy size (LM, tokenizers, diffusion head)."""
-    import transformers
-
-    text = dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    audio = dict(model_type="vibevoice_acoustic_tokenizer", hidden_size=8, num_filters=4, downsampling_ratios=[2, 2],
-                 depths=[1, 1, 1], kernel_size=3, layer_scale_init_value=0.5)
-    semantic = dict(audio, model_type="vibevoice_acoustic_tokenizer_encoder")
-    head = dict(model_type="vibevoice_diffusion", hidden_size=32, latent_size=8, head_layers=1, intermediate_size=64)
-    config = transformers.VibeVoiceConfig(
-        text_config=text, audio_config=audio, semantic_model_config=semantic, diffusion_head_config=head,
-        pad_token_id=0, eos_token_id=1, audio_bos_token_id=2, audio_eos_token_id=3, audio_token_id=4,
-    )
-    return transformers.VibeVoiceForConditionalGeneration(config).eval()
+    return example_models.tiny_vibevoice()
 
 
 def vibevoice_inputs():
@@ -225,61 +215,10 @@ def tiny_diffusers(name: str) -> tuple[nn.Module, dict]:
 DIFFUSERS_SAMPLE = ["transformer", "unet", "vae"]
 
 
-# The chat template of the tiny VibeVoice folder: VibeVoice's prompt layout (voice section for speakers that bring a
-# recording, then the script, then the start of speech), written for these tests.
-VIBEVOICE_TEMPLATE = (
-    "{{- ' Transform the text provided by various speakers into speech output.\\n' -}}"
-    "{%- set ns = namespace(voiced=[]) -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['content'] | selectattr('type', 'equalto', 'audio') | list"
-    " and message['role'] not in ns.voiced -%}{%- set ns.voiced = ns.voiced + [message['role']] -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if ns.voiced -%}{{- ' Voice input:\\n' -}}{%- for speaker in ns.voiced -%}"
-    "{{- ' Speaker ' ~ speaker ~ ':<|vision_start|><|vision_pad|><|vision_end|>\\n' -}}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- ' Text input:\\n' -}}"
-    "{%- for message in messages -%}{%- for item in message['content'] | selectattr('type', 'equalto', 'text') -%}"
-    "{{- ' Speaker ' ~ message['role'] ~ ': ' ~ item['text'] ~ '\\n' -}}"
-    "{%- endfor -%}{%- endfor -%}"
-    "{{- ' Speech output:\\n<|vision_start|>' -}}"
-)
-
-
-AUDIBLE = 3e3
-
-
 def tiny_vibevoice_folder(folder: Path) -> Path:
-    """A VibeVoice folder as the real libraries save one: tiny_vibevoice's weights, a word-level tokenizer whose
-    special tokens sit at the config's ids, VibeVoice's feature extractor at the tiny tokenizer's hop (4 samples a
-    frame), a chat template, and a generation config under which the random model never ends speech early (it
-    masks end-of-text and the audio start/end tokens), so every run makes exactly max_new_tokens frames. Its
-    decoder's last layer is scaled so that the noise it speaks peaks near 0.3, well within a 16-bit FLAC."""
-    import math
-
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    special = ["[PAD]", "[EOS]", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "[UNK]"]  # ids 0..5
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = "Speaker 0 1 2 3 : . , Transform text speech output Voice Text Speech input hello there how are you"
-    tokenizer.train_from_iterator([words], trainers.WordLevelTrainer(vocab_size=64, special_tokens=special))
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]",
-        additional_special_tokens=special[2:5],
-    )
-    torch.manual_seed(0)
-    model = tiny_vibevoice()
-    with torch.no_grad():  # speech at an audible level (init leaves it near 1e-5), so a 16-bit FLAC keeps it
-        model.model.audio_tower.decoder.head.conv.weight.mul_(AUDIBLE)
-        model.model.audio_tower.decoder.head.conv.bias.mul_(AUDIBLE)
-    hop = math.prod(model.config.audio_config.downsampling_ratios)
-    extractor = transformers.VibeVoiceAcousticTokenizerFeatureExtractor(pad_to_multiple_of=hop)
-    transformers.VibeVoiceProcessor(extractor, fast, chat_template=VIBEVOICE_TEMPLATE).save_pretrained(folder)
-    model.generation_config.suppress_tokens = [model.config.eos_token_id, model.config.audio_bos_token_id,
-                                               model.config.audio_eos_token_id]
-    model.save_pretrained(folder)
-    return folder
+    """The example VibeVoice folder (`streamwise example-models`): tiny_vibevoice's weights saved with its processor;
+    every run makes exactly max_new_tokens frames of audible noise."""
+    return example_models.tiny_vibevoice_folder(folder)
 
 
 def module_from_file(path: Path):

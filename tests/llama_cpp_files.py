@@ -1,4 +1,5 @@
-"""GGUF files in llama.cpp's converter layout, written by the gguf package's own writer and name maps, for tests.
+"""GGUF files in llama.cpp's converter layout for tests: written by `example_models.write_llama_cpp_gguf` (the gguf
+package's own writer and name maps), with the float model each file holds.
 
 The transforms are llama.cpp's `convert_hf_to_gguf.py` ones (Q/K rotary permutation for Llama, norm + 1 for Gemma);
 quantization is `gguf.quants.quantize` the way llama.cpp quantizes (2-D weights in blocks, 1-D tensors in F32); the
@@ -7,31 +8,17 @@ tokenizer is a byte-level BPE trained offline, in the metadata.
 
 from __future__ import annotations
 
-import json
-
 import gguf
 import numpy as np
 import torch
 import transformers
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, streaming weights", "a tiny model says hi"]
+from streamwise.runtime.cli import example_models
+
+CORPUS = example_models.CORPUS
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
-
-
-def train_tokenizer_parts() -> tuple[list[str], list[str], int]:
-    """A byte-level BPE trained here (offline): tokens by id, merges, and the id of its one control token."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    tokenizer.train_from_iterator(CORPUS * 20, trainer)
-    model = json.loads(tokenizer.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return tokens, merges, tokens.index("<|endoftext|>")
+train_tokenizer_parts = example_models.bpe_tokenizer_parts  # a byte-level BPE trained offline: tokens, merges, eos
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -83,64 +70,28 @@ def float_model(family: str, vocab: int, eos: int):
 
 
 def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra=None) -> torch.nn.Module:
-    """Write `model` as llama.cpp's converter would, quantized to `qtype`; return the float model the file holds
-    (each quantized weight after quantize -> dequantize, each transformed float after its round trip)."""
+    """Write `model` as llama.cpp's converter would (`example_models.write_llama_cpp_gguf`), quantized to `qtype`;
+    return the float model the file holds (each quantized weight after quantize -> dequantize, each transformed float
+    after its round trip)."""
     config = model.config
     _, arch, transform, _ = FAMILIES[family]
-    tokens, merges, eos = tokenizer_parts
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_name(f"tiny-{family}")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    rope = config.rope_parameters
-    writer.add_rope_freq_base((rope.get("full_attention", rope) if isinstance(rope, dict) else rope)["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    if getattr(config, "sliding_window", None):
-        writer.add_sliding_window(config.sliding_window)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if i == eos else 1 for i in range(len(tokens))])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(eos)
-    writer.add_eos_token_id(eos)
-    writer.add_pad_token_id(eos)
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    example_models.write_llama_cpp_gguf(model, path, tokenizer_parts, qtype, transform, architecture=arch, extra=extra)
     reference = {}
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
-            continue  # the converter skips a tied head
+            continue
         data = transform(name, tensor.numpy(), config).astype(np.float32)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        if data.ndim == 2:  # llama.cpp quantizes matrices; the embedding in Q8_0, as its Q4_0 presets keep it
-            kind = gguf.GGMLQuantizationType.Q8_0 if gguf_name == "token_embd.weight" else qtype
-            blocks = gguf.quants.quantize(data, kind)
-            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
-            stored = gguf.quants.dequantize(blocks, kind)
+        if data.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0 if name == "model.embed_tokens.weight" else qtype
+            stored = gguf.quants.dequantize(gguf.quants.quantize(data, kind), kind)
         else:
-            writer.add_tensor(gguf_name, data)
             stored = data
         reference[name] = transform(name, stored, config)  # what the file's values mean in the model's basis
         if transform is _gemma and name.endswith("norm.weight"):
             reference[name] = stored - np.float32(1)  # the offset undone in float32, as transformers undoes it
         if transform is _llama and name.endswith(("q_proj.weight", "k_proj.weight")):
             reference[name] = gguf.quants.dequantize(gguf.quants.quantize(tensor.numpy(), qtype), qtype)
-    for name, data in (extra or {}).items():  # tensors the converter writes beyond the model's own
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    rounded = float_model(family, config.vocab_size, eos)
+    rounded = float_model(family, config.vocab_size, config.eos_token_id)
     rounded.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in reference.items()},
                             strict=False)
     if config.tie_word_embeddings:

@@ -60,7 +60,7 @@ def test_demo_compares_every_model_the_same_way_with_warm_timings():
     assert "rules:" not in text and "16/16 greedy tokens agree" in text
 
 
-WORKFLOWS = sorted(p for p in (REPO / "examples" / "workflows").glob("*.json") if not p.name.endswith(".ui.json"))
+WORKFLOWS = sorted((REPO / "examples" / "workflows").glob("*.json"))
 
 
 @pytest.mark.parametrize("api", WORKFLOWS, ids=lambda p: p.stem)
@@ -69,7 +69,7 @@ def test_each_workflow_ships_in_the_ui_format_with_the_same_graph(api):
     tests/comfy/test_server.py checks the whole file against what a server's /object_info makes of it."""
     import json
 
-    graph, ui = json.loads(api.read_text()), json.loads(api.with_suffix(".ui.json").read_text())
+    graph, ui = json.loads(api.read_text()), json.loads((REPO / "example_workflows" / api.name).read_text())
     nodes = {str(node["id"]): node for node in ui["nodes"]}
     assert {k: node["type"] for k, node in nodes.items()} == {k: node["class_type"] for k, node in graph.items()}
     linked = sorted((str(src), out, str(to), nodes[str(to)]["inputs"][slot]["name"])

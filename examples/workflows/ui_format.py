@@ -1,8 +1,9 @@
 """Write each API-format workflow here (what `POST /prompt` takes) also in the UI format (the graph ComfyUI's
-frontend saves and loads by drag-and-drop) as NAME.ui.json, from a running server's /object_info: widget values
-follow each node's input order there, so the pair cannot drift from what the server declares.
+frontend saves and loads by drag-and-drop) as `example_workflows/NAME.json` at the repository root, where core's
+template browser lists a pack's workflows, from a running server's /object_info: widget values follow each node's
+input order there, so the pair cannot drift from what the server declares.
 
-    python examples/workflows/ui_format.py http://127.0.0.1:8188          # rewrite the *.ui.json files
+    python examples/workflows/ui_format.py http://127.0.0.1:8188          # rewrite example_workflows/*.json
     python examples/workflows/ui_format.py http://127.0.0.1:8188 --check  # exit 1 where a file differs
 """
 
@@ -14,16 +15,18 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+UI_FOLDER = HERE.parent.parent / "example_workflows"  # the name core's template browser looks for
+ORIGIN = (100, 160)  # the first node's corner: its title clear of the frontend's toolbars
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEEDS = ("seed", "noise_seed")  # INT inputs after which the frontend keeps a control_after_generate value
 
 
 def api_files(folder: Path = HERE) -> list[Path]:
-    return sorted(p for p in folder.glob("*.json") if not p.name.endswith(".ui.json"))
+    return sorted(folder.glob("*.json"))
 
 
 def ui_path(api: Path) -> Path:
-    return api.with_suffix(".ui.json")
+    return UI_FOLDER / api.name
 
 
 def ordered_inputs(info: dict) -> list[tuple[str, list]]:
@@ -80,8 +83,9 @@ def to_ui(api: dict, object_info: dict) -> dict:
             inputs.append(slot)
         row = sum(level[k] == level[key] for k in keys[:order])
         nodes[key] = {
-            "id": int(key), "type": node["class_type"], "pos": [50 + 420 * level[key], 50 + 320 * row],
-            "size": [380, 80 + 28 * len(widgets)], "flags": {}, "order": order, "mode": 0,
+            "id": int(key), "type": node["class_type"], "pos": [ORIGIN[0] + 420 * level[key], ORIGIN[1] + 320 * row],
+            # room for each widget and for the result box the pack's frontend extension adds (web/streamwise.js)
+            "size": [380, 200 + 28 * len(widgets)], "flags": {}, "order": order, "mode": 0,
             "inputs": inputs, "outputs": [], "properties": {"Node name for S&R": node["class_type"]},
             "widgets_values": widgets,
         }

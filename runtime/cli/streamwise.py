@@ -1,4 +1,5 @@
-"""The `streamwise` command: `streamwise demo`, and `streamwise quantize SRC DST [--policy NAME] [--type TYPE]`."""
+"""The `streamwise` command: `demo`, `example-models DIR`, `quantize SRC DST [--policy NAME] [--type TYPE]` and
+`policy draft`."""
 
 from __future__ import annotations
 
@@ -30,12 +31,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
     commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
+    examples = commands.add_parser(
+        "example-models", help="write the tiny models the shipped workflows name into a ComfyUI models folder")
+    examples.add_argument("models", help="ComfyUI's models folder (e.g. ComfyUI/models)")
     from .draft import add_commands  # `streamwise policy draft`
 
     add_commands(commands)
     args = parser.parse_args(argv)
     if args.command == "policy":
         return args.run(args)
+    if args.command == "example-models":
+        from .example_models import write_example_models
+
+        for path in write_example_models(args.models):
+            print(f"wrote {path}")
+        return 0
     if args.command == "demo":
         from .demo import run_demo
 

@@ -16,9 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import REPO, tiny_qwen2, tiny_vibevoice_folder
+from helpers import REPO
 
 LAUNCHER = Path(__file__).with_name("launch_core.py")
 WORKFLOWS = REPO / "examples" / "workflows"
@@ -37,8 +36,7 @@ def from_file(path: Path):
 
 
 ui_format = from_file(WORKFLOWS / "ui_format.py")
-reference_text, tiny_tokenizer = (getattr(from_file(Path(__file__).with_name("test_nodes.py")), name)
-                                  for name in ("reference_text", "tiny_tokenizer"))
+reference_text = from_file(Path(__file__).with_name("test_nodes.py")).reference_text
 
 
 def free_port() -> int:
@@ -120,20 +118,18 @@ def core_arguments(root: Path, base: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(comfy_root, tmp_path_factory):
-    """A ComfyUI server on a free loopback port with the pack in a temporary custom_nodes, a tiny Qwen2 (+ tokenizer)
-    as models/streamwise/tiny-qwen2 and a tiny VibeVoice as models/streamwise/tiny-vibevoice, the folders the workflows
-    name; stopped, whole group, at the end."""
+    """A ComfyUI server on a free loopback port with the pack in a temporary custom_nodes and the example models
+    (`example-models`: the ones the workflows name) in its models folder; stopped, whole group, at the end."""
     root = comfy_root
     base = tmp_path_factory.mktemp("comfy-base")
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK).symlink_to(REPO, target_is_directory=True)
-    folder = base / "models" / "streamwise" / "tiny-qwen2"
-    torch.manual_seed(0)
-    tiny_qwen2().save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    tiny_vibevoice_folder(folder.parent / "tiny-vibevoice")
+    # the example models, written as a user of the ComfyUI install writes them: the pack's folder run as a command
+    command = [sys.executable, str(base / "custom_nodes" / PACK), "example-models", str(base / "models")]
+    written = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert written.returncode == 0, written.stderr[-3000:]
     paths = base / "extra_model_paths.yaml"  # custom_nodes too: a core without --base-directory still finds the pack
-    paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n"
+    paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n  LLM: models/LLM\n"
                      "  custom_nodes: custom_nodes\n")
     port = free_port()
     command = [sys.executable, str(LAUNCHER), str(root), "--cpu", "--listen", "127.0.0.1", "--port", str(port),

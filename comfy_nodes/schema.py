@@ -1,0 +1,21 @@
+"""The pack's node schemas: core's `io.Schema` with what every node of the pack shares, feature-detected.
+
+Categories sit under `streamwise/`, named as core names its own (`loaders`, `model_patches`, `text`, `audio`,
+`utils`). Search aliases are the words users type for such a node (`gguf`, `llm`, `vibevoice`, `tts`, `offload`,
+`lowvram`, `compile`, `quantize`) and `streamwise` on every node; cores whose schema has no `search_aliases` (before
+v0.33) get none, and their frontend searches the node id and display name only.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from comfy_api.latest import io
+
+_HAS_ALIASES = "search_aliases" in inspect.signature(io.Schema).parameters
+
+
+def schema(*, category: str, aliases: tuple[str, ...], **fields) -> io.Schema:
+    """`io.Schema(**fields)` in `streamwise/<category>`, found by `aliases` and `streamwise` where the core can."""
+    found = {"search_aliases": ["streamwise", *aliases]} if _HAS_ALIASES else {}
+    return io.Schema(category=f"streamwise/{category}", **found, **fields)
