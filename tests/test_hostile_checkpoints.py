@@ -213,10 +213,12 @@ def test_a_misaligned_tensor_the_library_accepts_still_loads(tmp_path):
     assert tensors["a"].read().item() == 1.5 and tensors["b"].read().item() == 2.5
 
 
-def test_header_reads_are_bounded_and_tensors_are_views(valid, monkeypatch):
+def test_header_reads_are_bounded_and_tensors_are_private_copies(valid, monkeypatch):
     """A header claiming more than the file (or the format's 100 MB) is refused after reading its 8-byte
-    length alone; a valid file is read for its header only, and its tensors are views of one memory map."""
+    length alone; a valid file is read for its header only, and each tensor is read on demand, exactly its own
+    bytes, into memory of its own: writing into one changes neither the file nor the next read."""
     reads = []
+    real_read = readers.CheckedFile.read
 
     def counting_open(path, mode):
         handle = open(path, mode)
@@ -224,12 +226,20 @@ def test_header_reads_are_bounded_and_tensors_are_views(valid, monkeypatch):
         handle.read = lambda n=-1: reads.append(len(chunk := read(n))) or chunk
         return handle
 
+    def counting_read(self, offset, nbytes):
+        reads.append(nbytes)
+        return real_read(self, offset, nbytes)
+
     monkeypatch.setattr(readers, "open", counting_open, raising=False)
+    monkeypatch.setattr(readers.CheckedFile, "read", counting_read)
     header_size = struct.unpack("<Q", valid.read_bytes()[:8])[0]
+    before = valid.read_bytes()
     tensors = open_checkpoint(valid).tensors
     assert sum(reads) == 8 + header_size
     first = tensors["embed.weight"].read()
-    assert first.data_ptr() == tensors["embed.weight"].read().data_ptr()  # no copy per read
+    assert reads[-1] == first.numel() * first.element_size()
+    first.zero_()
+    assert not torch.equal(tensors["embed.weight"].read(), first) and valid.read_bytes() == before
     liar = valid.with_name("liar.safetensors")
     liar.write_bytes(struct.pack("<Q", readers.MAX_HEADER + 1) + b"{}" + b" " * 64)
     reads.clear()
@@ -378,9 +388,10 @@ def test_the_valid_files_load(valid, valid_gguf):
         assert torch.allclose(model.norm.weight, values()["norm.weight"])
 
 
-def test_a_gguf_array_claiming_more_than_the_file_fails_at_its_end(tmp_path):
+def test_a_gguf_array_claiming_more_than_the_file_is_refused_before_its_items_are_read(tmp_path):
     """The package's reader loops over a claimed array length even past the end of the file (reading
-    nothing each time: a practical hang); here every read stays inside the file."""
+    nothing each time: a practical hang); here the claimed length is checked against the bytes that follow
+    before any item is read."""
     path = tmp_path / "array.gguf"
     writer = gguf.GGUFWriter(str(path), arch="test")
     writer.add_array("test.values", [1, 2, 3])
@@ -389,7 +400,8 @@ def test_a_gguf_array_claiming_more_than_the_file_fails_at_its_end(tmp_path):
     at = data.index(b"test.values") + len(b"test.values") + 4 + 4  # after the key, the value type, the item type
     data[at:at + 8] = struct.pack("<Q", 2**62)
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="not a readable GGUF file .*truncated"):
+    with pytest.raises(CheckpointError, match="metadata `test.values`: an array of 4611686018427387904 items needs "
+                                              "at least 18446744073709551616 bytes; 25 follow"):
         open_checkpoint(path)
 
 

@@ -8,6 +8,13 @@ applied (Q/K rotary permutation, Gemma's norm + 1, ...) are undone by transforme
 only reorders rows (the Q/K permutation) the quantized blocks move as whole rows and stay quantized; when it
 leaves the tensor alone the blocks pass through; anything else (a value change) needs the values, so that
 tensor is dequantized, processed exactly as transformers does, and the load report says so.
+
+Before transformers reads anything, the model shape the metadata claims is checked against the tensors the file
+holds (`check_shape`): the layer count against the `blk.N` layers present, every size against the file's largest
+tensor dimension, each an integer of the sign llama.cpp writes; a hostile 130 KB file claiming 2,000 layers or a
+head size of 2**40 is refused here, before a skeleton (and its rotary tables) is built. transformers then reads a
+private copy of the checked header (`Checkpoint.header_copy`), never the file itself, and builds its name map once
+per call (`_name_maps`), not once per module (quadratic in the layers: 18 s for 32 layers).
 """
 
 from __future__ import annotations
@@ -15,14 +22,17 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from torch import nn
 
-from .readers import Checkpoint, CheckpointError, StoredTensor
+from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
+from .scoped import ContextPatch
 
 STREAMWISE_ARCHITECTURE = "streamwise"  # what `streamwise quantize` writes: tensor names are state-dict keys
 _FULL_PROBE_LIMIT = 1 << 26  # a row-index probe of a whole 2-D tensor, at most this many elements
@@ -61,43 +71,129 @@ def gguf_metadata(path: str | Path) -> dict:
 def _parsed_metadata(path: str, size: int, modified: int) -> dict:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from .readers import open_checkpoint
-
-    architecture = open_checkpoint(path).architecture  # strict read first: a lying header never reaches transformers
-    if architecture is None:
+    checkpoint = open_checkpoint(path)  # strict read first: a lying header never reaches transformers
+    if checkpoint.architecture is None:
         raise CheckpointError([f"{path}: no `general.architecture` string in the GGUF metadata, so nothing says "
                                "which model it holds"])
     try:
-        return load_gguf_checkpoint(path, return_tensors=False)
+        with checkpoint.header_copy() as copy:
+            parsed = load_gguf_checkpoint(copy, return_tensors=False)
     except ValueError as exc:
         if "not supported" in str(exc):
-            raise _unsupported(path, architecture) from None
+            raise _unsupported(path, checkpoint.architecture) from None
         raise CheckpointError([f"{path}: transformers cannot read this GGUF's metadata ({exc})"]) from None
+    except CheckpointError:
+        raise
     except Exception as exc:  # its parser signals a malformed field with many exception types
         raise CheckpointError([f"{path}: transformers cannot read this GGUF's metadata "
                                f"({type(exc).__name__}: {exc})"]) from None
+    check_shape(checkpoint)  # before anything is built from what transformers read
+    return parsed
+
+
+# The sizes llama.cpp's converter writes (gguf's key names), which transformers reads into the config: per layer
+# arrays are allowed where llama.cpp reads them (`get_key_or_arr`), and a size no tensor has is a lie.
+_LAYERS, _CONTEXT = gguf.Keys.LLM.BLOCK_COUNT, gguf.Keys.LLM.CONTEXT_LENGTH
+_POSITIVE = (_LAYERS, _CONTEXT, gguf.Keys.LLM.EMBEDDING_LENGTH, gguf.Keys.Attention.HEAD_COUNT,
+             gguf.Keys.Attention.KEY_LENGTH, gguf.Keys.Attention.VALUE_LENGTH)
+_PER_LAYER = (gguf.Keys.LLM.FEED_FORWARD_LENGTH, gguf.Keys.Attention.HEAD_COUNT, gguf.Keys.Attention.HEAD_COUNT_KV)
+_SIZES = (*_POSITIVE, *_PER_LAYER, gguf.Keys.LLM.VOCAB_SIZE, gguf.Keys.LLM.EXPERT_COUNT,
+          gguf.Keys.LLM.EXPERT_USED_COUNT, gguf.Keys.Rope.DIMENSION_COUNT)
+_BLOCK = re.compile(r"(?:(.*)\.)?blk\.(\d+)\.")
+
+
+def check_shape(checkpoint: Checkpoint) -> None:
+    """Refuse a llama.cpp-layout GGUF whose metadata claims a model its tensors are not (before anything is built):
+    each size an integer (an array of them per layer where llama.cpp reads one) and not negative, the counts that
+    cannot be 0 positive, every size but the context length at most the largest dimension of a tensor the file
+    holds, and `block_count` the number of `blk.N` layers present, numbered from 0."""
+    path, architecture, metadata = checkpoint.path, checkpoint.architecture, checkpoint.metadata
+    largest = max((max(t.shape) for t in checkpoint.tensors.values() if t.shape and math.prod(t.shape)), default=0)
+    problems, values = [], {}
+    for template in dict.fromkeys(_SIZES):
+        key = template.format(arch=architecture)
+        found = metadata.get(key)
+        if found is None:
+            continue
+        numbers = found.integers
+        if numbers is None or (found.array and template not in _PER_LAYER) or not numbers:
+            what = f"an array of {found.type.name}" if found.array else found.type.name
+            problems.append(f"{path}: metadata `{key}`: {what}, where llama.cpp writes an integer")
+            continue
+        least = 1 if template in _POSITIVE and not found.array else 0  # a layer may have no heads (a state space one)
+        if min(numbers) < least:
+            problems.append(f"{path}: metadata `{key}` is {min(numbers)}; it must be at least {least}")
+        elif template in _POSITIVE and max(numbers) < 1:
+            problems.append(f"{path}: metadata `{key}` is 0 for every layer; some layer must have one")
+        elif template not in (_LAYERS, _CONTEXT) and max(numbers) > largest:
+            problems.append(f"{path}: metadata `{key}` is {max(numbers)}, larger than any dimension of the file's "
+                            f"tensors ({largest})")
+        values[template] = (key, numbers, found.array)
+    if _LAYERS in values and not problems:
+        problems += _layer_problems(checkpoint, values)
+    if problems:
+        raise CheckpointError(problems)
+
+
+def _layer_problems(checkpoint: Checkpoint, values: dict) -> list[str]:
+    key, (layers,), _ = values[_LAYERS]
+    groups: dict[str, set[int]] = {}
+    for name in checkpoint.tensors:
+        if match := _BLOCK.match(name):
+            groups.setdefault(match[1] or "", set()).add(int(match[2]))
+    problems = [f"{checkpoint.path}: metadata `{k}` holds {len(n)} values, one per layer of the `{key}` {layers}"
+                for k, n, array in values.values() if array and len(n) != layers]
+    present = groups.get("", max(groups.values(), key=len, default=set()))
+    if present != set(range(layers)) and not (not groups.get("") and len(present) >= layers > 0):
+        held = f"layers {_ranges(present)}" if present else "no `blk.N` layer"
+        problems.append(f"{checkpoint.path}: metadata `{key}` claims {layers} layers, but the file's tensors hold "
+                        f"{held}")
+    return problems
+
+
+def _ranges(numbers: set[int]) -> str:
+    ordered = sorted(numbers)
+    return f"{ordered[0]}..{ordered[-1]} ({len(ordered)})" if len(ordered) > 3 else ", ".join(map(str, ordered))
 
 
 def gguf_config(path: str | Path):
     """The transformers config the GGUF's own metadata describes (no config.json needed)."""
-    import gguf
     import transformers
 
-    gguf_metadata(path)  # the architecture check, with Streamwise's error
-    path = Path(path)
+    gguf_metadata(path)  # the checks, with Streamwise's errors
+    checkpoint = open_checkpoint(path)
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with checkpoint.header_copy() as copy:
+            config = transformers.AutoConfig.from_pretrained(os.path.dirname(copy), gguf_file=os.path.basename(copy),
+                                                             local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers signals a config it cannot build with many exception types
         raise CheckpointError([f"{path}: transformers cannot build a config from this GGUF ({exc})"]) from None
     # transformers reads the head size for some architectures only (Qwen3 keeps its class default of 128);
     # llama.cpp's converter writes it for all as the key length
-    from .readers import _GGUFReader
-
-    fields = _GGUFReader(path).fields
-    key = gguf.Keys.Attention.KEY_LENGTH.format(arch=fields["general.architecture"].contents())
-    if key in fields and isinstance(getattr(config, "head_dim", None), int):
-        config.head_dim = int(fields[key].contents())
+    key_length = checkpoint.metadata.get(gguf.Keys.Attention.KEY_LENGTH.format(arch=checkpoint.architecture))
+    if key_length is not None and isinstance(getattr(config, "head_dim", None), int):
+        config.head_dim = key_length.integers[0]
+    config._name_or_path = str(Path(path).parent)  # as transformers names it for the file itself
     return config
+
+
+def _cached_name_maps(original, cache):
+    """`gguf.get_tensor_name_map`, remembering each map for the calling context's `_NAME_MAPS` call."""
+
+    def get_tensor_name_map(arch, n_blocks):
+        maps = cache()
+        if maps is None:
+            return original(arch, n_blocks)
+        if (arch, n_blocks) not in maps:
+            maps[(arch, n_blocks)] = original(arch, n_blocks)
+        return maps[(arch, n_blocks)]
+
+    return get_tensor_name_map
+
+
+# transformers' `get_gguf_hf_weights_map` rebuilds the name map (linear in the layers) for every module of the tree;
+# within one call, in this thread only, it is built once
+_NAME_MAPS = ContextPatch(gguf, "get_tensor_name_map", _cached_name_maps)
 
 
 class Mapped:
@@ -113,7 +209,8 @@ class Mapped:
         config = gguf_metadata(path)["config"]
         self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
         try:
-            self.names = get_gguf_hf_weights_map(model, self.processor)
+            with _NAME_MAPS.active({}):
+                self.names = get_gguf_hf_weights_map(model, self.processor)
         except NotImplementedError as exc:  # the gguf package has no name map for this model type
             raise _unsupported(path, architecture, f" ({exc})") from None
         self.checkpoint = checkpoint

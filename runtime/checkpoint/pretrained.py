@@ -25,8 +25,8 @@ from ..plan.auto import choose_policy
 from .build_dtype import BUILD_DTYPES
 from .fill import LoadReport, load
 from .llama_cpp import gguf_config
-from .model_spec import auto_model
-from .readers import Checkpoint, open_checkpoint
+from .model_spec import ModelSpecError, auto_model, refuse_remote_code
+from .readers import Checkpoint, CheckpointError, open_checkpoint
 from .skeleton import built_skeleton, config_folder, model_type, skeleton
 
 _log = logging.getLogger("streamwise.load")
@@ -67,8 +67,11 @@ def load_pretrained(
     dtype = dtype or _file_dtype(checkpoint)
     if checkpoint.kind == "gguf" and not (folder / "config.json").is_file():
         config = gguf_config(checkpoint.path)  # a CheckpointError naming the architecture when it cannot be mapped
-        with skeleton():
-            model, built = auto_model(config, dtype, model_class)
+        try:
+            with skeleton():
+                model, built = auto_model(config, dtype, model_class)
+        except ModelSpecError as exc:  # the model the file's own metadata describes cannot be built: the file's fault
+            raise CheckpointError([f"{checkpoint.path}: {exc}"]) from None
         model.eval()
         source, kind = checkpoint.path, config.model_type
     else:
@@ -90,9 +93,11 @@ def load_tokenizer(source: str | os.PathLike):
 
     source = Path(source)
     if source.suffix == ".gguf" and not source.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name,
-                                                          local_files_only=True)
-    return transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        with open_checkpoint(source).header_copy() as copy:  # the checked header, never the file itself
+            return transformers.AutoTokenizer.from_pretrained(os.path.dirname(copy), gguf_file=os.path.basename(copy),
+                                                              local_files_only=True, trust_remote_code=False)
+    refuse_remote_code(source, "tokenizer_config.json", "AutoTokenizer")
+    return transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=False)
 
 
 def _file_dtype(checkpoint: Checkpoint) -> torch.dtype:

@@ -1,19 +1,17 @@
-"""Reading checkpoint files without copying them: `.safetensors` (one file or an HF shard folder)
-and `.gguf`.
+"""Reading checkpoint files: `.safetensors` (one file or an HF shard folder) and `.gguf`.
 
-Tensors come back as views of a private memory map, so a load touches each byte of the file
-once and never holds a second full copy. GGUF tensors keep their raw GGML blocks and quant type.
-A header is checked in full before any tensor is placed, at least as strictly as the format's own
-library checks it (a file the library accepts loads; one it refuses is refused here), because a
-view placed from a lying header aliases or misreads another tensor's bytes. Every problem is a
-`CheckpointError` that names the file, the tensor and the reason.
+A header is checked in full before any tensor is placed, at least as strictly as the format's own library checks
+it (a file the library accepts loads; one it refuses is refused here), because a tensor placed from a lying header
+misreads another tensor's bytes. Headers are parsed in one linear pass whose every count is bounded first (`limits`).
+Tensors are read into memory of their own when the loader asks (`checked_file`), never mapped: a loaded model does
+not depend on the file, and a file that changed after its header was read is refused. GGUF tensors keep their raw
+GGML blocks and quant type. Every problem is a `CheckpointError` that names the file, the tensor and the reason.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import stat
 import struct
@@ -22,10 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
 from torch import Tensor
 
+from . import limits
+from .checked_file import CheckedFile
+from .errors import CheckpointError as CheckpointError  # re-exported: callers name it here
+from .gguf_header import Value, read_header
 from .weight_files import SHARD_INDEX as SHARD_INDEX  # re-exported: callers and tests name it here
 from .weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
 
@@ -44,18 +45,9 @@ SAFETENSORS_DTYPES = {name: dtype for name, dtype in {
     "F8_E8M0": getattr(torch, "float8_e8m0fnu", None), "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
     "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
 }.items() if dtype is not None}
-MAX_HEADER = 100_000_000  # the safetensors library's limit
+MAX_HEADER = limits.MAX_SAFETENSORS_HEADER
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 _USIZE = 2**64  # the library reads sizes and offsets as 64-bit unsigned integers
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be read, or does not fit the model; `problems` lists every reason."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        super().__init__("\n".join(shown))
 
 
 @dataclass(frozen=True)
@@ -77,6 +69,14 @@ class Checkpoint:
     tensors: dict[str, StoredTensor]
     kind: str  # "safetensors" or "gguf"
     architecture: str | None = None  # a GGUF's `general.architecture` ("streamwise" for files Streamwise writes)
+    metadata: dict[str, Value] = field(default_factory=dict, repr=False)  # a GGUF's, checked
+    file: CheckedFile | None = field(default=None, repr=False, compare=False)  # a single file's reads
+    header_bytes: int = 0  # where a GGUF's tensor data starts
+
+    def header_copy(self):
+        """A context giving a path to a private copy of this single file's header (`CheckedFile.private_copy`): what
+        a reader that maps a path (transformers') is handed, so it sees what was checked and cannot crash."""
+        return self.file.private_copy(self.header_bytes)
 
 
 def file_type(path: Path) -> int | None:
@@ -113,9 +113,10 @@ def open_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     if is_shard_index(path.name):
         return _sharded(path)
     if path.suffix == ".gguf":
-        return Checkpoint(str(path), *_gguf(path))
+        return _gguf(path)
     if path.suffix == ".safetensors":
-        return Checkpoint(str(path), _safetensors(path), "safetensors")
+        tensors, checked = _safetensors(path)
+        return Checkpoint(str(path), tensors, "safetensors", file=checked)
     raise CheckpointError([f"{path}: not a checkpoint Streamwise reads (.safetensors, a shard index, .gguf)"])
 
 
@@ -123,14 +124,23 @@ def _sharded(index: Path) -> Checkpoint:
     """Each tensor from the shard the index names for it; a shard's tensor the index does not list is an error."""
     _regular(index)
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        with open(index, "rb") as handle:
+            raw = handle.read(limits.MAX_INDEX_BYTES + 1)
+        if len(raw) > limits.MAX_INDEX_BYTES:
+            raise CheckpointError([f"{index}: a shard index over {limits.MAX_INDEX_BYTES} bytes, the limit"])
+        weight_map = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError("`weight_map` must map tensor names to shard file names")
+    except CheckpointError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointError([f"{index}: not a shard index ({type(exc).__name__}: {exc})"]) from None
+    shards = sorted(set(weight_map.values()))
+    if len(shards) > limits.MAX_SHARDS:
+        raise CheckpointError([f"{index}: names {len(shards)} shard files; the limit is {limits.MAX_SHARDS}"])
     tensors: dict[str, StoredTensor] = {}
     problems, missing = [], set()
-    for name in sorted(set(weight_map.values())):
+    for name in shards:
         shard = index.parent / name
         refused = _shard_name_problem(name)
         if refused is None and file_type(shard) is None:
@@ -139,7 +149,7 @@ def _sharded(index: Path) -> Checkpoint:
             problems.append(f"{index}: shard {name!r} {refused}")
             missing.add(name)
             continue
-        for tensor_name, stored in _safetensors(shard).items():
+        for tensor_name, stored in _safetensors(shard)[0].items():
             listed = weight_map.get(tensor_name)
             if listed == name:
                 tensors[tensor_name] = stored
@@ -161,11 +171,12 @@ def _shard_name_problem(name: str) -> str | None:
     return None
 
 
-def _safetensors(path: Path) -> dict[str, StoredTensor]:
+def _safetensors(path: Path) -> tuple[dict[str, StoredTensor], CheckedFile]:
     _regular(path)
     try:
         with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
+            checked = CheckedFile(path, handle)
+            size = checked.size
             head = handle.read(8)
             if len(head) < 8:
                 raise CheckpointError([f"{path}: truncated before its header"])
@@ -173,16 +184,17 @@ def _safetensors(path: Path) -> dict[str, StoredTensor]:
             if header_size > min(size - 8, MAX_HEADER):
                 raise CheckpointError([f"{path}: header claims {header_size} bytes but the file has {size} "
                                        f"(the format allows at most {MAX_HEADER})"])
-            entries = _safetensors_header(path, handle.read(header_size), size - 8 - header_size)
-            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            raw = handle.read(header_size)
+            if len(raw) < header_size:
+                raise checked.changed(f"it ends at byte {8 + len(raw)}, inside its header")
     except CheckpointError:
         raise
     except OSError as exc:
         raise CheckpointError([f"{path}: not a readable safetensors file ({exc})"]) from None
-    data_start, tensors = 8 + header_size, {}
-    for name, (dtype, shape, begin) in entries.items():
-        tensors[name] = StoredTensor(name, str(path), shape, dtype, _view(mapped, dtype, shape, data_start + begin))
-    return tensors
+    entries = _safetensors_header(path, raw, size - 8 - header_size)
+    data_start = 8 + header_size
+    return {name: StoredTensor(name, str(path), shape, dtype, _reader(checked, dtype, shape, data_start + begin))
+            for name, (dtype, shape, begin) in entries.items()}, checked
 
 
 def _safetensors_header(path: Path, raw: bytes, data_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
@@ -192,8 +204,10 @@ def _safetensors_header(path: Path, raw: bytes, data_size: int) -> dict[str, tup
     a string-to-string map; each tensor `{dtype, shape, data_offsets}` with a known dtype and non-negative
     64-bit integers (never booleans, floats or strings); sorted by offsets, the tensors lie back to back
     from byte 0, each exactly as long as its shape and dtype say, and the last ends where the file does.
-    Stricter than the library on purpose: a duplicate key anywhere, or another key in a tensor's entry, is
-    refused (the library keeps the last duplicate and ignores other keys)."""
+    Stricter than the library on purpose: a duplicate key anywhere, another key in a tensor's entry, a name that
+    is empty, holds a NUL byte or is over `limits.MAX_TENSOR_NAME` bytes, and a shape whose element count (a
+    zero-size dimension counted as 1) does not fit 63 bits are refused (the library keeps the last duplicate,
+    ignores other keys and sizes a zero-element tensor of any dimensions as empty)."""
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant,
                             parse_int=_serde_int)
@@ -210,11 +224,14 @@ def _safetensors_header(path: Path, raw: bytes, data_size: int) -> dict[str, tup
     problems, layout = [], []
     for name, info in header.items():
         try:
+            _check_name(name)
             dtype_name, shape, offsets = _entry(info)
         except ValueError as exc:
-            problems.append(f"{path}: tensor `{name}`: {exc}")
+            problems.append(f"{path}: tensor `{_clipped(name)}`: {exc}")
             continue
         layout.append((offsets, name, dtype_name, shape))
+        if len(problems) > 100:  # a header of a million bad entries needs no million lines
+            break
     if problems:
         raise CheckpointError(problems)
     entries, end, previous = {}, 0, "the header"
@@ -244,10 +261,26 @@ def _safetensors_header(path: Path, raw: bytes, data_size: int) -> dict[str, tup
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"duplicate key `{next(k for k in keys if keys.count(k) > 1)}`")
-    return dict(pairs)
+    """A JSON object that names no key twice (in one pass: a header may hold a million keys)."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"duplicate key `{_clipped(duplicate)}`")
+    return found
+
+
+def _check_name(name: str) -> None:
+    """A tensor name the formats' libraries and llama.cpp can hold: non-empty, no NUL, bounded."""
+    if not name or "\0" in name:
+        raise ValueError(f"the name {_clipped(name)!r} is empty or holds a NUL byte")
+    size = len(name.encode("utf-8"))
+    if size > limits.MAX_TENSOR_NAME:
+        raise ValueError(f"a name of {size} bytes; the limit is {limits.MAX_TENSOR_NAME}")
+
+
+def _clipped(name: str) -> str:
+    return name if len(name) <= 80 else f"{name[:77]}..."
 
 
 def _no_constant(name: str):
@@ -256,6 +289,8 @@ def _no_constant(name: str):
 
 def _serde_int(text: str) -> int | float:
     """JSON integers as serde reads them: `-0` is the float -0.0, which no size or offset may be."""
+    if len(text) > 20:  # more digits than any 64-bit integer: never handed to int(), which is quadratic in them
+        raise ValueError(f"an integer of {len(text)} digits does not fit 64 bits")
     return -0.0 if text == "-0" else int(text)
 
 
@@ -278,6 +313,9 @@ def _entry(info: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
         raise ValueError(f"unknown dtype {_short(dtype)}; the format's dtypes are {', '.join(SAFETENSORS_BITS)}")
     if not (isinstance(shape, list) and all(map(_usize, shape))):
         raise ValueError(f"shape must be a list of non-negative integers, not {_short(shape)}")
+    if math.prod(d or 1 for d in shape) >= limits.MAX_ELEMENTS:
+        raise ValueError(f"shape {_short(shape)} has more elements than 63 bits count (a zero-size dimension counted "
+                         "as 1)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_usize, offsets))):
         raise ValueError(f"data_offsets must be two non-negative integers, not {_short(offsets)}")
     return dtype, tuple(shape), (offsets[0], offsets[1])
@@ -295,116 +333,45 @@ def _nbytes(dtype_name: str, shape: tuple[int, ...]) -> int | str:
     return bits // 8
 
 
-def _view(mapped, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> Callable[[], Tensor]:
-    count = math.prod(shape)
+def _reader(checked: CheckedFile, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> Callable[[], Tensor]:
+    """A tensor's `read`: its bytes at `offset`, read into memory of its own (`checked_file`)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
     def read() -> Tensor:
-        if count == 0:
+        if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return checked.read(offset, nbytes).view(dtype).reshape(shape)
 
     return read
 
 
-class _GGUFReader(gguf.GGUFReader):
-    """The gguf package's reader, held to the layout llama.cpp's loader requires (ggml/src/gguf.cpp).
-
-    The package reads what the header claims: an offset that overlaps another tensor, skips bytes or is
-    misaligned, and a changed type id (Q8_0 to Q4_0 reads fewer bytes), all load garbage. Here, before any
-    tensor is built, each type id must be known, each row must hold whole blocks, the element count must
-    fit 64 bits, and the tensors, in header order, must lie back to back from the data section's start,
-    each at the `general.alignment` padded end of the one before (ggml's rule), within the file; the file
-    may end no later than the last tensor's padding (stricter than both: a shrunken last tensor shows there).
-    Every read stays inside the file, so a huge claimed count fails at the end of the file instead of
-    looping over nothing."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        super().__init__(path, "c")
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise ValueError(f"truncated: a field needs bytes up to {end}, the file has {len(self.data)}")
-        return super()._get(offset, dtype, count, override_order)
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        problems, expected = [], 0
-        for info in fields:
-            _, name_data, _, dims, raw_type, relative = info.parts
-            name = bytes(name_data).decode("utf-8")
-            problem, nbytes = _gguf_tensor_problem([int(d) for d in dims], int(raw_type[0]))
-            offset = int(relative[0])
-            if problem is None and offset % self.alignment:
-                problem = f"data offset {offset} is not a multiple of general.alignment {self.alignment}"
-            elif problem is None and expected is not None and offset != expected:
-                problem = (f"data offset {offset}, but the tensors before it end at {expected} (padded to "
-                           f"{self.alignment}): it {'overlaps them' if offset < expected else 'leaves a hole'}, "
-                           "or a type or shape before it does not match the data")
-            if problem is None and start_offs + offset + nbytes > len(self.data):
-                problem = f"its {nbytes} bytes at data offset {offset} run past the end of the file"
-            if problem is not None:
-                problems.append(f"{self.path}: not a readable GGUF file: tensor `{name}`: {problem}")
-            # from where this one claims to be, so one bad tensor does not blame the ones after it
-            expected = None if nbytes is None else offset + nbytes + -(offset + nbytes) % self.alignment
-        if not problems and fields and len(self.data) > start_offs + expected:
-            problems.append(f"{self.path}: not a readable GGUF file: {len(self.data) - start_offs - expected} bytes "
-                            "follow the last tensor's padded data: a tensor's type or shape does not match its bytes")
-        if problems:
-            raise CheckpointError(problems)
-        super()._build_tensors(start_offs, fields)
-
-
-def _gguf_tensor_problem(dims: list[int], raw_type: int) -> tuple[str | None, int | None]:
-    """Why a GGUF tensor's type and shape cannot be read, else (None, its size in bytes)."""
-    try:
-        qtype = gguf.GGMLQuantizationType(raw_type)
-    except ValueError:
-        return f"unknown GGML type id {raw_type}", None
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    count = math.prod(dims)
-    if count >= 2**63:
-        return f"shape {dims} has more elements than 64 bits count", None
-    if dims and dims[0] % block_size:
-        problem = f"{qtype.name} rows hold whole blocks of {block_size} values, but shape {dims} has rows of {dims[0]}"
-        return problem, None
-    return None, count // block_size * type_size
-
-
-def _gguf(path: Path) -> tuple[dict[str, StoredTensor], str, str | None]:
+def _gguf(path: Path) -> Checkpoint:
+    """A GGUF file, its header checked in full (`gguf_header`), its tensors read on demand."""
     from ..quant.gguf_dequant import STORED_FLOATS
 
-    _regular(path)
-    try:
-        reader = _GGUFReader(path)
-        entries = list(reader.tensors)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # the gguf reader signals corruption with many exception types
-        raise CheckpointError([f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"]) from None
-    if reader.endianess != gguf.GGUFEndian.LITTLE:
-        raise CheckpointError([f"{path}: a big-endian GGUF file; Streamwise reads little-endian GGUF only"])
-    tensors = {}
-    plain = {  # stored as they compute: never residents, read as views of the file
+    plain = {  # stored as they compute: never residents, read as tensors of their dtype
         **STORED_FLOATS,
         gguf.GGMLQuantizationType.F64: torch.float64, gguf.GGMLQuantizationType.I8: torch.int8,
         gguf.GGMLQuantizationType.I16: torch.int16, gguf.GGMLQuantizationType.I32: torch.int32,
         gguf.GGMLQuantizationType.I64: torch.int64,
     }
-    for entry in entries:
-        qtype = gguf.GGMLQuantizationType(entry.tensor_type)
-        shape = tuple(int(d) for d in reversed(entry.shape.tolist()))
-        data = entry.data
-        if qtype in plain:
-            def read(data=data, shape=shape, dtype=plain[qtype]):
-                return torch.from_numpy(data).view(dtype).reshape(shape)
-
-            tensors[entry.name] = StoredTensor(entry.name, str(path), shape, plain[qtype], read)
+    _regular(path)
+    try:
+        with open(path, "rb") as handle:
+            checked = CheckedFile(path, handle)
+            header = read_header(path, handle, checked.size)
+    except OSError as exc:
+        raise CheckpointError([f"{path}: not a readable GGUF file ({exc})"]) from None
+    tensors = {}
+    for info in header.tensors:
+        shape = tuple(reversed(info.dims))
+        offset = header.data_start + info.offset
+        if info.qtype in plain:
+            read = _reader(checked, plain[info.qtype], shape, offset)
+            tensors[info.name] = StoredTensor(info.name, str(path), shape, plain[info.qtype], read)
         else:
-            def read(data=data):
-                return torch.from_numpy(data).view(torch.uint8).reshape(-1)
-
-            tensors[entry.name] = StoredTensor(entry.name, str(path), shape, torch.uint8, read, qtype)
-    field = reader.fields.get("general.architecture")
-    architecture = field.contents() if field is not None else None
-    return tensors, "gguf", architecture if isinstance(architecture, str) else None
+            read = _reader(checked, torch.uint8, (info.nbytes,), offset)
+            tensors[info.name] = StoredTensor(info.name, str(path), shape, torch.uint8, read, info.qtype)
+    found = header.metadata.get(gguf.Keys.General.ARCHITECTURE)
+    architecture = found.value if found is not None and isinstance(found.value, str) else None
+    return Checkpoint(str(path), tensors, "gguf", architecture, header.metadata, checked, header.data_start)

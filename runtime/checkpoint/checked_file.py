@@ -1,0 +1,95 @@
+"""A checkpoint file as its header was checked: tensors are read from it into memory of their own, and a file that
+changed since is refused.
+
+A memory map would make the loaded model depend on the file staying as it was: a file rewritten in place (a
+re-download, a sync client) changes the next forward's numbers, and a truncated one kills the process with SIGBUS
+on the next touch of a page past its new end. So nothing is mapped: each tensor is read with plain reads into a
+fresh allocation when the loader asks for it, and the file's identity (device, inode, size, modification and change
+times) is compared with the one its header was read under, before and after every read. A file replaced, truncated
+or rewritten meanwhile is a `CheckpointError` naming it (a short read is one too, never a signal), and a loaded model
+holds nothing of the file at all. The price: the bytes are copied once, as a map's pages would have been faulted in
+once, and they are the process's own memory, which the kernel cannot drop and read again under memory pressure
+(README, *Hostile input*, has the measured cost). A rewrite within the file system's timestamp granularity that keeps
+the size is the one change this cannot see.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .errors import CheckpointError
+
+
+def _identity(status: os.stat_result) -> tuple[int, ...]:
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+
+class CheckedFile:
+    """The file at `path` as `handle` (open on it, its header being read) sees it now."""
+
+    def __init__(self, path: Path, handle) -> None:
+        self.path = path
+        self.identity = _identity(os.fstat(handle.fileno()))
+        self.size = self.identity[2]
+
+    def read(self, offset: int, nbytes: int) -> Tensor:
+        """The `nbytes` bytes at `offset`, as a fresh uint8 tensor; a CheckpointError if the file changed."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        try:  # never blocks: a FIFO put in the file's place opens at once, and fails the identity check
+            descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise self.changed(f"it cannot be opened again ({exc.strerror})") from None
+        with open(descriptor, "rb", buffering=0) as handle:
+            self._check(os.fstat(descriptor))
+            handle.seek(offset)
+            view, done = memoryview(buffer.numpy()), 0
+            while done < nbytes:
+                count = handle.readinto(view[done:])
+                if not count:
+                    raise self.changed(f"it ends at byte {offset + done}, inside a tensor's data")
+                done += count
+            self._check(os.fstat(descriptor))
+        return buffer
+
+    @contextmanager
+    def private_copy(self, head: int) -> Iterator[str]:
+        """A path to a private in-memory file of this file's size holding its first `head` bytes (its header) and
+        zeros after: for a reader that maps a path (transformers' GGUF reader), which then sees exactly the header
+        that was checked, and cannot be killed by a truncation of the real file."""
+        data = self.read(0, head).numpy()
+        if hasattr(os, "memfd_create"):
+            descriptor, holder, folder = os.memfd_create("streamwise-header", os.MFD_CLOEXEC), None, "/proc/self/fd"
+        else:
+            holder = tempfile.TemporaryFile()
+            descriptor, folder = holder.fileno(), "/dev/fd"
+        try:
+            with open(descriptor, "wb", closefd=False) as handle:
+                handle.write(data)
+            os.ftruncate(descriptor, self.size)  # sparse: the tensor data costs nothing
+            yield f"{folder}/{descriptor}"
+        finally:
+            if holder is None:
+                os.close(descriptor)
+            else:
+                holder.close()
+
+    def _check(self, status: os.stat_result) -> None:
+        now = _identity(status)
+        if now == self.identity:
+            return
+        if now[:2] != self.identity[:2]:
+            raise self.changed("another file was put in its place")
+        if now[2] != self.size:
+            raise self.changed(f"its size went from {self.size} to {now[2]} bytes")
+        raise self.changed("it was rewritten")
+
+    def changed(self, how: str) -> CheckpointError:
+        return CheckpointError([f"{self.path}: the file changed after its header was read ({how}); its tensors "
+                                "would no longer be the ones checked: load it again once it is complete"])
