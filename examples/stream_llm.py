@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> None:
             torch.manual_seed(0)
             transformers.Qwen2ForCausalLM(config).save_pretrained(scratch)
             folder = scratch
-        config = transformers.AutoConfig.from_pretrained(folder)
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False)
         with streamwise.skeleton():
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
         streamwise.load(model, folder, args.policy, progress=lambda done, total: None)

@@ -17,6 +17,7 @@ import inspect
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -31,12 +32,52 @@ class ModelSpecError(ValueError):
 
 
 def read_config(folder: str | os.PathLike):
+    """The folder's transformers config, built by transformers' own classes only: never the folder's code."""
+    import transformers
+
+    refuse_remote_code(folder, "config.json", "AutoConfig")
+    try:
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers rejects bad fields with its own validation error types too
+        raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
+
+
+def refuse_remote_code(folder: str | os.PathLike, name: str, entry: str) -> None:
+    """Refuse a folder whose `name` (config.json, tokenizer_config.json) maps `entry` to Python code of its own
+    (`auto_map`) for a class transformers does not ship: Streamwise never runs a model folder's code, and asks
+    nobody whether to (transformers would prompt on stdin, which blocks a server), so this says what needs it."""
+    import json
+
     import transformers
 
     try:
-        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except Exception as exc:  # transformers rejects bad fields with its own validation error types too
-        raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
+        config = json.loads((Path(folder) / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return  # transformers reports an unreadable file itself
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not isinstance(auto_map, dict) or entry not in auto_map:
+        return
+    model_type = config.get("model_type")
+    if entry == "AutoConfig" and model_type in transformers.CONFIG_MAPPING:
+        return  # transformers ships the class: the folder's code is never needed
+    if entry == "AutoTokenizer" and not _custom_tokenizer(transformers, config):
+        return
+    raise ModelSpecError(
+        f"{Path(folder) / name}: `auto_map` maps `{entry}` to `{_first(auto_map[entry])}`, Python code in the folder "
+        f"itself" + (f" (model_type `{model_type}` is not one transformers ships)" if entry == "AutoConfig" else "")
+        + "; Streamwise never runs a model folder's code (trust_remote_code=False): use a transformers release that "
+        "ships the class, or build the model yourself and pass it to streamwise.load"
+    )
+
+
+def _custom_tokenizer(transformers, config: dict) -> bool:
+    """Whether a tokenizer config names a class transformers does not have (so only the folder's code has it)."""
+    name = config.get("tokenizer_class")
+    return not (isinstance(name, str) and (hasattr(transformers, name) or hasattr(transformers, f"{name}Fast")))
+
+
+def _first(value: object) -> object:
+    return value[0] if isinstance(value, list) and value else value
 
 
 class Built(NamedTuple):

@@ -95,7 +95,7 @@ def load_processor(folder: str | os.PathLike):
     import transformers
 
     try:
-        return transformers.VibeVoiceProcessor.from_pretrained(folder, local_files_only=True)
+        return transformers.VibeVoiceProcessor.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
         raise ValueError(f"no VibeVoice processor (tokenizer, feature extractor, chat template) in {folder}: "
                          f"{exc}") from None
