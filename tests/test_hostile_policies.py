@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import streamwise
 from streamwise.runtime import check_policy, errors_in, render_json, render_text
 from streamwise.runtime.policy import diagnostics as diagnostics_module
+from streamwise.runtime.policy import load as load_module
 from streamwise.runtime.policy import source as source_module
 from streamwise.runtime.policy.diagnostics import (
     CODES,
@@ -30,6 +31,7 @@ from streamwise.runtime.policy.diagnostics import (
 )
 from streamwise.runtime.policy.folders import MAX_NAME_CHARS, SHIPPED_POLICY_DIR, policy_dirs, unknown_choice
 from streamwise.runtime.policy.limits import (
+    MAX_EXTENDS_CHAIN,
     MAX_KEY_CHARS,
     MAX_KEY_SEGMENTS,
     MAX_LINE_CHARS,
@@ -219,6 +221,52 @@ def test_the_cli_reports_a_path_too_long_without_a_traceback():
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "error[unreadable-file]: cannot read policy file: the path is too long" in result.stdout
+
+
+# 5b. extends chains are bounded and followed in linear time ---------------------------------------------------
+def write_chain(folder, length: int, rules: int = 1) -> None:
+    """`p0` extends `p1` ... extends `p{length - 1}`, each with `rules` rules of its own."""
+    for index in range(length):
+        extends = f'extends = "p{index + 1}"\n' if index + 1 < length else ""
+        body = "".join(f'[[stream.rule]]\nid = "r{index}_{n}"\nselect = {{ class = "C{n}" }}\nkind = "generic"\n'
+                       for n in range(rules))
+        (folder / f"p{index}.toml").write_text(HEADER.format(name=f"p{index}") + extends + body, encoding="utf-8")
+
+
+def counted_reads(monkeypatch) -> list:
+    reads, real = [], source_module.read_source
+    monkeypatch.setattr(load_module, "read_source", lambda *a: reads.append(a[0]) or real(*a))
+    return reads
+
+
+def test_an_extends_chain_up_to_the_limit_loads_each_file_once_and_merges_every_rule(tmp_path, monkeypatch):
+    write_chain(tmp_path, MAX_EXTENDS_CHAIN, rules=3)
+    reads = counted_reads(monkeypatch)
+    policy, diagnostics = check_policy(tmp_path / "p0.toml")
+    assert not errors_in(diagnostics) and len(reads) == MAX_EXTENDS_CHAIN
+    assert [rule.id for rule in policy.stream.rule][:3] == ["r31_0", "r31_1", "r31_2"]  # the root's rules first
+    assert len(policy.stream.rule) == 3 * MAX_EXTENDS_CHAIN
+
+
+def test_a_chain_longer_than_the_limit_is_blamed_on_the_file_asked_for_after_reading_at_most_the_limit(
+        tmp_path, monkeypatch):
+    """1,000 files: refused after reading the limit's worth, with one diagnostic at the extends of the file the
+    user named (every file in the chain is valid on its own), never a RecursionError."""
+    write_chain(tmp_path, 1000)
+    reads = counted_reads(monkeypatch)
+    policy, diagnostics = check_policy(tmp_path / "p0.toml")
+    found = only(diagnostics, "invalid-extends")
+    assert policy is None and len(reads) == MAX_EXTENDS_CHAIN
+    assert found.location.file.endswith("p0.toml") and (found.location.line, found.location.col) == (4, 11)
+    assert f"holds more than {MAX_EXTENDS_CHAIN} policies" in found.message and "p0 -> p1 -> p2 -> ..." in found.message
+
+
+def test_a_cycle_deep_in_a_chain_is_found_once_by_the_set_of_files_seen(tmp_path, monkeypatch):
+    write_chain(tmp_path, 20)
+    (tmp_path / "p19.toml").write_text(HEADER.format(name="p19") + 'extends = "p7"\n', encoding="utf-8")
+    reads = counted_reads(monkeypatch)
+    found = only(check_policy(tmp_path / "p0.toml")[1], "extends-cycle")
+    assert len(reads) == 20 and "p7 -> p8" in found.message and found.message.endswith("p19 -> p7")
 
 
 # 6. the nodes read only the policies they offer -------------------------------------------------------------

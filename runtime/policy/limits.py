@@ -8,8 +8,9 @@ costs per key and value. So the text is refused, with a located diagnostic namin
 - a key segment longer than `MAX_KEY_CHARS` characters;
 - a number longer than `MAX_NUMBER_CHARS` characters (any integer of that size already reads like a mistake);
 - more than `MAX_TOKENS` keys, values and dots in all.
-The file size (`source.MAX_POLICY_BYTES`), nesting (`source.MAX_NESTING`) and rules per section
-(`MAX_RULES_PER_SECTION`, counted on the parsed document by `validate`) are the other limits. Every limit is
+The file size (`source.MAX_POLICY_BYTES`), nesting (`source.MAX_NESTING`), rules per section
+(`MAX_RULES_PER_SECTION`, counted on the parsed document by `validate`) and files per `extends` chain
+(`MAX_EXTENDS_CHAIN`, counted by `load` as it follows the chain) are the other limits. Every limit is
 about 100 times what the largest shipped policy needs.
 """
 
@@ -23,6 +24,7 @@ MAX_KEY_CHARS = 256
 MAX_NUMBER_CHARS = 64
 MAX_TOKENS = 10_000
 MAX_RULES_PER_SECTION = 500
+MAX_EXTENDS_CHAIN = 32  # policies in one `extends` chain, the policy itself included
 
 #: TOML's four strings, matched whole by runs of plain characters. Each always matches (an unterminated one runs
 #: to the end of its line or of the text), so nothing backtracks or is tried again from a later position.

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ...schemas import SCHEMA_VERSION, Policy
 from .diagnostics import Diagnostic, Location, Note, PolicyError, clip, did_you_mean, errors_in, format_key_path
-from .extends import merge
+from .extends import merge_chain
 from .folders import find_policy, list_policies, name_problem, policy_dirs
+from .limits import MAX_EXTENDS_CHAIN
 from .migrations import migrate, oldest_readable_version
 from .source import PolicySource, display_path, read_source
 from .validate import check_rule_conflicts, validate_document
@@ -49,7 +50,7 @@ def check_policy(
     path = _as_path(name_or_path, search)
     if isinstance(path, Diagnostic):
         return None, [path]
-    policy, diagnostics = _load_chain(path, search, chain=())
+    policy, diagnostics = _load_chain(path, search)
     if policy is not None and not errors_in(diagnostics):
         diagnostics += check_rule_conflicts(policy)
     return (None if errors_in(diagnostics) else policy), diagnostics
@@ -73,51 +74,79 @@ def _as_path(name_or_path: str | os.PathLike[str], search: list[Path]) -> Path |
     )
 
 
-def _load_chain(path: Path, search: list[Path], chain: tuple[tuple[Path, Location | None], ...]):
-    """Load one file and, through `extends`, its ancestors; `chain` holds the files below it."""
-    source, diagnostics = read_source(path, display_path(path))
-    if source is None:
-        return None, diagnostics
-    document, diagnostics = _upgrade(source)
-    if document is None:
-        return None, diagnostics
-    policy, problems = validate_document(source, document)
-    diagnostics += problems
-    if policy is None or policy.policy.extends is None:
-        return policy, diagnostics
+def _load_chain(path: Path, search: list[Path]) -> tuple[Policy | None, list[Diagnostic]]:
+    """Load one file and, through `extends`, its ancestors: one file after the other (no recursion), each checked
+    against the files below it in a set, at most `MAX_EXTENDS_CHAIN` of them, then merged in one pass."""
+    chain: list[tuple[Policy, Location | None]] = []  # loaded so far, the file asked for first; where each extends
+    seen: set[Path] = set()
+    diagnostics: list[Diagnostic] = []
+    while True:
+        policy, where, parent_path, problem = _load_link(path, search, diagnostics)
+        if problem is None and policy is not None and parent_path is not None:
+            problem = _chain_problem(path, parent_path, chain, seen, where)
+        if problem is not None:
+            diagnostics.append(problem)
+        if policy is None or problem is not None:
+            break
+        chain.append((policy, where))
+        seen.add(path.resolve())
+        if parent_path is None:
+            return merge_chain([p for p, _ in reversed(chain)]), diagnostics
+        path = parent_path
+    if problem is None or problem.code not in ("extends-cycle", "invalid-extends"):
+        diagnostics += [Diagnostic("invalid-extends", f"the policy `{parent.policy.extends}` that this policy extends "
+                                   "has errors", where, key_path="policy.extends")
+                        for parent, where in reversed(chain)]
+    return None, diagnostics
 
+
+def _load_link(path: Path, search: list[Path], diagnostics: list[Diagnostic]):
+    """One file of a chain: (its policy, where its `extends` is, the parent's path, a problem with the `extends`);
+    the file's own diagnostics go to `diagnostics`."""
+    source, found = read_source(path, display_path(path))
+    diagnostics += found
+    if source is None:
+        return None, None, None, None
+    document, found = _upgrade(source)
+    diagnostics += found
+    if document is None:
+        return None, None, None, None
+    policy, found = validate_document(source, document)
+    diagnostics += found
+    if policy is None or policy.policy.extends is None:
+        return policy, None, None, None
     where = source.locate(("policy", "extends"), value=True)
     parent_name = policy.policy.extends
     too_long = name_problem(parent_name)
     if too_long is not None:
-        return None, diagnostics + [Diagnostic(
+        return None, where, None, Diagnostic(
             "invalid-value", f"`extends` names no policy file: `{clip(parent_name, 60)}` {too_long}", where,
             key_path="policy.extends",
-        )]
+        )
     parent_path = find_policy(parent_name, [path.parent, *search])
     if parent_path is None:
         names = tuple(n for n in list_policies([path.parent, *search], include_hidden=True) if n != path.stem)
-        return None, diagnostics + [Diagnostic(
+        return None, where, None, Diagnostic(
             "unknown-extends", f"`extends` names `{parent_name}`, which is not a policy in the policy folders",
             where, key_path="policy.extends", suggestion=did_you_mean(parent_name, names),
-        )]
-    visited = [(path.resolve(), where), *chain]
-    if any(parent_path.resolve() == seen for seen, _ in visited):
-        cycle = " -> ".join([*(p.stem for p, _ in reversed(visited)), parent_path.stem])
-        notes = tuple(Note("extended from here", w) for _, w in chain if w is not None)
-        return None, diagnostics + [Diagnostic(
-            "extends-cycle", f"`extends` forms a cycle: {cycle}", where, key_path="policy.extends", notes=notes,
-        )]
-    parent, parent_diagnostics = _load_chain(parent_path, search, tuple(visited))
-    diagnostics += parent_diagnostics
-    if parent is None:
-        if not any(d.code == "extends-cycle" for d in parent_diagnostics):
-            diagnostics.append(Diagnostic(
-                "invalid-extends", f"the policy `{parent_name}` that this policy extends has errors", where,
-                key_path="policy.extends",
-            ))
-        return None, diagnostics
-    return merge(parent, policy), diagnostics
+        )
+    return policy, where, parent_path, None
+
+
+def _chain_problem(path: Path, parent: Path, chain: list, seen: set[Path], where: Location | None):
+    """An `extends` that closes a cycle, or makes the chain longer than `MAX_EXTENDS_CHAIN` (blamed on the file
+    asked for, whose chain it is: every file in it may be valid on its own)."""
+    names = [*(p.policy.name for p, _ in chain), path.stem, parent.stem]
+    if parent.resolve() in seen or parent.resolve() == path.resolve():
+        notes = tuple(Note("extended from here", w) for _, w in reversed(chain) if w is not None)
+        return Diagnostic("extends-cycle", f"`extends` forms a cycle: {' -> '.join(names)}", where,
+                          key_path="policy.extends", notes=notes)
+    if len(chain) + 2 > MAX_EXTENDS_CHAIN:
+        shown = " -> ".join([*names[:3], "...", *names[-2:]])
+        return Diagnostic("invalid-extends", f"the `extends` chain {shown} holds more than {MAX_EXTENDS_CHAIN} "
+                          f"policies; the limit is {MAX_EXTENDS_CHAIN}", chain[0][1] if chain else where,
+                          key_path="policy.extends")
+    return None
 
 
 def _upgrade(source: PolicySource) -> tuple[dict | None, list[Diagnostic]]:
