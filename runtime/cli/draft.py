@@ -31,6 +31,7 @@ from ...schemas.patterns import PatternError, check_class_name, is_policy_name
 from ..engine.kinds import COMPUTE_KINDS, FETCHED, GENERIC, fit
 from ..engine.protocol import original_class
 from ..plan.selectors import declared_blocks, holds, walk_modules
+from .json_option import OptionError, json_option
 
 PROG = "streamwise policy draft"
 SCHEMA_HEADER = "#:schema ../schemas/policy.v1.schema.json"
@@ -398,15 +399,14 @@ def run(args: argparse.Namespace) -> int:
             name = output.stem
             if output.exists() and not args.force:
                 raise DraftError(f"{output} exists; pass --force to overwrite it")
-        overrides = json.loads(args.model_config) if args.model_config else None
-        model = build_model(args.model, overrides)
+        model = build_model(args.model, json_option("--model-config", args.model_config))
         text = draft_policy(model, name=name, spec=args.model)
         if output is None:
             sys.stdout.write(text)
             return 0
         output.write_text(text, encoding="utf-8")
-    except json.JSONDecodeError as exc:
-        print(f"{PROG}: error: --model-config is not JSON: {exc}", file=sys.stderr)
+    except OptionError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
     except (DraftError, ModelSpecError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

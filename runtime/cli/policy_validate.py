@@ -21,6 +21,7 @@ from ..policy.diagnostics import Diagnostic, errors_in, json_report, render_json
 from ..policy.folders import path_problem, policy_dirs, policy_files
 from ..policy.load import check_policy
 from ..policy.source import display_path
+from .json_option import OptionError, json_option
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -72,9 +73,8 @@ def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespa
     from ..checkpoint.model_spec import ModelSpecError, build_model  # torch only from here on
 
     try:  # a usage error, so it is found before the policy is looked at
-        overrides = json.loads(args.model_config) if args.model_config else None
-        model = build_model(args.model, overrides)
-    except (ModelSpecError, json.JSONDecodeError) as exc:
+        model = build_model(args.model, json_option("--model-config", args.model_config))
+    except (ModelSpecError, OptionError) as exc:
         parser.print_usage(sys.stderr)
         print(f"policy-validate: error: --model: {exc}", file=sys.stderr)
         return EXIT_USAGE

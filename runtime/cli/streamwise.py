@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +13,7 @@ from ..checkpoint.readers import CheckpointError
 from ..policy.diagnostics import PolicyError
 from ..policy.load import load_policy
 from ..sizes import human
+from .json_option import OptionError, json_option
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,13 +61,17 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ..checkpoint.skeleton import build_skeleton, config_folder
 
     try:
+        overrides = json_option("--model-config", args.model_config)
+    except OptionError as exc:
+        parser.error(str(exc))
+    try:
         policy = args.policy if args.policy == "auto" else load_policy(args.policy)
         if args.model:
-            model = build_model(args.model, json.loads(args.model_config) if args.model_config else None)
+            model = build_model(args.model, overrides)
         else:  # the folder's config.json (beside a weight file too), or a builder another pack registered
             model = build_skeleton(config_folder(Path(args.source)))
         report = quantize_to_gguf(args.source, args.destination, policy, model, gguf_type=args.gguf_type)
-    except (PolicyError, CheckpointError, ModelSpecError, json.JSONDecodeError, OSError) as exc:
+    except (PolicyError, CheckpointError, ModelSpecError, OSError) as exc:
         print(f"streamwise quantize: {exc}", file=sys.stderr)
         return 1
     types = ", ".join(f"{name} x{count}" for name, count in report.types.items())
