@@ -354,27 +354,79 @@ def test_hitting_the_limit_is_recorded_told_and_does_not_stop_the_next_arming():
         assert (compile_stats(model).graphs, compile_stats(model).fallbacks) == (1, [])
 
 
+def greedy(model, tokens: int):
+    with torch.no_grad():
+        return model.generate(torch.tensor([[1, 2, 3, 4, 5, 6]]), max_new_tokens=tokens, min_new_tokens=tokens,
+                              do_sample=False)
+
+
 def test_a_decoder_compiles_a_fixed_number_of_graphs_however_many_tokens_it_decodes():
     from helpers import tiny_qwen2
 
     torch.manual_seed(0)
     model = tiny_qwen2()
-    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
-
-    def generate(tokens: int):
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-
-    expected = generate(32)
+    expected = greedy(model, 32)
     streamwise.lazy_compile(model, "decoder-llm", backend="aot_eager")  # dynamic_shape_tracing off, the default
-    assert torch.equal(generate(8), expected[:, :14])
+    assert torch.equal(greedy(model, 8), expected[:, :14])
     graphs = compile_stats(model).graphs
-    assert torch.equal(generate(32), expected)
+    assert torch.equal(greedy(model, 32), expected)
     stats = compile_stats(model)
-    # per layer (each guards on its index): the prompt, the first step, then the step that makes the KV length
-    # dynamic; none for the 24 further tokens
-    assert stats.graphs == graphs <= 3 * model.config.num_hidden_layers and stats.fallbacks == []
+    # the prompt (the layer index static, then unspecialized from the second layer on), the first step, then the
+    # step that makes the KV length dynamic; none for the 24 further tokens
+    assert stats.graphs == graphs <= 4 and stats.graph_breaks == 0 and stats.fallbacks == []
     assert any("size mismatch" in reason for reason in stats.recompiles)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_every_layer_shares_the_decoders_graphs_whatever_its_depth(streamed):
+    from helpers import tiny_qwen2
+
+    counted = []
+    for layers in (2, 6):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = tiny_qwen2(num_hidden_layers=layers)
+        expected = greedy(model, 8)
+        if streamed:
+            streamwise.offload(model, "decoder-llm", device="cpu", budget=0)  # every leaf fetches in the graph
+        streamwise.lazy_compile(model, "decoder-llm", backend="aot_eager")
+        assert torch.equal(greedy(model, 8), expected)
+        stats = compile_stats(model)
+        assert (stats.graph_breaks, stats.fallbacks) == (0, [])
+        counted.append(stats.graphs)
+    assert counted[0] == counted[1]
+
+
+class Looped(nn.Module):
+    """A block run at several depths, as looped and shared-block models run theirs: its cache slot is its
+    `layer_idx` plus the call's offset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_idx = 0
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, cache, offset: int = 0):
+        keys, values = cache.update(self.proj(x), x, self.layer_idx + offset)
+        return x + keys.mean(-2, keepdim=True) + values.mean(-2, keepdim=True)
+
+
+def test_a_block_that_updates_another_layers_slot_reaches_that_slot():
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    torch.manual_seed(0)
+    block = Looped()
+    twin = Looped()
+    twin.load_state_dict(block.state_dict())
+    caches = [Cache(layers=[DynamicLayer(), DynamicLayer()]) for _ in range(2)]
+    streamwise.lazy_compile(block, make_policy(compile={"blocks": {"class": "Looped"}}), backend="aot_eager")
+    for x in torch.randn(3, 1, 2, 1, 8):
+        for offset in (0, 1):  # slot 0 is the block's own, slot 1 another layer's
+            assert torch.equal(run(block, x, caches[0], offset), run(twin, x, caches[1], offset))
+    for compiled, eager in zip(*(cache.layers for cache in caches), strict=True):
+        assert torch.equal(compiled.keys, eager.keys) and torch.equal(compiled.values, eager.values)
+        assert compiled.keys.shape[-2] == 3
+    assert compile_stats(block).fallbacks == []
 
 
 def test_disarm_restores_eager_forwards():

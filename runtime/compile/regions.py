@@ -6,6 +6,8 @@ Invariants:
   raises too is the caller's own, and propagates with compilation left on;
 - shapes are static until one changes, then dynamic in the dimensions that changed (torch's automatic dynamic):
   a decoder's growing sequence and KV cache cost one recompile, not one per token;
+- every block of the region shares its graphs whatever its depth: a KV cache the model shares across layers reaches
+  each block as its view of its own slot (`cache_slots`);
 - the cache limit holds in the thread and context that runs a call (torch 2.13 keeps config per context): torch
   takes it per compiled callable, else it is patched around every call; hitting it is recorded
   and told, as a compiler failure is (through the host's `notify` as well as a warning);
@@ -18,7 +20,6 @@ import inspect
 import logging
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from ...schemas import CompileSettings
+from .cache_slots import TRACING, CacheSlots
 from .settings import cache_limits
 
 log = logging.getLogger("streamwise.compile")
@@ -59,7 +61,9 @@ class Region:
         self.failed = False
         self.has_graph = False
         self.at_limit = False
-        self.limits = cache_limits(settings.dynamo_cache_size_limit, per_code="recompile_limit" not in _COMPILE_TAKES)
+        limits = cache_limits(settings.dynamo_cache_size_limit, per_code="recompile_limit" not in _COMPILE_TAKES)
+        self.slots = CacheSlots()
+        self.patchers = {viewed: _patcher({**limits, **(TRACING if viewed else {})}) for viewed in (False, True)}
 
     def _compile(self):
         # `dynamic=False` would force every shape static (a decoder: one graph per token); None is torch's
@@ -87,15 +91,20 @@ class Region:
             self.compiled = self._compile()
         from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
+        args, kwargs, viewed = self.slots.bind(module, args, kwargs)
+        patch = self.patchers[viewed]
         before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
+        revert = patch() if patch else None
         try:
-            with torch._dynamo.config.patch(self.limits) if self.limits else nullcontext():
-                result = self.compiled(module, *args, **kwargs)
+            result = self.compiled(module, *args, **kwargs)
         except (TorchDynamoException, FailOnRecompileLimitHit) as exc:  # the second: the limit under fullgraph
             failure = exc
         else:
             self._count(module, *before)
             return result
+        finally:
+            if revert is not None:
+                revert()
         return self._fall_back(failure, module, args, kwargs)  # outside the handler: no dynamo traceback attached
 
     def _fall_back(self, failure: Exception, module: nn.Module, args: tuple, kwargs: dict):
@@ -168,6 +177,12 @@ def guard_filter(per_call_names: tuple[str, ...]) -> Callable[[list], list[bool]
 
 
 _COMPILE_TAKES = set(inspect.signature(torch.compile).parameters)
+
+
+def _patcher(changes: dict) -> Callable[[], Callable[[], None]] | None:
+    """Sets `changes` in dynamo's config for one call, returning their undo: the closure patcher torch itself puts
+    around every call of a function compiled with `dynamic=`, a tenth of a `config.patch` context's cost."""
+    return torch._dynamo.config._make_closure_patcher(**changes) if changes else None
 
 
 def _graphs() -> int:
