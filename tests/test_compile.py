@@ -473,6 +473,29 @@ class FakePatcher:
         return FakePatcher(dynamic=not disable_dynamic)
 
 
+def test_a_model_no_host_recognizes_is_refused_naming_the_registered_hosts():
+    with pytest.raises(TypeError, match=r"cannot compile a str: .* \(registered: comfyui\)"):
+        streamwise.lazy_compile("a model", POLICY)
+
+
+def test_the_compile_stage_imports_no_host():
+    """Hosts hand their targets to the compile stage (ComfyUI's registers itself), never the other way round."""
+    import ast
+
+    from helpers import REPO
+
+    imported = set()
+    for path in (REPO / "runtime" / "compile").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):  # relative to streamwise.runtime.compile
+                base = ["streamwise", "runtime", "compile"][:4 - node.level] if node.level else []
+                imported.add(".".join([*base, *filter(None, [node.module])]))
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    assert "streamwise.runtime.engine" in imported  # the check reads relative imports
+    assert not [name for name in imported if name.startswith(("streamwise.runtime.hosts", "hosts"))]
+
+
 def test_dynamic_vram_is_warned_about_or_demoted():
     patcher = FakePatcher(dynamic=True)
     with pytest.warns(UserWarning, match=re.escape(DYNAMIC_VRAM_MESSAGE)):

@@ -7,9 +7,10 @@ Invariants:
 - streamed leaves trace inside a block (resident, their forward is the original one; fetching, they fetch inline:
   arming turns a host's side-stream prefetch off);
 - a tree holding residents of a format that cannot compile (ConvRot INT4) is left eager, and says why;
-- a host's model (a ComfyUI MODEL) is armed through its host (`hosts.comfyui.compile`); this module never learns
-  what a MODEL is;
-- arming changes no torch setting: the cache limit is patched around each compiled call (`regions`).
+- a host's model (a ComfyUI MODEL) is armed through the target its host registered (`targets`); this stage never
+  learns what a MODEL is;
+- arming changes no torch setting: what a call needs (the cache limit on older torch, unspecialized ints where a
+  cache view is passed) is set around that compiled call only (`regions`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -27,56 +27,9 @@ from ..engine import applied_state, protocol
 from ..plan.selectors import CompiledSelector, outermost
 from .regions import CompileStats, Region, is_region_forward, log
 from .settings import compile_settings
+from .targets import STATE_ATTRIBUTE, Armed, target_for
 
-STATE_ATTRIBUTE = "_sw_compile"
 INT4_MESSAGE = "Native ConvRot INT4 detected; torch.compile was not applied."
-
-
-@dataclass
-class Armed:
-    """Kept on what was armed: the stats, and each unit with the per-instance forward it had, if any."""
-
-    stats: CompileStats
-    units: list[tuple[nn.Module, Any]]
-
-
-class Target:
-    """What arming touches: the tree to search for units, where their forwards go, and where its state lives.
-
-    This one is a plain module: forwards go into each unit's instance dict. Hosts subclass it (a ComfyUI MODEL
-    installs them as object patches, and has per-call dictionaries whose guards are dropped).
-    """
-
-    per_call_names: tuple[str, ...] = ()
-
-    def __init__(self, holder: Any, module: nn.Module) -> None:
-        self.holder, self.module = holder, module
-
-    def prepared(self, settings: CompileSettings) -> Target:
-        """The target to arm under `settings` (a host may swap in a copy of its model)."""
-        return self
-
-    def install(self, path: str, unit: nn.Module, forward: Any, own: Any, armed: Armed) -> None:
-        """Make `forward` the one `unit` runs; `own` is the per-instance forward it replaces, if any."""
-        armed.units.append((unit, own))
-        unit.__dict__["forward"] = forward
-
-    def remove(self, armed: Armed) -> None:
-        for unit, own in armed.units:
-            if own is None:
-                unit.__dict__.pop("forward", None)
-            else:
-                unit.__dict__["forward"] = own
-
-    @staticmethod
-    def notify(message: str) -> None:
-        """Tell the user, beyond the warning, that compiling stopped (a host shows it where its users look).
-        Static: a region holding it must not hold the target, whose holder holds the region (a cycle)."""
-
-    def regions(self) -> list[Region]:
-        """The regions armed on this target now (a host may hold them where arming state is not copied)."""
-        armed = self.holder.__dict__.get(STATE_ATTRIBUTE)
-        return [unit.__dict__["forward"].func for unit, _ in armed.units] if armed else []
 
 
 def lazy_compile(
@@ -88,7 +41,7 @@ def lazy_compile(
     Without a policy, the `[compile]` settings of the plan the tree was converted by (else the defaults).
     Keyword overrides take the `[compile]` keys (`dynamic_shape_tracing` is `dynamic`).
     """
-    target = _target(model)
+    target = target_for(model)
     settings = compile_settings(policy, target.module, overrides)  # bad settings leave the model as it was
     target = target.prepared(settings)
     disarm(target.holder)
@@ -120,7 +73,7 @@ def lazy_compile(
 
 def compile_stats(model: Any) -> CompileStats:
     """What lazy compilation did to `model` (a module, or a host's model) so far."""
-    target = _target(model)
+    target = target_for(model)
     regions = target.regions()
     if regions:
         return regions[0].stats
@@ -132,21 +85,13 @@ def compile_stats(model: Any) -> CompileStats:
 
 def disarm(model: Any) -> None:
     """Undo `lazy_compile`: every unit runs its own forward again (a host's model: from its next load)."""
-    target = _target(model)
+    target = target_for(model)
     armed = target.holder.__dict__.pop(STATE_ATTRIBUTE, None)
     target.remove(armed or Armed(CompileStats(), []))
 
 
 def is_armed(model: Any) -> bool:
     return STATE_ATTRIBUTE in model.__dict__
-
-
-def _target(model: Any) -> Target:
-    if isinstance(model, nn.Module):
-        return Target(model, model)
-    from ..hosts.comfyui.compile import model_patcher_target  # a host's model: only its host knows its shape
-
-    return model_patcher_target(model)
 
 
 def _units(module: nn.Module, settings: CompileSettings) -> list[tuple[str, nn.Module]]:

@@ -1,6 +1,8 @@
 """The MODEL half of lazy compile: a ComfyUI MODEL is armed through object patches.
 
 Invariants:
+- the compile stage learns of MODELs only through the target this module registers (`HOST_TARGETS["comfyui"]`),
+  on import: importing the ComfyUI host (`hosts.comfyui`) registers it;
 - core sets object patches while the MODEL is loaded and undoes them on unload, so the tree it shares with
   other MODELs (the one it was cloned from) is left alone;
 - guards on core's per-call dictionaries are dropped (their contents change every call);
@@ -20,8 +22,9 @@ from typing import Any
 from torch import nn
 
 from ....schemas import CompileSettings
-from ...compile.arm import Armed, Target, compile_stats, lazy_compile
+from ...compile.arm import compile_stats, lazy_compile
 from ...compile.regions import Region, is_region_forward, log
+from ...compile.targets import HOST_TARGETS, Armed, Target
 from ...engine import applied_state
 from ...plan.selectors import joined
 
@@ -35,12 +38,6 @@ DYNAMIC_VRAM_MESSAGE = (
 
 def is_model_patcher(value: Any) -> bool:
     return isinstance(getattr(value, "model", None), nn.Module) and hasattr(value, "load_device")
-
-
-def model_patcher_target(patcher: Any) -> Target:
-    if not is_model_patcher(patcher):
-        raise TypeError(f"cannot compile a {type(patcher).__name__}: expected a torch module or a ComfyUI MODEL")
-    return _PatcherTarget(patcher)
 
 
 class _PatcherTarget(Target):
@@ -75,6 +72,12 @@ class _PatcherTarget(Target):
 
     def regions(self) -> list[Region]:
         return [value.func for value in self.holder.object_patches.values() if is_region_forward(value)]
+
+
+@HOST_TARGETS.decorator("comfyui")
+def model_patcher_target(value: Any) -> Target | None:
+    """The target for a ComfyUI MODEL; None for anything else."""
+    return _PatcherTarget(value) if is_model_patcher(value) else None
 
 
 def armed_with_report(patcher: Any, **options) -> tuple[Any, str]:
