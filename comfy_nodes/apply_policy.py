@@ -16,7 +16,7 @@ class ApplyStreamwisePolicy(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return schema(
-            category="model_patches", aliases=("offload", "lowvram", "streaming", "vram", "policy"),
+            category="model_patches", reports=True, aliases=("offload", "lowvram", "streaming", "vram", "policy"),
             node_id="ApplyStreamwisePolicy",
             display_name="Apply Streamwise Policy",
             description="Make a model another pack loaded stream under ComfyUI's low-VRAM loading, by a Streamwise "

@@ -28,7 +28,8 @@ class QuantizedLazyTorchCompile(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         backends = runnable_backends()
         return schema(
-            category="model_patches", aliases=("compile", "torch.compile", "quantize", "int8", "gguf", "inductor"),
+            category="model_patches", reports=True,
+            aliases=("compile", "torch.compile", "quantize", "int8", "gguf", "inductor"),
             node_id="INT8LazyTorchCompile",
             display_name="Quantized Lazy Torch Compile",
             description="Compile a MODEL's repeated blocks lazily (on the first run), quantization- and "

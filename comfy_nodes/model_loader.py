@@ -27,7 +27,7 @@ class StreamwiseModelLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return schema(
-            category="loaders",
+            category="loaders", reports=True,
             aliases=("gguf", "llm", "safetensors", "diffusers", "vibevoice", "tts", "offload", "lowvram", "load model"),
             node_id="StreamwiseModelLoader",
             display_name="Streamwise Model Loader",

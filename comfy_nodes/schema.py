@@ -12,10 +12,18 @@ import inspect
 
 from comfy_api.latest import io
 
-_HAS_ALIASES = "search_aliases" in inspect.signature(io.Schema).parameters
+_FIELDS = inspect.signature(io.Schema).parameters
 
 
-def schema(*, category: str, aliases: tuple[str, ...], **fields) -> io.Schema:
-    """`io.Schema(**fields)` in `streamwise/<category>`, found by `aliases` and `streamwise` where the core can."""
-    found = {"search_aliases": ["streamwise", *aliases]} if _HAS_ALIASES else {}
-    return io.Schema(category=f"streamwise/{category}", **found, **fields)
+def schema(*, category: str, aliases: tuple[str, ...], reports: bool = False, **fields) -> io.Schema:
+    """`io.Schema(**fields)` in `streamwise/<category>`, found by `aliases` and `streamwise` where the core can.
+
+    `reports`: the node shows a report but is no output node (the loader, apply and compile nodes); cores that know
+    intermediate outputs (v0.33) send it again when the node is cached, so a reopened page still shows it.
+    """
+    extra: dict[str, object] = {}
+    if "search_aliases" in _FIELDS:
+        extra["search_aliases"] = ["streamwise", *aliases]
+    if reports and "has_intermediate_output" in _FIELDS:
+        extra["has_intermediate_output"] = True
+    return io.Schema(category=f"streamwise/{category}", **extra, **fields)
