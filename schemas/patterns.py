@@ -29,6 +29,10 @@ from re2 import _re2  # the binding's compiled program: see `Pattern`
 POLICY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _SEGMENT_CHAR_CLASS = re.compile(r"\[(!?)(\]?[^\]]*)\]")
+#: The same two rules as JSON Schema patterns (ECMA regexes, for editors): a name without `..`, and a class entry
+#: with its wildcards; `tests/test_schema.py` draws documents and holds the schema to the validators.
+POLICY_NAME_SCHEMA = r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]|\.[A-Za-z0-9_-])*\.?$"
+CLASS_NAME_SCHEMA = r"^[A-Za-z_*?][A-Za-z0-9_*?]*(?:\.[A-Za-z_*?][A-Za-z0-9_*?]*)*$"
 
 #: The most characters one glob or regex may have.
 MAX_PATTERN_LENGTH = 1000

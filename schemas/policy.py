@@ -17,9 +17,19 @@ from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic.json_schema import WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from .patterns import PatternError, check_class_name, compile_glob, compile_regex, is_policy_name
+from .patterns import (
+    CLASS_NAME_SCHEMA,
+    MAX_PATTERN_LENGTH,
+    POLICY_NAME_SCHEMA,
+    PatternError,
+    check_class_name,
+    compile_glob,
+    compile_regex,
+    is_policy_name,
+)
 from .vocabulary import (
     AUTO_KIND,
     COMPILE_MODES,
@@ -42,6 +52,7 @@ CompileMode = Literal[tuple(COMPILE_MODES)]
 GGUFType = Literal[GGUF_WRITE_TYPES]
 
 _BACKEND = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_BACKEND_SCHEMA = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 def _checked(code: str, check: Callable[[str], Any]) -> Callable[[str], str]:
@@ -79,21 +90,44 @@ def _array(item: Any) -> Any:
     return Annotated[tuple[item, ...], BeforeValidator(_list_to_tuple)]
 
 
+def _no_boolean(value: Any) -> Any:
+    """TOML's `true` is no integer (a `Literal[1]` alone would take it: True == 1)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("invalid-type", "expected an integer, not a boolean")
+    return value
+
+
 def _list_to_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _entries(check: Callable[[str], str]) -> Any:
+def _text(**constraints: Any) -> dict[str, Any]:
+    """The JSON Schema of a string its validator accepts, as far as a schema can say (a `pattern` is anchored with
+    `^...$`, which a Python `re.search` also matches before a final newline: so no newline at all)."""
+    schema: dict[str, Any] = {"type": "string", **constraints}
+    if "pattern" in constraints:
+        schema["not"] = {"pattern": "\n"}
+    return schema
+
+
+# What a class entry is to the schema: the class-name pattern, and a glob's length limit where it holds a wildcard.
+_CLASS_ENTRY = _text(pattern=CLASS_NAME_SCHEMA) | {"if": {"pattern": "[*?]"},
+                                                   "then": {"maxLength": MAX_PATTERN_LENGTH}}
+
+
+def _entries(check: Callable[[str], str], item: dict[str, Any]) -> Any:
+    text = Annotated[str, WithJsonSchema(item)]
     return Annotated[
         tuple[Annotated[str, AfterValidator(check)], ...],
-        BeforeValidator(_as_tuple, json_schema_input_type=str | list[str]),
+        BeforeValidator(_as_tuple, json_schema_input_type=text | list[text]),
     ]
 
 
-Name = Annotated[str, AfterValidator(_checked("invalid-value", _check_name))]
-ClassNames = _entries(_checked("invalid-value", check_class_name))
-PathGlobs = _entries(_checked("bad-glob", compile_glob))
-Regexes = _entries(_checked("bad-regex", compile_regex))
+Name = Annotated[str, AfterValidator(_checked("invalid-value", _check_name)),
+                 WithJsonSchema(_text(pattern=POLICY_NAME_SCHEMA))]
+ClassNames = _entries(_checked("invalid-value", check_class_name), _CLASS_ENTRY)
+PathGlobs = _entries(_checked("bad-glob", compile_glob), _text(maxLength=MAX_PATTERN_LENGTH))
+Regexes = _entries(_checked("bad-regex", compile_regex), _text(maxLength=MAX_PATTERN_LENGTH))
 
 
 class _Table(BaseModel):
@@ -102,8 +136,21 @@ class _Table(BaseModel):
     )
 
 
+def _one_entry(schema: dict[str, Any], cls: type[Selector]) -> None:
+    """The schema of a selector holds at least one entry (`Selector._not_empty`): a non-empty list, a string, a
+    `holds`, or `no_split = true`."""
+    given = {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}
+    branches = [{"required": [key], "properties": {key: given}} for key in ("class", "path", "regex")]
+    branches.append({"required": ["holds"]})
+    if "no_split" in cls.model_fields:
+        branches.append({"required": ["no_split"], "properties": {"no_split": {"const": True}}})
+    schema["anyOf"] = branches
+
+
 class Selector(_Table):
     """Which modules a rule addresses. Entries are OR-ed; at least one is required."""
+
+    model_config = ConfigDict(json_schema_extra=_one_entry)
 
     class_: ClassNames = Field(default=(), alias="class")
     """Class names (`Linear`), `package.module.Qualname` to tell apart equal short names, or globs of either
@@ -180,12 +227,20 @@ class RelocateRule(_Rule):
     """Containers whose direct parameters and buffers follow the compute device."""
 
 
+_POWERS_OF_4 = [4**k for k in range(1, 32)]  # every power of 4 a TOML (64-bit) integer holds
+
+
 class QuantRule(_Rule):
     """Leaf modules whose weights are held in a quantized format."""
 
+    model_config = ConfigDict(json_schema_extra={"dependencies": {  # the validators below, for editors
+        "gguf_type": {"properties": {"format": {"const": "gguf"}}},
+        "group_size": {"properties": {"format": {"enum": sorted(GROUPED_QUANT_FORMATS)}}},
+    }})
+
     format: QuantFormat
     """The storage format. `none` keeps float weights and beats any less specific rule."""
-    group_size: int | None = None
+    group_size: int | None = Field(default=None, json_schema_extra={"enum": _POWERS_OF_4})
     """ConvRot only: Hadamard group size, a power of 4 that divides in_features (default 256)."""
     gguf_type: GGUFType | None = None
     """`gguf` only: the GGML type `streamwise quantize` writes for these layers (default Q8_0)."""
@@ -283,9 +338,15 @@ class Match(_Table):
 class CompileSettings(_Table):
     """torch.compile settings, applied lazily on the first forward."""
 
+    model_config = ConfigDict(json_schema_extra={  # `_mode_fits_backend`, for editors
+        "if": {"required": ["mode"], "properties": {"mode": {"not": {"const": "default"}}}},
+        "then": {"properties": {"backend": {"const": "inductor"}}},
+    })
+
     enabled: bool = False
     """Arm compilation when a host takes the policy (`offload`, `model_patcher(policy=)`, the Apply node)."""
-    backend: Annotated[str, AfterValidator(_checked("invalid-value", _check_backend))] = "inductor"
+    backend: Annotated[str, AfterValidator(_checked("invalid-value", _check_backend)),
+                       WithJsonSchema(_text(pattern=_BACKEND_SCHEMA))] = "inductor"
     """A torch.compile backend; checked against the running torch when compiling."""
     mode: CompileMode = "default"
     """The torch.compile mode."""
@@ -317,7 +378,7 @@ class CompileSettings(_Table):
 class Policy(_Table):
     """A Streamwise policy: how to stream, relocate, quantize and compile one model family."""
 
-    schema_version: Literal[1]
+    schema_version: Annotated[Literal[1], BeforeValidator(_no_boolean)]
     """The policy format version this file is written in."""
     policy: PolicyInfo
     """Name, description and inheritance."""
