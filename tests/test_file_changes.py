@@ -1,0 +1,125 @@
+"""A file changed under a loaded model, or while it loads: the numbers never change and the process never dies.
+
+Each case runs in a child interpreter, so a SIGBUS (what a memory-mapped checkpoint gave when truncated) fails the
+test instead of killing the run. After a load the file is truncated, or rewritten in place with other values of the
+same size, and the model must compute exactly what it computed before. Between the header check and the tensor reads
+the same changes must be a `CheckpointError` naming the file, with the model untouched. Files are written by the
+real libraries: safetensors' `save_file`, the gguf package's writer (Streamwise's own layout), and llama.cpp's
+converter layout through `tests/llama_cpp_files.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import REPO
+
+CHILD = textwrap.dedent('''
+    import json, os, sys, time
+    import torch, safetensors.torch
+    import streamwise
+    from streamwise.runtime.checkpoint import fill, readers
+    from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
+    from helpers import make_policy, tiny_qwen2
+
+    form, change, when, folder = sys.argv[1:5]
+
+    def damage(path):
+        if change == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)
+        else:  # the same size, other values: a re-download of another version in place
+            data = bytearray(open(path, "rb").read())
+            start = len(data) // 2
+            data[start:] = bytes(255 - b for b in data[start:])
+            with open(path, "r+b") as handle:
+                handle.write(data)
+
+    def tiny():
+        torch.manual_seed(0)
+        return tiny_qwen2(hidden_size=32, intermediate_size=64, vocab_size=64)
+
+    inputs = torch.arange(8).reshape(1, 8)
+    source = tiny()
+    if form == "safetensors":
+        path = os.path.join(folder, "model.safetensors")
+        safetensors.torch.save_file(source.state_dict(), path)
+        policy, build = "decoder-llm", tiny
+    elif form == "gguf":
+        safetensors.torch.save_file(source.state_dict(), os.path.join(folder, "src.safetensors"))
+        path = os.path.join(folder, "model.gguf")
+        quantize_to_gguf(os.path.join(folder, "src.safetensors"), path, make_policy(), source)  # F32, our layout
+        policy, build = "decoder-llm", tiny
+    else:  # llama.cpp's layout, built from its own metadata by load_pretrained
+        from llama_cpp_files import float_model, train_tokenizer_parts, write_llama_cpp_gguf
+        import gguf
+        parts = train_tokenizer_parts()
+        path = os.path.join(folder, "model.gguf")
+        write_llama_cpp_gguf(float_model("llama", len(parts[0]), parts[2]), path, "llama",
+                             gguf.GGMLQuantizationType.Q8_0, parts)
+
+    def load():
+        if form == "llama_cpp":
+            return streamwise.load_pretrained(path, "auto", progress=False).model
+        with streamwise.skeleton():
+            model = build()
+        streamwise.load(model, path, policy, progress=False)
+        return model
+
+    if when == "after":
+        model = load()
+        with torch.no_grad():
+            before = model(inputs).logits
+        damage(path)
+        with torch.no_grad():
+            after = model(inputs).logits
+        print(json.dumps({"same": bool(torch.equal(before, after))}))
+    else:  # between the header check and the tensor reads (llama.cpp: also before transformers reads the header)
+        opened = readers.open_checkpoint
+
+        def open_then_damage(*args, **kwargs):
+            checkpoint = opened(*args, **kwargs)
+            time.sleep(0.02)  # past the file system's timestamp tick: a rewrite within one keeps the identity
+            damage(path)
+            return checkpoint
+
+        for module in ("fill", "llama_cpp", "pretrained"):
+            owner = sys.modules[f"streamwise.runtime.checkpoint.{module}"]
+            setattr(owner, "open_checkpoint", open_then_damage)
+        try:
+            load()
+        except readers.CheckpointError as exc:
+            print(json.dumps({"error": str(exc)}))
+        else:
+            print(json.dumps({"error": None}))
+''')
+
+
+def run_child(tmp_path, form: str, change: str, when: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", CHILD, form, change, when, str(tmp_path)], capture_output=True,
+                            text=True, timeout=600, cwd=REPO / "tests")
+    assert result.returncode == 0, f"exit code {result.returncode} (-7 is SIGBUS): {result.stderr[-3000:]}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+FORMS = ["safetensors", "gguf", "llama_cpp"]
+
+
+@pytest.mark.parametrize("change", ["truncate", "rewrite"])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_loaded_model_computes_the_same_whatever_happens_to_its_file(tmp_path, form, change):
+    assert run_child(tmp_path, form, change, "after") == {"same": True}
+
+
+@pytest.mark.parametrize("change", ["truncate", "rewrite"])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_file_changed_while_it_loads_is_an_error_naming_it(tmp_path, form, change):
+    """The error says the file changed since its header was read, or (where a later step reads it afresh) that it is
+    no longer a readable file."""
+    error = run_child(tmp_path, form, change, "during")["error"]
+    assert error is not None and str(tmp_path / f"model.{'safetensors' if form == 'safetensors' else 'gguf'}") in error
+    assert "the file changed after its header was read" in error or "not a readable" in error, error
