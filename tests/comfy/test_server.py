@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -262,3 +263,51 @@ def test_the_loader_refuses_a_stranding_plan_unless_told_to_accept_it(server):
     assert "allow_stranded" in message and '[[stream.rule]] kind = "auto", select = { class = "Conv1d" }' in message
     graph["1"]["inputs"]["allow_stranded"] = True
     server.run(graph)  # accepted: it succeeds
+
+
+def user_policies(server) -> Path:
+    folder = server.log.parent / "user" / "default" / "streamwise" / "policies"
+    if not folder.is_dir():  # a core whose user folder sits elsewhere: the pack created it on first use
+        (folder,) = list(server.log.parent.rglob("streamwise/policies"))
+    return folder
+
+
+def test_an_edited_user_policy_re_runs_the_loader_and_an_unchanged_one_stays_cached(server):
+    """The loader's fingerprint holds the content of its policy and of every policy it extends."""
+    folder = user_policies(server)
+    parent = folder / "my-base.toml"
+    parent.write_text('schema_version = 1\n[policy]\nname = "my-base"\nextends = "decoder-llm"\n')
+    (folder / "my-llm.toml").write_text('schema_version = 1\n[policy]\nname = "my-llm"\nextends = "my-base"\n')
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["policy"] = "my-llm"
+    server.run(graph)
+    assert cached_nodes(server.run(graph)) == {"1", "2"}  # unchanged: nothing runs
+    parent.write_text(parent.read_text() + "\n[compile]\nfullgraph = true\n")  # an edit two files up the chain
+    edited = server.run(graph)
+    assert cached_nodes(edited) == set()  # the loader loads again, and what depends on it runs
+    assert cached_nodes(server.run(graph)) == {"1", "2"}
+
+
+def test_a_replaced_model_file_loads_again(server):
+    folder = server.model.parent / "tiny-qwen2-copy"
+    shutil.copytree(server.model, folder, dirs_exist_ok=True)
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["model"] = "streamwise/tiny-qwen2-copy"
+    assert "streamwise/tiny-qwen2-copy" in server.request("/object_info/StreamwiseModelLoader")[
+        "StreamwiseModelLoader"]["input"]["required"]["model"][1]["options"]
+    server.run(graph)
+    assert cached_nodes(server.run(graph)) == {"1", "2"}
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # a re-download: the same bytes, a new file time
+    assert cached_nodes(server.run(graph)) == set()
+
+
+def test_a_model_a_node_cannot_drive_is_a_message_that_names_the_node_to_use(server):
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["model"] = "streamwise/tiny-vibevoice"
+    entry = server.wait(server.queue(graph))
+    (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert error["node_type"] == "StreamwiseGenerateText" and error["exception_type"] == "ValueError"
+    assert error["exception_message"].strip() == (
+        "Streamwise Generate Text cannot drive a VibeVoiceForConditionalGeneration (`vibevoice`), which generates "
+        "speech; use Streamwise Generate Speech for it")
