@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import struct
 
 import gguf
+import numpy as np
 import pytest
 import safetensors
 import safetensors.torch
@@ -467,3 +469,121 @@ def test_mutated_headers_are_accepted_only_where_the_library_accepts_them(tmp_pa
         assert str(path) in str(exc)
     else:
         assert not library_refuses(path)
+
+
+# --- round 2 (issue #25): linear, bounded headers; names, shapes and claimed model shapes -----------------------
+
+def test_duplicate_keys_in_a_large_header_are_found_in_one_pass(tmp_path, monkeypatch):
+    """A 2.3 MB header of 40,000 entries with one duplicate at its end (quadratic before: 52.8 s): refused naming the
+    key, each key looked at once."""
+    path = tmp_path / "many.safetensors"
+    tensors = {f"t{i}": torch.zeros(1) for i in range(40_000)}
+    safetensors.torch.save_file(tensors, path)
+    header, data = header_of(path)
+    text = json.dumps(header)
+    write_header(path, text[:-1] + ', "t7": ' + json.dumps(header["t7"]) + "}", data)
+    looked, real = [], readers._unique_keys
+    monkeypatch.setattr(readers, "_unique_keys", lambda pairs: looked.append(len(pairs)) or real(pairs))
+    with pytest.raises(CheckpointError, match="duplicate key `t7`"):
+        open_checkpoint(path)
+    assert sum(looked) <= 4 * 40_001  # the object and the entries' own small objects, each once
+
+
+@pytest.mark.parametrize("name, says", [
+    ("", "is empty or holds a NUL byte"), ("a\0b", "is empty or holds a NUL byte"),
+    ("n" * 5000, f"a name of 5000 bytes; the limit is {readers.limits.MAX_TENSOR_NAME}"),
+], ids=["empty", "nul", "5000-characters"])
+def test_names_no_library_writes_are_refused(valid, valid_gguf, tmp_path, name, says):
+    header, data = header_of(valid)
+    header[name] = header.pop("norm.weight")
+    write_header(valid, json.dumps(header), data)
+    refused(valid, says)
+    path = tmp_path / "named.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="test")
+    writer.add_tensor(name, np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        open_checkpoint(path)
+
+
+def test_a_zero_element_tensor_with_an_absurd_dimension_is_refused_and_quantize_says_so(valid, tmp_path):
+    """[0, 2**64 - 1] holds no byte, so every size check passes; torch cannot make it (it crashed quantize)."""
+    header, data = header_of(valid)
+    header["empty"] = {"dtype": "F32", "shape": [0, 2**64 - 1], "data_offsets": [len(data), len(data)]}
+    write_header(valid, json.dumps(header), data)
+    refused(valid, "tensor `empty`", "more elements than 63 bits count")
+    with pytest.raises(CheckpointError, match="more elements than 63 bits count"):
+        quantize_to_gguf(valid, tmp_path / "out.gguf", make_policy(), tiny())
+
+
+@pytest.mark.parametrize("dims", [5, 8])
+def test_gguf_tensors_of_more_than_four_dimensions_are_refused(tmp_path, dims):
+    path = tmp_path / "dims.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="test")
+    writer.add_tensor("deep", np.zeros((1,) * (dims - 1) + (32,), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(CheckpointError, match=f"tensor `deep`: {dims} dimensions; llama.cpp reads at most 4"):
+        open_checkpoint(path)
+
+
+def gguf_with_array(path, count: int) -> None:
+    """A file the gguf writer wrote with a 3-string array, grown to `count` one-byte strings (18 MB at 2 M)."""
+    writer = gguf.GGUFWriter(str(path), arch="test")
+    writer.add_array("test.tokens", ["a", "a", "a"])
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"test.tokens") + len(b"test.tokens") + 4 + 4
+    data[at:at + 8] = struct.pack("<Q", count)
+    end = at + 8 + 3 * 9
+    path.write_bytes(bytes(data[:end]) + struct.pack("<Qc", 1, b"a") * (count - 3) + bytes(data[end:]))
+
+
+def test_two_million_metadata_strings_are_refused_after_reading_one_chunk(tmp_path, monkeypatch):
+    """56 s and 3 GB in the gguf package's reader before; here the array's claimed length is held to the limit on
+    all metadata items before its first item is read."""
+    path = tmp_path / "strings.gguf"
+    gguf_with_array(path, 2_000_000)
+    reads = []
+    real_open = open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if "b" in mode:
+            read = handle.read
+            handle.read = lambda n=-1: reads.append(len(chunk := read(n))) or chunk
+        return handle
+
+    monkeypatch.setattr(readers, "open", counting_open, raising=False)
+    with pytest.raises(CheckpointError, match="the metadata arrays hold more than 1048576 items together"):
+        open_checkpoint(path)
+    assert sum(reads) <= 2**20  # one chunk of the 18 MB file
+    gguf_with_array(path, 1000)
+    assert open_checkpoint(path).metadata["test.tokens"].value.count == 1000
+
+
+def small_gguf(path, **values) -> bytearray:
+    writer = gguf.GGUFWriter(str(path), arch="test")
+    for key, value in values.items():
+        writer.add_uint32(f"test.{key}", value)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return bytearray(path.read_bytes())
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda d: d.__setitem__(slice(16, 24), struct.pack("<Q", 2**40)),
+     "it claims 1099511627776 metadata keys; the limit is 65536"),
+    (lambda d: d.__setitem__(slice(16, 24), struct.pack("<Q", 1000)), "it claims 1000 metadata keys, which need"),
+    (lambda d: d.__setitem__(slice(d.index(b"test.b"), d.index(b"test.b") + 6), b"test.a"),
+     "metadata key `test.a` appears twice"),
+    (lambda d: d.__setitem__(slice(d.index(b"test.a") - 8, d.index(b"test.a")), struct.pack("<Q", 2**50)),
+     "a metadata key: a string of 1125899906842624 bytes; the limit is 65535"),
+    (lambda d: d.__setitem__(slice(d.index(b"test.a") + 6, d.index(b"test.a") + 10), struct.pack("<I", 99)),
+     "metadata `test.a`: unknown value type id 99"),
+], ids=["key-count-over-limit", "key-count-over-file", "duplicate-key", "key-length", "value-type"])
+def test_gguf_metadata_counts_and_keys_are_checked_before_use(tmp_path, damage, says):
+    path = tmp_path / "meta.gguf"
+    data = small_gguf(path, a=1, b=2)
+    damage(data)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        open_checkpoint(path)
