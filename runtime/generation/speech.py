@@ -9,6 +9,7 @@ progress bar, an interrupt) and the device.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import math
 import os
@@ -92,6 +93,16 @@ def mono(voice: Voice, sample_rate: int):
 
 
 def load_processor(folder: str | os.PathLike):
+    """The folder's VibeVoice processor, read once per version of its files: reading it costs as much as two frames
+    of a small model, and a host generates once per prompt."""
+    folder = Path(folder)
+    stamp = tuple((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                  for entry in sorted(folder.iterdir()) if entry.is_file()) if folder.is_dir() else ()
+    return _processor(str(folder), stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _processor(folder: str, stamp: tuple):
     import transformers
 
     try:

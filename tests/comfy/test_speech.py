@@ -129,3 +129,4 @@ def test_an_interrupt_stops_the_generation_within_a_frame(speech, monkeypatch):
     assert bars[0].values == list(range(1, after + 1))  # the check runs right after the bar moves
     monkeypatch.undo()
     assert speak(node, patcher)["waveform"].shape == (1, 1, FRAMES * HOP)  # the model is still usable
+
