@@ -11,9 +11,10 @@ The first run builds that environment with pip (about 30 s); later runs reuse it
 the system temp directory (`<tempdir>/streamwise-test-cache-<uid>`, e.g.
 `/tmp/streamwise-test-cache-1000`), never in your home unless you opt in by setting
 `STREAMWISE_CACHE`, e.g. `STREAMWISE_CACHE=~/.cache/streamwise` to keep it across reboots. Its name
-hashes the Python, this environment's prefix, torch's version, the pins and the build recipe, so a
-change to any of them builds a fresh one, and a cached one that no longer finds its packages (say,
-this environment was deleted and made again) is rebuilt. Concurrent runs wait on a lock file beside it.
+hashes the Python, this environment's prefix, the checkout streamwise is imported from, torch's version,
+the pins and the build recipe, so a change to any of them (a second checkout too) builds a fresh one,
+and a cached one that no longer finds its packages (say, this environment was deleted and made again)
+is rebuilt. Concurrent runs wait on a lock file beside it.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def build(root: Path) -> None:
 
 
 def community_python() -> Path:
-    recipe = [f"recipe={RECIPE}", sys.version, sys.executable, sys.prefix, *active_site_dirs(),
+    checkout = str(Path(find_spec("streamwise").origin).resolve().parent)  # each checkout has its own environment
+    recipe = [f"recipe={RECIPE}", sys.version, sys.executable, sys.prefix, checkout, *active_site_dirs(),
               f"torch=={importlib.metadata.version('torch')}", *REQUIREMENTS, *NO_DEPS]
     key = hashlib.sha256("\n".join(recipe).encode()).hexdigest()[:12]
     cache = cache_dir()
