@@ -335,7 +335,7 @@ def _nbytes(dtype_name: str, shape: tuple[int, ...]) -> int | str:
 
 def _reader(checked: CheckedFile, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> Callable[[], Tensor]:
     """A tensor's `read`: its bytes at `offset`, read into memory of its own (`checked_file`)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
 
     def read() -> Tensor:
         if nbytes == 0:
