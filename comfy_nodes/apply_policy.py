@@ -36,12 +36,13 @@ class ApplyStreamwisePolicy(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, policy: str, allow_stranded: bool = False) -> io.NodeOutput:
+        dirs = comfy_policy_dirs()
+        policy = chosen_policy(policy, dirs, auto=True)
         tree = getattr(model, "model", None)
         if not isinstance(tree, torch.nn.Module):
             raise ValueError(f"Apply Streamwise Policy converts a MODEL holding a module tree; this input is a "
                              f"{type(model).__name__}")
-        dirs = comfy_policy_dirs()
-        choice = choose_policy(chosen_policy(policy, dirs, auto=True), tree, dirs=dirs)
+        choice = choose_policy(policy, tree, dirs=dirs)
         adopted = adopt(model, choice.policy, allow_stranded)
         plan = applied_state(tree).plan
         text = f"{choice.reason}; {plan.render(rules=False)}"
