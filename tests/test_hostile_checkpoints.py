@@ -587,3 +587,29 @@ def test_gguf_metadata_counts_and_keys_are_checked_before_use(tmp_path, damage, 
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=re.escape(says)):
         open_checkpoint(path)
+
+
+def test_many_tensors_with_one_problem_are_one_line_with_a_count(tmp_path):
+    """A file cut in half: every tensor past the cut runs past the end, and the message says so once."""
+    from streamwise.runtime.cli.example_models import write_example_models
+
+    models = tmp_path / "models"
+    (path,) = [p for p in write_example_models(models) if p.suffix == ".gguf"]
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as raised:
+        streamwise.load_pretrained(path, progress=False)
+    error = raised.value
+    assert len(error.problems) > 10  # every tensor is still there to read
+    (line,) = str(error).splitlines()
+    assert line.startswith(f"{path}: not a readable GGUF file: tensor `blk.")
+    assert re.search(rf"run past the end of the file \({len(error.problems) - 1} more tensors alike: `blk\.[^`]+`, "
+                     rf"`blk\.[^`]+`, `blk\.[^`]+` and {len(error.problems) - 4} more\)$", line), line
+
+
+def test_different_problems_stay_apart_and_the_message_is_bounded():
+    problems = [f"f.safetensors: tensor `t{i}`: missing from the file" for i in range(500)]
+    problems += ["f.safetensors: tensor `w`: shape [2] in the file, [3] in the model", "f.safetensors: bad index"]
+    lines = str(CheckpointError(problems)).splitlines()
+    assert lines == ["f.safetensors: tensor `t0`: missing from the file (499 more tensors alike: `t1`, `t2`, `t3` and "
+                     "496 more)", "f.safetensors: tensor `w`: shape [2] in the file, [3] in the model",
+                     "f.safetensors: bad index"]
