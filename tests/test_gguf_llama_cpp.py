@@ -155,7 +155,8 @@ def test_a_config_json_beside_wins_and_a_mismatch_leaves_the_skeleton_untouched(
     before = {n: (p.device, p.dtype) for n, p in other.named_parameters()}
     with pytest.raises(CheckpointError) as caught:
         streamwise.load(other, path, "transformers")
-    assert f"{path}: tensor `model.layers.0.mlp.up_proj.weight`: shape [128, 64] in the file" in str(caught.value)
+    assert f"{path}: tensor `model.layers.0.mlp.up_proj.weight`: shape [128, 64] in the file" in "\n".join(
+        caught.value.problems)  # every problem is kept; the message names it among the tensors alike
     assert {n: (p.device, p.dtype) for n, p in other.named_parameters()} == before
     assert all(p.is_meta for p in other.parameters()) and applied_state(other) is None
 

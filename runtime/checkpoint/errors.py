@@ -39,5 +39,6 @@ def summarized(problems: list[str]) -> list[str]:
             continue
         names = ", ".join(f"`{name}`" for _, name in members[1:_NAMED + 1])
         more = f" and {len(members) - 1 - _NAMED} more" if len(members) > _NAMED + 1 else ""
-        lines.append(f"{first} ({len(members) - 1} more tensors alike: {names}{more})")
+        alike = f"{len(members) - 1} more tensor{'s' if len(members) > 2 else ''} alike"
+        lines.append(f"{first} ({alike}: {names}{more})")
     return lines
