@@ -184,8 +184,7 @@ def tiny_vision_language():
 
 def tiny_diffusers(name: str) -> tuple[nn.Module, dict]:
     """A tiny diffusers model from seed 0: `transformer` (Flux), `unet` (Stable Diffusion's) or `vae` (AutoencoderKL),
-    and the inputs of one forward (its output's `.sample`). A batch of 2: on the CPU a one-row matrix product rounds by
-    its weight's address (16-byte aligned or not), and a loaded weight sits where its file puts it."""
+    and the inputs of one forward (its output's `.sample`), a batch of 2."""
     import diffusers
 
     torch.manual_seed(0)
