@@ -6,13 +6,15 @@ Inf and subnormal scales). After a warm-up the implementations are timed in alte
 after round, so that drift in a shared machine's speed hits all alike, and each is reported as its
 median. Streamwise's output is checked against the reference bit for bit (stored F16 NaNs by place).
 The time to allocate and first touch a fresh float32 output is printed too: those page faults are
-part of every side's cost. Goals: never slower than the reference, at least 3x ComfyUI-GGUF (F32, a
-view everywhere, has none).
+part of every side's cost. With more than one torch thread, Streamwise is also timed on one thread in the same
+rounds (`1 thread`, and how many times faster the threads make it). Goals: never slower than the reference, at
+least 3x ComfyUI-GGUF (F32, a view everywhere, has none), and never slower on all threads than on one.
 
 ComfyUI-GGUF's `dequant.py` is imported from the path given (its column is skipped without one;
 nothing is fetched). Run:
 
-    python benchmarks/bench_dequant.py [--comfyui-dequant /tmp/comfyui-gguf/dequant.py] [--types Q4_K IQ4_XS]
+    python benchmarks/bench_dequant.py [--threads 1 | --threads 0] [--comfyui-dequant /tmp/comfyui-gguf/dequant.py]
+        [--types Q4_K IQ4_XS]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_gguf_dequant import random_bytes  # the tests' blocks: finite scales, or random bytes
 
 QType = gguf.GGMLQuantizationType
-REFERENCE_GOAL, COMFYUI_GOAL = 1.0, 3.0
+REFERENCE_GOAL, COMFYUI_GOAL, THREADS_GOAL = 1.0, 3.0, 1.0
 VIEWS = {QType.F32}  # bytes read as float32 on every side: microseconds of bookkeeping, no goal
 
 
@@ -67,6 +69,20 @@ def median_seconds(fns: dict, runs: int, warmup: int) -> dict[str, float]:
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 
+def on_one_thread(fn):
+    """`fn` run with torch on one thread, the thread count restored after."""
+
+    def run():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
 def bit_exact(ours: torch.Tensor, reference: np.ndarray, qtype: QType) -> bool:
     expected = torch.from_numpy(np.ascontiguousarray(reference))
     if qtype == QType.F16:  # torch's own float16 widening quiets signalling NaNs: NaNs compare by place
@@ -85,10 +101,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--comfyui-dequant", metavar="PATH", help="ComfyUI-GGUF's dequant.py")
     parser.add_argument("--types", nargs="+", metavar="TYPE", help="a subset of the types, by GGML name")
-    parser.add_argument("--threads", type=int, help="torch threads (numpy's reference runs on one)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads; 0: torch's default, every core (numpy's reference runs on one)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    threaded = torch.get_num_threads() > 1
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # the reference's NaN arithmetic on random bytes
 
     comfyui = load_comfyui(args.comfyui_dequant)
@@ -102,10 +120,11 @@ def main() -> None:
     print(f"fresh output alone (empty + fill): {alloc['plain'] * 1e3:.1f} ms, "
           f"on huge pages {alloc['huge'] * 1e3:.1f} ms")
     print(f"{'type':8s} {'scales':7s} {'streamwise':>10s} {'numpy':>9s} {'ratio':>6s}"
-          + (f" {'comfyui':>9s} {'ratio':>6s}" if comfyui else "") + "  bit-exact")
+          + (f" {'comfyui':>9s} {'ratio':>6s}" if comfyui else "")
+          + (f" {'1 thread':>9s} {'ratio':>6s}" if threaded else "") + "  bit-exact")
 
     types = [QType[name] for name in args.types] if args.types else [*STORED_FLOATS, *DEQUANTIZERS]
-    worst = {"numpy": (float("inf"), ""), "comfyui": (float("inf"), "")}
+    worst = {peer: (float("inf"), "") for peer in ("numpy", "comfyui", "1 thread")}
     for qtype in types:
         for finite in (True, False):
             raw = random_bytes(qtype, shape, seed=0, finite=finite)
@@ -116,11 +135,13 @@ def main() -> None:
             }
             if comfyui is not None and qtype in comfyui.dequantize_functions:
                 fns["comfyui"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32)
+            if threaded:
+                fns["1 thread"] = on_one_thread(fns["streamwise"])
             same = bit_exact(dequantize(blocks, qtype, shape), gguf.quants.dequantize(raw, qtype), qtype)
             seconds = median_seconds(fns, args.runs, args.warmup)
             ours = seconds["streamwise"]
             line = f"{qtype.name:8s} {'finite' if finite else 'random':7s}  {ms(ours)}"
-            for peer in ("numpy", "comfyui"):
+            for peer in ("numpy", "comfyui", "1 thread"):
                 if peer in seconds:
                     ratio = seconds[peer] / ours
                     if qtype not in VIEWS:
@@ -129,7 +150,7 @@ def main() -> None:
                 elif peer == "comfyui" and comfyui is not None:
                     line += f" {'-':>9s} {'-':>6s}"
             print(f"{line}  {same}", flush=True)
-    for peer, goal in (("numpy", REFERENCE_GOAL), ("comfyui", COMFYUI_GOAL)):
+    for peer, goal in (("numpy", REFERENCE_GOAL), ("comfyui", COMFYUI_GOAL), ("1 thread", THREADS_GOAL)):
         ratio, where = worst[peer]
         if where:
             verdict = "met" if ratio >= goal else "NOT met"

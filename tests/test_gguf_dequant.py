@@ -203,9 +203,10 @@ def test_cuda_matches_reference_bit_exactly(qtype, finite):
         assert same_bits_and_nan_places(result.cpu(), expected)
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_S, Q.IQ4_XS, Q.TQ1_0, Q.NVFP4], **by_name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.IQ2_S, Q.IQ4_XS, Q.TQ1_0, Q.NVFP4], **by_name)
 def test_table_and_tq_kernels_trace_without_graph_breaks(qtype):
-    """Residents compile: the lookup tables are module constants on CPU, and no op writes a strided `out=`."""
+    """Residents compile: the lookup tables (float16 scales widen through one on CPU) are module constants there,
+    and no op writes a strided `out=`."""
     blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
     explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
     assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]

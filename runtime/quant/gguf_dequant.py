@@ -13,8 +13,10 @@ a per-element gather is what makes lookup tables slow in torch on CPU.
 
 The expansion is memory-bound, so kernels write the integer quants once into the float32 output
 and scale it in place, and decode the few scale bytes of each block without narrow strided
-slices, which torch runs slowly. The output is a fresh buffer on huge pages where the platform
-has them (see `huge_pages`).
+slices, which torch runs slowly, in as few ops as they can: torch splits an op on a few hundred
+thousand scales across its threads, and each split is a hand-off between them, which costs a
+scheduler slice (milliseconds) while another process holds a core and libgomp's waiting threads
+spin. The output is a fresh buffer on huge pages where the platform has them (see `huge_pages`).
 """
 
 from __future__ import annotations
@@ -103,12 +105,13 @@ def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
     return raw.view(dtype)
 
 
-def _half(blocks: Tensor, offset: int) -> Tensor:
-    """The little-endian float16 at byte `offset` of every block, widened to float32 of shape (n_blocks, 1)."""
+def _half(blocks: Tensor, offset: int, count: int = 1) -> Tensor:
+    """The `count` little-endian float16 from byte `offset` of every block (d, or d and dmin), widened to float32 of
+    shape (n_blocks, count)."""
     words = _words(blocks, torch.int16) if offset % 2 == 0 else None
     if words is None:
-        return _widen_half(_reinterpret(blocks[:, offset : offset + 2], torch.int16))
-    return _widen_half(words[:, offset // 2 : offset // 2 + 1].contiguous())  # ops on a strided column are slow
+        return _widen_half(_reinterpret(blocks[:, offset : offset + 2 * count], torch.int16))
+    return _widen_half(words[:, offset // 2 : offset // 2 + count])
 
 
 def _words(blocks: Tensor, dtype: torch.dtype) -> Tensor | None:
@@ -124,13 +127,18 @@ def _words(blocks: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def _widen_half(bits: Tensor) -> Tensor:
-    """float16 bits (int16) as float32, widened as numpy does: NaNs keep sign and payload, signalling ones too.
+    """float16 bits (int16, any layout) as float32, widened as numpy does: NaNs keep sign and payload, signalling
+    ones too.
 
-    torch's own conversion returns one canonical NaN in its scalar path and quiets signalling NaNs in its
-    vector path; a NaN scale would then give a NaN of another sign than the reference's. So NaNs are
-    rebuilt from the bits: the sign-extended half shifted by 13 puts sign, exponent (within the all-ones
-    one ORed in) and payload in place.
+    On the CPU, a gather from numpy's own widening of every half (a 256 KB table): two ops where the arithmetic
+    below takes seven, and each op on a few hundred thousand scales costs a thread hand-off when torch splits it.
+    Elsewhere torch converts, and NaNs are rebuilt from the bits: torch returns one canonical NaN in its scalar
+    path and quiets signalling NaNs in its vector path. The sign-extended half shifted by 13 puts sign, exponent
+    (within the all-ones one ORed in) and payload in place.
     """
+    if bits.device.type == "cpu":
+        index = bits.view(torch.uint16).int()  # zero-extended, and gathered from strided columns in the same op
+        return _CPU_TABLES["f16"].index_select(0, index.view(-1)).view(bits.shape)
     widened = bits.view(torch.float16).float()
     nan_bits = (bits.int() << 13).bitwise_or_(0x7F800000)
     return torch.where(widened.isnan(), nan_bits.view(torch.float32), widened)
@@ -190,7 +198,8 @@ def _q4_0(blocks: Tensor, out: Tensor) -> None:
 
 def _q4_1(blocks: Tensor, out: Tensor) -> None:
     """20 bytes: d (f16), m (f16), nibbles as in Q4_0; value = d * q + m."""
-    _affine(out, _nibbles(blocks, 4), _half(blocks, 0), _half(blocks, 2))
+    d = _half(blocks, 0, 2)
+    _affine(out, _nibbles(blocks, 4), d[:, :1], d[:, 1:])
 
 
 def _nibbles(blocks: Tensor, start: int, high_bits: str | None = None) -> Tensor:
@@ -232,7 +241,8 @@ def _q5_0(blocks: Tensor, out: Tensor) -> None:
 
 def _q5_1(blocks: Tensor, out: Tensor) -> None:
     """24 bytes: d (f16), m (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * q + m."""
-    _affine(out, _nibbles(blocks, 8, "q5_high"), _half(blocks, 0), _half(blocks, 2))
+    d = _half(blocks, 0, 2)
+    _affine(out, _nibbles(blocks, 8, "q5_high"), d[:, :1], d[:, 1:])
 
 
 def _q2_k(blocks: Tensor, out: Tensor) -> None:
@@ -240,9 +250,9 @@ def _q2_k(blocks: Tensor, out: Tensor) -> None:
 
     Each 32-byte half of the quants holds 128 values: 2-bit field j of byte i is value 32 * j + i.
     """
-    scales = blocks[:, :16].contiguous()
-    dl = _half(blocks, 80) * (scales & 0xF).float()  # widened first: a product of mixed types is slow
-    ml = _half(blocks, 82) * _negated(scales >> 4)
+    scales, d = blocks[:, :16].contiguous(), _half(blocks, 80, 2)
+    dl = d[:, :1] * (scales & 0xF).float()  # widened first: a product of mixed types is slow
+    ml = d[:, 1:] * _negated(scales >> 4)
     _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, ml)
 
 
@@ -288,26 +298,28 @@ def _q3_k(blocks: Tensor, out: Tensor) -> None:
     _affine(out, q, _half(blocks, 108) * scale)
 
 
-def _scale_min_k4(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """Eight 6-bit scales and eight 6-bit mins of each Q4_K/Q5_K block, as (n_blocks, 8) uint8 each.
+def _scale_min_k4(blocks: Tensor) -> Tensor:
+    """Eight 6-bit scales and eight 6-bit mins of each Q4_K/Q5_K block, as (n_blocks, 2, 8) uint8: scales, mins.
 
     Of the 12 scale bytes, bytes 0-3 / 4-7 hold scales / mins 0-3 in their low 6 bits and the top
     2 bits of scales / mins 4-7 in their high 2 bits; bytes 8-11 hold the low 4 bits of scales 4-7
     (low nibble) and of mins 4-7 (high nibble). Each group of four bytes is handled as one
-    little-endian 32-bit word, four fields at a time, so the work runs along blocks.
+    little-endian 32-bit word, four fields at a time, scales and mins side by side, so the work runs along blocks
+    in as few ops as there are steps.
     """
     words = _words(blocks, torch.int32)
     words = _reinterpret(blocks[:, 4:16], torch.int32) if words is None else words[:, 1:4]
-    sc, mn, mixed = words.unbind(-1)
-    scale = torch.stack([sc & 0x3F3F3F3F, (mixed & 0x0F0F0F0F) | ((sc >> 2) & 0x30303030)], -1)
-    minimum = torch.stack([mn & 0x3F3F3F3F, ((mixed >> 4) & 0x0F0F0F0F) | ((mn >> 2) & 0x30303030)], -1)
-    return scale.view(torch.uint8), minimum.view(torch.uint8)
+    first, mixed = words[:, :2], words[:, 2:]  # (scales 0-3, mins 0-3); low bits of 4-7
+    upper = torch.cat([mixed & 0x0F0F0F0F, (mixed >> 4) & 0x0F0F0F0F], -1).bitwise_or_((first >> 2) & 0x30303030)
+    return torch.stack([first & 0x3F3F3F3F, upper], -1).view(torch.uint8)
 
 
 def _k4_affine(blocks: Tensor, q: Tensor, out: Tensor) -> None:
     """d * scale * q - dmin * min over the eight 32-value sub-blocks of a Q4_K/Q5_K block."""
-    scale, minimum = _scale_min_k4(blocks)  # widened first: a product of mixed types is slow
-    _affine(out, q, _half(blocks, 0) * scale.float(), _half(blocks, 2) * _negated(minimum))
+    terms = _scale_min_k4(blocks).float()  # widened first: a product of mixed types is slow
+    terms[:, 1].neg_()  # `dmin * -min` adds as the reference's `- dmin * min` subtracts (see `_negated`)
+    terms.mul_(_half(blocks, 0, 2).unsqueeze(-1))
+    _affine(out, q, terms[:, 0], terms[:, 1])
 
 
 def _q4_k(blocks: Tensor, out: Tensor) -> None:
@@ -331,9 +343,12 @@ def _q5_k(blocks: Tensor, out: Tensor) -> None:
 
     Bit j of qh byte i is bit 4 of value 32 * j + i.
     """
+    n = blocks.shape[0]
     ql = _unpack(blocks[:, 48:].reshape(-1, 4, 32), 4, -2)
-    qh = _unpack(blocks[:, 16:48], 1, -2).view(ql.shape)
-    _k4_affine(blocks, ql.bitwise_or_(qh.bitwise_left_shift_(4)), out)
+    high = huge_pages.empty((n, 32), torch.int64, blocks.device)  # qh byte i -> its eight bits as 0 or 16
+    torch.index_select(_table("q5_high", blocks.device), 0, blocks[:, 16:48].int().view(-1), out=high.view(-1))
+    qh = high.view(torch.uint8).view(n, 32, 8).transpose(1, 2).unflatten(1, (4, 2))  # bit j of byte i: 32 * j + i
+    _k4_affine(blocks, ql.bitwise_or_(qh), out)
 
 
 def _q6_k(blocks: Tensor, out: Tensor) -> None:
@@ -360,7 +375,7 @@ def _q6_k(blocks: Tensor, out: Tensor) -> None:
     planes[1].bitwise_or_(torch.bitwise_right_shift(ql, 4, out=high).bitwise_and_(0x0F0F))
     q = planes.view(torch.int8).sub_(32).view(2, n, 2, 2, 32).permute(1, 2, 0, 3, 4)
     scales = words[:, 96:104].contiguous().view(torch.int8).float()  # converted contiguous: strided is slow
-    _affine(out, q, _widen_half(words[:, 104:105]) * scales)
+    _affine(out, q, _half(blocks, 208) * scales)
 
 
 def _bits(word: Tensor, width: int, count: int) -> Tensor:
@@ -435,6 +450,7 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     "mxfp4": lambda: _nibble_pairs(reference.MXFP4.kvalues),
     "nvfp4": lambda: _nibble_pairs(reference.NVFP4.kvalues),
     "ue4m3": lambda: reference.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32),
+    "f16": lambda: np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),  # numpy's widening
 }
 #: Built at import (about 5 MB, a few ms): a compiled graph reads a module's tensor as a constant.
 _CPU_TABLES = {name: torch.from_numpy(np.ascontiguousarray(source())) for name, source in _TABLE_SOURCES.items()}
