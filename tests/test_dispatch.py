@@ -102,6 +102,26 @@ def test_tied_weights_share_a_device():
     assert device_map["model.rotary_emb"] == "cuda:0"
 
 
+def test_a_module_held_at_several_paths_is_placed_once_with_what_shares_it():
+    """T5's `shared` embedding is also the encoder's and the decoder's `embed_tokens` (and the lm_head's weight)."""
+    model = meta_model(transformers.T5ForConditionalGeneration, transformers.T5Config(num_layers=4))
+    sizes = compute_module_sizes(model)
+    budget = {"cuda:0": sizes[""] // 2, "cuda:1": sizes[""] // 4, "cpu": "64GiB"}
+    device_map = infer_device_map(model, "auto", budget)  # a policy, resolved there
+    check_device_map(model, device_map)
+    tied = {device_map[name] for name in ("shared", "encoder.embed_tokens", "decoder.embed_tokens", "lm_head")}
+    assert len(tied) == 1 and len(set(device_map.values())) == 3
+
+
+def test_the_map_needs_no_accelerate_when_budgets_are_given(monkeypatch, qwen2):
+    model, plan = qwen2
+    expected = infer_device_map(model, plan, BUDGETS)
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
+    assert infer_device_map(model, plan, BUDGETS) == expected
+    with pytest.raises(DispatchError, match="not installed"):
+        infer_device_map(model, plan, None)  # the free memory is accelerate's to read
+
+
 def test_budgets_as_users_write_them():
     assert budgets({"cuda:0": "1.5GB", 1: 2048, "cpu": "64GiB"}) == {"cuda:0": 1_500_000_000, "cuda:1": 2048,
                                                                      "cpu": 64 * GIB}
