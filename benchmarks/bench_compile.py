@@ -57,9 +57,11 @@ print(json.dumps({"graphs": stats.graphs, "breaks": stats.graph_breaks, "fallbac
 
 def run(layers: int, mode: str, backend: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
-    out = subprocess.run([sys.executable, "-c", CHILD, str(layers), mode, backend, str(REPO / "tests")],
-                         check=True, capture_output=True, text=True, env=env, cwd=REPO).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    child = subprocess.run([sys.executable, "-c", CHILD, str(layers), mode, backend, str(REPO / "tests")],
+                           capture_output=True, text=True, env=env, cwd=REPO)
+    if child.returncode:
+        raise SystemExit(f"{layers} layers, {mode}: the run failed\n{child.stderr[-3000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def row(layers: int, mode: str, runs: list[dict], bases: list[dict]) -> str:
