@@ -429,6 +429,34 @@ def test_a_block_that_updates_another_layers_slot_reaches_that_slot():
     assert compile_stats(block).fallbacks == []
 
 
+def test_a_blocks_view_of_the_cache_is_the_shared_cache_seen_from_its_slot():
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+    from streamwise.runtime.compile.cache_slots import CacheSlots
+
+    block, cache = Looped(), DynamicCache(config=transformers_config(layers=3))
+    block.layer_idx = 1
+    args, kwargs, viewed = CacheSlots().bind(block, (torch.ones(1),), {"cache": cache})
+    view = kwargs["cache"]
+    assert viewed and isinstance(view, DynamicCache) and view is not cache and torch.equal(args[0], torch.ones(1))
+    assert [view.layers[i] for i in range(3)] == cache.layers and len(view.layers) == 3
+    mine, other = DynamicLayer(), DynamicLayer()
+    view.layers[1], view.layers[2] = mine, other  # writes reach the shared list, and the slot follows its own
+    assert cache.layers[1:] == [mine, other] and view.layers[1] is mine
+    keys = torch.ones(1, 2, 3, 4)
+    view.update(keys, keys, 1)
+    assert torch.equal(cache.layers[1].keys, keys) and not cache.layers[2].is_initialized
+    assert CacheSlots().bind(nn.Linear(2, 2), (), {"cache": cache})[2] is False  # no layer_idx: passed as it is
+    assert CacheSlots().bind(block, (), {"cache": Cache(layers=[DynamicLayer()])})[2] is False  # no slot 1
+
+
+def transformers_config(layers: int):
+    import transformers
+
+    return transformers.Qwen2Config(num_hidden_layers=layers, hidden_size=8, num_attention_heads=2,
+                                    num_key_value_heads=2)
+
+
 def test_disarm_restores_eager_forwards():
     model = Net(blocks=2)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")

@@ -67,6 +67,11 @@ class _SlotLayers:
             return self.slot
         return self.layers[index]
 
+    def __setitem__(self, index, layer) -> None:
+        self.layers[index] = layer
+        if index == self.index:
+            self.slot = layer
+
     def __len__(self) -> int:
         return len(self.layers)
 
