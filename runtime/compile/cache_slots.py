@@ -83,20 +83,12 @@ class _SlotLayers:
 
 
 def _view(cache: Any, index: int) -> Any:
-    view = object.__new__(_view_class(type(cache)))
-    view.__dict__.update(cache.__dict__)  # the same layers, settings and streams: a view, not a copy of the state
+    """An object of the cache's own class sharing its state (the same layers, settings and streams), whose layer
+    list is the block's `_SlotLayers`."""
+    view = object.__new__(type(cache))
+    view.__dict__.update(cache.__dict__)
     view.layers = _SlotLayers(cache.layers, index)
     return view
-
-
-_VIEW_CLASSES: dict[type, type] = {}
-
-
-def _view_class(cls: type) -> type:
-    """A subclass of the cache's class adding nothing: `isinstance` and every method stay the cache's own."""
-    if cls not in _VIEW_CLASSES:
-        _VIEW_CLASSES[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__})
-    return _VIEW_CLASSES[cls]
 
 
 def _layer_index(block: nn.Module) -> int | None:
