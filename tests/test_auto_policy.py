@@ -123,3 +123,93 @@ def test_no_fitting_policy_is_an_error_that_lists_what_was_tried(tmp_path, monke
     with pytest.raises(PolicyError, match=r"no policy fits `Unknown`: `strict` \(by fallback: no other policy "
                                           r"recognizes it\): error\[unmatched-rule\]"):
         select_policy(Unknown())
+
+
+class Named(nn.Module):
+    """A root with a config, the way transformers models carry `model_type`."""
+
+    def __init__(self, model_type: str) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"model_type": model_type})()
+        self.register_buffer("b", torch.zeros(1))
+
+
+BUFFERS = '[[relocate.rule]]\nid = "buffers"\nselect = { holds = "buffers-only" }\n'
+
+
+def test_the_strengths_rank_class_over_model_type_over_keys_over_base_class_over_fallback(tmp_path):
+    """Each level beats the next one down: with a fitting policy at every level, the strongest wins; taken away,
+    the next one does."""
+    levels = {"by-class": 'classes = ["Named"]', "by-type": 'model_types = ["toy"]',
+              "by-keys": 'state_dict_keys = ["b"]', "by-base": 'base_classes = ["torch.nn.modules.module.Module"]',
+              "by-fallback": "fallback = true"}
+    for name, match in levels.items():
+        write_policy(tmp_path, name, f"\n[match]\n{match}\n{BUFFERS}")
+    for strongest in list(levels)[:4]:
+        assert select_policy(Named("toy"), dirs=[tmp_path]).policy.name == strongest
+        (tmp_path / f"{strongest}.toml").unlink()
+    with pytest.raises(PolicyError, match="policies `any-module`, `by-fallback` all match `Named` by fallback"):
+        select_policy(Named("toy"), dirs=[tmp_path])  # the shipped fallback stands beside the last one
+
+
+def test_model_type_is_read_from_the_models_config():
+    import transformers
+
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64)
+
+    class Renamed(transformers.Qwen2ForCausalLM):  # a class no policy names, of model_type `qwen2`
+        pass
+
+    choice = select_policy(Renamed(config))
+    assert (choice.policy.name, choice.reason) == ("decoder-llm", "`auto` picked `decoder-llm` by model_type `qwen2`")
+    by_keys = select_policy(Renamed(config), model_type="other")  # the caller's model_type stands over the config's
+    assert by_keys.reason == "`auto` picked `decoder-llm` by its state-dict key patterns"
+
+
+def test_the_keys_leave_out_non_persistent_buffers():
+    model = tiny_qwen2()
+    keys = tree_keys(model)
+    assert sorted(keys) == sorted(model.state_dict()) and not any(key.endswith("inv_freq") for key in keys)
+
+
+def test_a_policy_file_that_does_not_load_is_passed_over_and_the_others_still_count(tmp_path):
+    write_policy(tmp_path, "aaa-broken", "\n[match]\nfallback = 1\n")  # an error: first in name order
+    write_policy(tmp_path, "mine", f'\n[match]\nclasses = ["Named"]\n{BUFFERS}')
+    assert select_policy(Named("toy"), dirs=[tmp_path]).policy.name == "mine"
+
+
+def test_choose_policy_selects_for_auto_and_loads_anything_else():
+    import streamwise
+    from streamwise.runtime.plan.auto import choose_policy, plan_for
+
+    model = tiny_qwen2()
+    assert choose_policy("auto", model).policy.name == "decoder-llm"
+    named = choose_policy("transformers", model)
+    assert (named.policy.name, named.reason, named.resolved) == ("transformers", "policy `transformers`", None)
+    policy = streamwise.load_policy("any-module")
+    assert choose_policy(policy, model).policy is policy
+    assert plan_for("transformers", model)[1].ok
+    with pytest.raises(PolicyError, match=r"error\[unmatched-rule\]"):  # a named policy that does not fit
+        plan_for("vibevoice", model)
+
+
+def test_auto_resolves_each_candidate_once(monkeypatch):
+    import streamwise.runtime.plan.auto as auto
+    from streamwise.runtime.plan.auto import plan_and_modules
+
+    calls = []
+    resolve = auto.resolve_with_modules
+    monkeypatch.setattr(auto, "resolve_with_modules", lambda policy, model: calls.append(policy.name) or resolve(
+        policy, model))
+    policy, plan, modules = plan_and_modules("auto", tiny_qwen2())
+    assert calls == ["decoder-llm"] and policy.name == "decoder-llm" and len(modules) == len(plan.modules)
+
+
+def test_the_reason_counts_the_errors_of_a_candidate_passed_over():
+    import transformers
+
+    config = transformers.CohereConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    reason = select_policy(transformers.CohereForCausalLM(config)).reason
+    assert "matches no module of `CohereForCausalLM` (and 1 more errors)" in reason  # rms-norm and rotary

@@ -1,0 +1,103 @@
+"""Mutation testing of the decision code: plausible bugs planted one at a time, each of which some test must catch.
+
+For each module below, cosmic-ray (a well-kept mutation tester; `pip install -e ".[mutation]"`) plants, one at a time,
+the bugs a reviewer would call plausible: a flipped or loosened comparison, `and` for `or`, a dropped `not`, `True`
+for `False`, a changed constant (a tolerance, a limit), a `break` for a `continue`. It runs the module's own tests
+against each and reports the mutants no test killed. It works on a private copy of the checkout (imported as
+`streamwise` ahead of any installed one), so the tree and anything else using it are never touched. A developer runs
+it before a stop; it is not part of CI, which it would not fit.
+
+    python tests/mutation/run.py                     # every module (about an hour on 2 cores)
+    python tests/mutation/run.py runtime/plan/auto.py # one module
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# module -> the tests that state its behaviour (run against each of its mutants)
+MODULES = {
+    "runtime/plan/auto.py": ["tests/test_auto_policy.py"],
+    "runtime/plan/precedence.py": ["tests/test_precedence.py"],
+    "runtime/plan/selectors.py": ["tests/test_selectors.py", "tests/test_precedence.py"],
+    "runtime/engine/kinds.py": ["tests/test_kinds.py", "tests/test_generic.py"],
+    "runtime/engine/probe.py": ["tests/test_probe.py"],
+    "runtime/checkpoint/readers.py": ["tests/test_hostile_checkpoints.py"],
+    "runtime/policy/limits.py": ["tests/test_hostile_policies.py"],
+}
+# The plausible bugs: comparisons, boolean logic, negation, constants, loop control. Arithmetic swaps (every `+` as
+# each of ten other operators) would multiply the run for mutants a reviewer would not call plausible.
+KEEP = ["ReplaceComparisonOperator", "ReplaceAndWithOr", "ReplaceOrWithAnd", "AddNot", "ReplaceTrueWithFalse",
+        "ReplaceFalseWithTrue", "NumberReplacer", "ReplaceBreakWithContinue", "ReplaceContinueWithBreak",
+        "ZeroIterationForLoop", "ReplaceUnaryOperator_USub"]
+TIMEOUT = 120.0  # seconds a mutant's tests may take (a mutant that loops forever is killed by it)
+
+
+def config(module: str, tests: list[str]) -> str:
+    command = " ".join([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *tests])
+    exclude = "|".join(KEEP)
+    return f"""[cosmic-ray]
+module-path = "{module}"
+timeout = {TIMEOUT}
+excluded-modules = []
+test-command = "{command}"
+
+[cosmic-ray.distributor]
+name = "local"
+
+[cosmic-ray.filters.operators-filter]
+exclude-operators = ["^(?!core/({exclude})).*"]
+"""
+
+
+def private_copy(folder: Path) -> Path:
+    """The checkout copied to `folder/streamwise`: mutated there, imported from there (PYTHONPATH)."""
+    copy = folder / "streamwise"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "build", "__pycache__", "*.egg-info"))
+    return copy
+
+
+def run(module: str, tests: list[str], folder: Path, copy: Path) -> dict:
+    cfg, session = folder / f"{Path(module).stem}.toml", folder / f"{Path(module).stem}.sqlite"
+    cfg.write_text(config(module, tests))
+    env = {**os.environ, "PYTHONPATH": str(copy.parent)}
+    for step in (["cosmic-ray", "init", cfg, session], ["cr-filter-operators", session, cfg],
+                 ["cosmic-ray", "exec", cfg, session]):
+        subprocess.run([str(part) for part in step], cwd=copy, env=env, check=True)
+    dump = subprocess.run(["cosmic-ray", "dump", str(session)], cwd=copy, capture_output=True, text=True,
+                          check=True).stdout
+    jobs = [json.loads(line) for line in dump.splitlines() if line.strip()]
+    done = [(job, result) for job, result in jobs if result is not None and result.get("worker_outcome") == "normal"]
+    survivors = [job for job, result in done if result["test_outcome"] == "survived"]
+    return {"mutants": len(done), "killed": len(done) - len(survivors), "survivors": [
+        f"{m['module_path']}:{m['start_pos'][0]} {m['operator_name']} #{m['occurrence']}"
+        for job in survivors for m in job["mutations"]]}
+
+
+def main(argv: list[str]) -> int:
+    chosen = {module: MODULES[module] for module in argv} if argv else MODULES
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = private_copy(Path(tmp))
+        results = {module: run(module, tests, Path(tmp), copy) for module, tests in chosen.items()}
+    total = sum(r["mutants"] for r in results.values())
+    killed = sum(r["killed"] for r in results.values())
+    for module, result in results.items():
+        score = result["killed"] / result["mutants"] if result["mutants"] else 1.0
+        print(f"{module}: {result['killed']}/{result['mutants']} killed ({score:.0%})")
+        for survivor in result["survivors"]:
+            print(f"  survived: {survivor}")
+    print(f"total: {killed}/{total} killed ({killed / max(total, 1):.0%}) in {time.monotonic() - started:.0f} s")
+    return 0 if killed == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
