@@ -135,6 +135,16 @@ class _Table(BaseModel):
         extra="forbid", frozen=True, strict=True, populate_by_name=True, use_attribute_docstrings=True
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_null(cls, data: Any) -> Any:
+        """TOML has no null, and neither does a policy: an optional key is left out, never given as None."""
+        if isinstance(data, dict):
+            given_none = [key for key, value in data.items() if value is None]
+            if given_none:
+                raise ValueError(f"{', '.join(map(repr, given_none))}: leave an optional key out instead of None")
+        return data
+
 
 def _one_entry(schema: dict[str, Any], cls: type[Selector]) -> None:
     """The schema of a selector holds at least one entry (`Selector._not_empty`): a non-empty list, a string, a
