@@ -213,3 +213,43 @@ def test_the_reason_counts_the_errors_of_a_candidate_passed_over():
                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     reason = select_policy(transformers.CohereForCausalLM(config)).reason
     assert "matches no module of `CohereForCausalLM` (and 1 more errors)" in reason  # rms-norm and rotary
+
+
+def test_a_policy_by_name_is_loaded_whatever_the_name_and_auto_is_auto_however_spelled_in_memory():
+    from streamwise.runtime.plan.auto import choose_policy
+
+    model = tiny_qwen2()
+    assert choose_policy("any-module", model).reason == "policy `any-module`"  # a name before "auto" in order
+    spelled = "".join(["au", "to"])  # equal to "auto", not the same object
+    assert choose_policy(spelled, model).reason == "`auto` picked `decoder-llm` by root class `Qwen2ForCausalLM`"
+
+
+def test_key_patterns_match_a_tree_in_memory_even_when_the_first_policy_listed_matches_by_keys(tmp_path):
+    """The tree's keys are read when the first policy that needs them comes up, whichever it is in name order."""
+    write_policy(tmp_path, "aaa-by-keys", '\n[match]\nstate_dict_keys = ["b"]\n' + BUFFERS)
+    assert select_policy(Named("toy"), dirs=[tmp_path]).reason == "`auto` picked `aaa-by-keys` by its state-dict key " \
+                                                                   "patterns"
+
+
+def test_a_base_class_named_without_its_module_is_shown_as_given(tmp_path):
+    write_policy(tmp_path, "by-base", '\n[match]\nbase_classes = ["Module"]\n' + BUFFERS)
+    assert select_policy(Named("toy"), dirs=[tmp_path]).reason == "`auto` picked `by-base` by base class `Module`, " \
+                                                                   "no family policy"
+
+
+def test_a_base_class_match_beats_the_fallback_and_the_fallback_is_last(tmp_path):
+    write_policy(tmp_path, "by-base", '\n[match]\nbase_classes = ["torch.nn.modules.module.Module"]\n' + BUFFERS)
+    write_policy(tmp_path, "by-fallback", "\n[match]\nfallback = true\n" + BUFFERS)
+    assert select_policy(Named("toy"), dirs=[tmp_path]).policy.name == "by-base"
+
+
+def test_a_single_error_is_named_without_a_count_of_more(tmp_path):
+    write_policy(tmp_path, "one-rule", '\n[match]\nclasses = ["Named"]\n'
+                 '[[stream.rule]]\nid = "linear"\nkind = "linear"\nselect = { class = "Linear" }\n')
+    reason = select_policy(Named("toy"), dirs=[tmp_path]).reason
+    assert reason.endswith("rule `linear` in [stream] matches no module of `Named`")
+
+
+def test_a_choice_prints_without_its_plan():
+    choice = select_policy(tiny_qwen2())
+    assert choice.resolved is not None and "Plan" not in repr(choice) and len(repr(choice)) < 2000

@@ -31,6 +31,9 @@ from .selectors import ModuleRef, walk_modules
 
 #: The policy "name" that asks for selection by `[match]` (nodes, `load_pretrained`, `model_patcher`).
 AUTO = "auto"
+#: The ways a policy's `[match]` recognizes a tree, strongest first: the root's class, the config's model_type,
+#: state-dict key patterns, a base class, the fallback.
+STRENGTHS = ("class", "model_type", "keys", "base class", "fallback")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class Choice:
 
     policy: Policy
     reason: str
-    resolved: tuple[Plan, list[nn.Module]] | None = field(default=None, repr=False, compare=False)
+    resolved: tuple[Plan, list[nn.Module]] | None = field(default=None, repr=False)
     """The fitting plan and the module of each of its entries: the caller applies it without resolving again."""
 
 
@@ -91,9 +94,9 @@ def select_policy(
     root = ModuleRef.of("", model)
     ranked = _candidates(model, root, model_type, None if keys is None else list(keys), dirs)
     passed: list[str] = []
-    for strength in sorted(ranked, reverse=True):
+    for strength in STRENGTHS:
         fitting = []
-        for policy, how in ranked[strength]:
+        for policy, how in ranked.get(strength, ()):
             plan, modules = resolve_with_modules(policy, model)
             misfit = _misfit(plan)
             if misfit is None:
@@ -107,7 +110,7 @@ def select_policy(
                 "choose one by name",
             )])
         if fitting:
-            policy, how, plan, modules = fitting[0]
+            [(policy, how, plan, modules)] = fitting
             over = f"; passed over {'; '.join(passed)}" if passed else ""
             return Choice(policy, f"`auto` picked `{policy.name}` by {how}{over}", (plan, modules))
     tried = f": {'; '.join(passed)}" if passed else ""
@@ -121,9 +124,10 @@ def _candidates(
     model: nn.Module, root: ModuleRef, model_type: str | None, keys: list[str] | None,
     dirs: Iterable[str | os.PathLike],
 ) -> dict[int, list[tuple[Policy, str]]]:
-    """Every policy whose `[match]` recognizes the tree, by strength (5: root class ... 1: fallback), with how."""
+    """Every policy whose `[match]` recognizes the tree, by its strongest way of recognizing it (`STRENGTHS`), with
+    how."""
     short, qualified = root.name, root.qualname
-    ranked: dict[int, list[tuple[Policy, str]]] = {}
+    ranked: dict[str, list[tuple[Policy, str]]] = {}
     for path in list_policies(policy_dirs(dirs)).values():
         policy, _ = check_policy(path, dirs=dirs)
         if policy is None:
@@ -132,15 +136,16 @@ def _candidates(
         if match.state_dict_keys and keys is None:
             keys = tree_keys(model)  # once, and only when some policy matches by keys
         if short in match.classes or qualified in match.classes:
-            ranked.setdefault(5, []).append((policy, f"root class `{short}`"))
+            ranked.setdefault("class", []).append((policy, f"root class `{short}`"))
         elif model_type is not None and model_type in match.model_types:
-            ranked.setdefault(4, []).append((policy, f"model_type `{model_type}`"))
+            ranked.setdefault("model_type", []).append((policy, f"model_type `{model_type}`"))
         elif match.state_dict_keys and _all_match(match.state_dict_keys, keys):
-            ranked.setdefault(3, []).append((policy, "its state-dict key patterns"))
+            ranked.setdefault("keys", []).append((policy, "its state-dict key patterns"))
         elif base := next((c for names in root.classes for c in names if c in match.base_classes), None):
-            ranked.setdefault(2, []).append((policy, f"base class `{base.rsplit('.', 1)[-1]}`, no family policy"))
+            how = f"base class `{base.rpartition('.')[2]}`, no family policy"
+            ranked.setdefault("base class", []).append((policy, how))
         elif match.fallback:
-            ranked.setdefault(1, []).append((policy, "fallback: no other policy recognizes it"))
+            ranked.setdefault("fallback", []).append((policy, "fallback: no other policy recognizes it"))
     return ranked
 
 
