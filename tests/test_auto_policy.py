@@ -253,3 +253,11 @@ def test_a_single_error_is_named_without_a_count_of_more(tmp_path):
 def test_a_choice_prints_without_its_plan():
     choice = select_policy(tiny_qwen2())
     assert choice.resolved is not None and "Plan" not in repr(choice) and len(repr(choice)) < 2000
+
+
+def test_a_choice_cannot_be_changed_once_made():
+    import dataclasses
+
+    choice = select_policy(tiny_qwen2())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        choice.reason = "another"

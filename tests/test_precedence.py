@@ -113,3 +113,44 @@ def test_a_section_reports_a_class_tie_per_module():
         with pytest.raises(RuleConflict) as raised:
             section.decide(path, Linear())
         assert raised.value.module.path == path
+
+
+def test_what_a_module_holds_decides_only_what_no_class_or_path_rule_did():
+    from torch import nn
+
+    rules = [quant("by-class", "int8", **{"class": "Linear"}), quant("by-holds", "none", holds="parameters")]
+    section = Section(rules)
+    for path, held in (("a", nn.Linear(2, 2)), ("b", nn.LayerNorm(2)), ("c", nn.ReLU())):
+        assert section.decide(path, held) == decide(rules, ModuleRef.of(path, held))
+    assert section.decide("a", nn.Linear(2, 2)).rule.id == "by-class"  # a class match outranks `holds`
+    assert section.decide("b", nn.LayerNorm(2)).rule.id == "by-holds"
+    assert section.decide("c", nn.ReLU()) is None  # holds nothing: no rule selects it
+
+
+def test_a_section_says_whether_a_decision_can_depend_on_the_path_or_on_what_a_module_holds():
+    by_class = quant("class", "int8", **{"class": "Linear"})
+    sections = {
+        "classes only": Section([by_class]),
+        "a path rule": Section([by_class, quant("path", "none", path="x")]),
+        "a holds rule": Section([by_class, quant("holds", "none", holds="parameters")]),
+        "a path exclude": Section([by_class], CompiledSelector(Selector(path="x"))),
+        "a holds exclude": Section([by_class], CompiledSelector(Selector(holds="buffers-only"))),
+        "a class exclude": Section([by_class], CompiledSelector(Selector(**{"class": "FusedLinear"}))),
+    }
+    assert {name: (s.path_dependent, s.holds_dependent) for name, s in sections.items()} == {
+        "classes only": (False, False), "a path rule": (True, False), "a holds rule": (False, True),
+        "a path exclude": (True, False), "a holds exclude": (False, True), "a class exclude": (False, False)}
+
+
+def test_a_conflict_at_the_root_names_the_root():
+    section = Section([quant("a", "int8", **{"class": "Linear"}), quant("b", "none", **{"class": "Linear"})])
+    with pytest.raises(RuleConflict, match="select `<root>` equally specifically"):
+        section.decide("", Linear())
+
+
+def test_a_decision_cannot_be_changed_once_made():
+    import dataclasses
+
+    decision = decide([quant("a", "int8", **{"class": "Linear"})], module("x"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.rule = None
