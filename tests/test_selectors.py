@@ -142,3 +142,116 @@ def test_outermost_keeps_only_matches_inside_no_other():
     units = outermost(CompiledSelector(Selector(path=["*", "*.1"])), model)
     assert [path for path, _ in units] == ["0", "1", "2"]  # `0.1` and `2.1` lie inside units
     assert units[0][1] is model[0]
+
+
+# --- what each tier and entry means, one behaviour per mutant a reviewer would call plausible ----------------------
+
+def specificity(at: str, module: object, **select) -> tuple[int, int] | None:
+    return CompiledSelector(Selector(**select)).specificity(ModuleRef.of(at, module))
+
+
+def test_the_tiers_rank_as_the_readme_says_from_exact_path_down_to_holds():
+    from torch import nn
+
+    class Fused(nn.Linear):
+        pass
+
+    qualified = f"{nn.Linear.__module__}.{nn.Linear.__qualname__}"
+    fused, linear = Fused(2, 2), nn.Linear(2, 2)
+    ladder = [
+        specificity("model.layers.0.mlp", linear, path="model.layers.0.mlp"),  # exact path
+        specificity("model.layers.0.mlp", linear, path="model.layers.*.mlp"),  # glob, more literal segments
+        specificity("model.layers.0.mlp", linear, path="model.**.mlp"),
+        specificity("model.layers.0.mlp", linear, regex=r"model\.layers\.\d+\.mlp"),
+        specificity("x", linear, **{"class": qualified}),
+        specificity("x", linear, **{"class": "Linear"}),
+        specificity("x", linear, **{"class": "Lin*"}),
+        specificity("x", fused, **{"class": "Linear"}, subclasses=True),
+        specificity("x", linear, holds="parameters"),
+    ]
+    assert None not in ladder and ladder == sorted(ladder, reverse=True) and len(set(ladder)) == len(ladder)
+
+
+def test_a_selector_with_several_globs_is_as_specific_as_its_best_match():
+    from torch import nn
+
+    best = specificity("model.layers.0.mlp", nn.ReLU(), path=["**.mlp", "model.layers.0.mlp", "model.**"])
+    assert best == specificity("model.layers.0.mlp", nn.ReLU(), path="model.layers.0.mlp")
+
+
+def test_holds_sees_parameters_then_buffers_and_a_holds_entry_matches_exactly_that():
+    import torch
+    from torch import nn
+
+    from streamwise.runtime.plan.selectors import holds
+
+    rotary = nn.Module()
+    rotary.register_buffer("inv_freq", torch.ones(2))
+    assert (holds(nn.Linear(2, 2)), holds(rotary), holds(nn.ReLU())) == ("parameters", "buffers-only", None)
+    for wanted, module in (("parameters", nn.Linear(2, 2)), ("buffers-only", rotary)):
+        selector = CompiledSelector(Selector(holds=wanted))
+        others = [m for m in (nn.Linear(2, 2), rotary, nn.ReLU()) if holds(m) != wanted]
+        assert selector.matches_module("x", module) and selector.module_specificity("x", module) is not None
+        assert not any(selector.matches_module("x", other) for other in others)
+
+
+def test_subclasses_match_a_base_by_qualified_name_or_by_glob_too():
+    from torch import nn
+
+    class Fused(nn.Linear):
+        pass
+
+    qualified = f"{nn.Linear.__module__}.{nn.Linear.__qualname__}"
+    for entry in (qualified, "Lin*", "torch.nn.**.Linear"):
+        assert specificity("x", Fused(2, 2), **{"class": entry}, subclasses=True) is not None, entry
+        assert specificity("x", Fused(2, 2), **{"class": entry}) is None, entry
+
+
+def _declaring_tree(instance_declares=None):
+    from torch import nn
+
+    class Block(nn.Module):
+        pass
+
+    class Base(nn.Module):
+        _no_split_modules = ["Other"]
+
+    class Declaring(Base):
+        _no_split_modules = ["Block"]  # the nearest class's declaration stands, not its bases' too
+
+    class Other(nn.Module):
+        pass
+
+    root = Declaring()
+    root.blocks = nn.ModuleList([Block(), Block()])
+    root.other = Other()
+    if instance_declares is not None:
+        root._no_split_modules = instance_declares  # set on the instance when it is built
+    return root
+
+
+def test_no_split_takes_the_classes_the_tree_declares_and_a_plain_selector_does_not():
+    from streamwise.schemas.policy import BlockSelector
+
+    root = _declaring_tree()
+    declared = CompiledSelector(BlockSelector(no_split=True))
+    assert [path for path, _ in outermost(declared, root)] == ["blocks.0", "blocks.1"]
+    assert outermost(CompiledSelector(BlockSelector(**{"class": "Nothing"})), root) == []
+    assert outermost(CompiledSelector(Selector(**{"class": "Nothing"})), root) == []
+
+
+def test_an_instances_own_declaration_stands_over_its_classes():
+    from streamwise.runtime.plan.selectors import declared_blocks
+
+    assert declared_blocks(walk_modules(_declaring_tree())) == {"Block"}
+    assert declared_blocks(walk_modules(_declaring_tree(instance_declares=["Other"]))) == {"Other"}
+
+
+def test_a_module_ref_cannot_be_changed():
+    import dataclasses
+
+    from torch import nn
+
+    ref = ModuleRef.of("x", nn.Linear(2, 2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ref.path = "y"
