@@ -255,3 +255,14 @@ def test_a_module_ref_cannot_be_changed():
     ref = ModuleRef.of("x", nn.Linear(2, 2))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ref.path = "y"
+
+
+def test_a_tensor_slot_holding_none_is_not_held():
+    from torch import nn
+
+    from streamwise.runtime.plan.selectors import holds
+
+    empty = nn.Module()
+    empty.register_parameter("weight", None)
+    empty.register_buffer("running_mean", None)
+    assert holds(empty) is None
