@@ -162,6 +162,7 @@ def test_the_tiers_rank_as_the_readme_says_from_exact_path_down_to_holds():
         specificity("model.layers.0.mlp", linear, path="model.layers.0.mlp"),  # exact path
         specificity("model.layers.0.mlp", linear, path="model.layers.*.mlp"),  # glob, more literal segments
         specificity("model.layers.0.mlp", linear, path="model.**.mlp"),
+        specificity("model.layers.0.mlp", linear, path="**"),  # a glob without a literal segment still beats a regex
         specificity("model.layers.0.mlp", linear, regex=r"model\.layers\.\d+\.mlp"),
         specificity("x", linear, **{"class": qualified}),
         specificity("x", linear, **{"class": "Linear"}),
@@ -266,3 +267,16 @@ def test_a_tensor_slot_holding_none_is_not_held():
     empty.register_parameter("weight", None)
     empty.register_buffer("running_mean", None)
     assert holds(empty) is None
+
+
+def test_a_root_that_matches_is_the_one_unit_and_everything_lies_inside_it():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert [path for path, _ in outermost(CompiledSelector(Selector(path="**")), model)] == [""]
+
+
+def test_a_name_below_the_root_has_no_leading_dot():
+    from streamwise.runtime.plan.selectors import joined
+
+    assert (joined("", "weight"), joined("model.layers.0", "weight")) == ("weight", "model.layers.0.weight")
