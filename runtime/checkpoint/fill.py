@@ -258,8 +258,8 @@ class _Filling:
         module = self.model.get_submodule(module_path)
         entry = self.plans.get(module_path)
         if attribute != "weight" or not isinstance(module, nn.Linear):
-            return (f"`{attribute}` of a {type(module).__name__}; GGUF residents hold Linear weights only (other "
-                    "tensors compute in float)")
+            return (f"`{attribute}` of a `{type(module).__name__}` module; GGUF residents hold Linear weights only "
+                    "(other tensors compute in float)")
         if entry is None or entry.quant is None:
             return "no `gguf` quant rule of the policy selects this Linear layer"
         return f"the policy's quant rule `{entry.quant_rule}` gives this layer `{entry.quant}`, not `gguf`"
