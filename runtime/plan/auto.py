@@ -123,7 +123,7 @@ def select_policy(
 def _candidates(
     model: nn.Module, root: ModuleRef, model_type: str | None, keys: list[str] | None,
     dirs: Iterable[str | os.PathLike],
-) -> dict[int, list[tuple[Policy, str]]]:
+) -> dict[str, list[tuple[Policy, str]]]:
     """Every policy whose `[match]` recognizes the tree, by its strongest way of recognizing it (`STRENGTHS`), with
     how."""
     short, qualified = root.name, root.qualname
