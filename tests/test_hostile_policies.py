@@ -328,3 +328,74 @@ def test_mixed_hostile_constructs_stay_bounded(tmp_path_factory, pieces, seed):
     assert all(d.code in CODES and d.location is not None and 1 <= d.location.line <= lines for d in diagnostics)
     assert len(render_text(diagnostics)) <= MAX_RENDERED_CHARS + ONE_RENDERED
     assert len(render_json({path.name: diagnostics})) <= 4 * MAX_DIAGNOSTICS * MAX_TEXT_CHARS
+
+
+# The limits at their edges, in the numbers the README documents: at the limit a text passes, one over it is refused
+# at the exact place (line, column) that goes over.
+def excess(text: str):
+    from streamwise.runtime.policy.limits import first_excess
+
+    return first_excess(text, text.split("\n"))
+
+
+def test_a_line_of_10000_characters_passes_and_one_more_is_refused_at_its_column():
+    assert excess("a = 1\n#" + "x" * 9_999) is None
+    assert excess("a = 1\n#" + "x" * 10_000) == (2, 10_001, "line is 10001 characters long; the limit is 10000")
+
+
+@pytest.mark.parametrize("template", ["{key} = 1", "[{key}]", "t = {{ {key} = 1 }}"])
+def test_a_dotted_key_of_16_segments_passes_and_the_17th_is_refused_where_it_starts(template):
+    def key(segments):
+        return ".".join(f"k{i}" for i in range(segments))
+
+    assert excess("a = 1\n" + template.format(key=key(16))) is None
+    text = "a = 1\n" + template.format(key=key(17))
+    assert excess(text) == (2, text.index("k16") - 5, "a dotted key of more than 16 segments; the limit is 16")
+
+
+def test_segments_are_counted_per_key_not_across_keys_values_or_floats():
+    sixteen = ".".join(["k"] * 16)
+    assert excess(f"{sixteen} = 1.5\n{sixteen} = 2\n[{sixteen}]\n{sixteen} = 3") is None
+
+
+@pytest.mark.parametrize("quoted", [False, True])
+def test_a_key_of_256_characters_passes_and_257_is_refused(quoted):
+    def key(size):
+        return f'"{"k" * size}"' if quoted else "k" * size
+
+    assert excess(f"{key(256)} = 1\n[{key(256)}]") is None
+    assert excess(f"a = 1\n{key(257)} = 1") == (2, 1, "a key of 257 characters; the limit is 256")
+    assert excess(f"a = 1\n[{key(257)}]") == (2, 2, "a key of 257 characters; the limit is 256")
+
+
+def test_a_long_string_value_is_no_key_even_before_a_closing_bracket_outside_a_header():
+    long = '"' + "v" * 300 + '"'
+    assert excess(f"x = [{long}]") is None  # before any header
+    assert excess(f"[t]\nx = [{long}]\ny = {long}\nz = {{ w = {long} }}") is None  # after one has closed
+
+
+@pytest.mark.parametrize("sign", ["", "+", "-"])
+def test_a_number_of_64_characters_passes_and_65_is_refused(sign):
+    def number(size):
+        return sign + "1" * (size - len(sign))
+
+    assert excess(f"x = {number(64)}") is None
+    assert excess(f"a = 1\nx = {number(65)}") == (2, 5, "a number of 65 characters; the limit is 64")
+
+
+def test_a_long_bare_word_or_string_of_digits_is_no_number():
+    assert excess("x = \"" + "1" * 100 + "\"\n" + "k" * 100 + " = 1") is None
+
+
+def test_10000_keys_values_and_dots_pass_and_the_next_one_is_refused():
+    def array(values):  # `x`, `=`, the values and `]`: values + 3 tokens, 2,000 a line
+        lines = ["1, " * min(2_000, values - done) for done in range(0, values, 2_000)]
+        return "x = [\n" + "\n".join(lines) + "\n]"
+
+    assert excess(array(9_997)) is None
+    found = excess(array(9_998))
+    assert found[2] == "more than 10000 keys, values and dots; the limit is 10000" and found[:2] == (7, 1)
+
+
+def test_a_section_of_500_rules_passes(tmp_path):
+    assert not errors_in(diagnose(tmp_path, "many", HEADER.format(name="many") + rules(500, kinds=("linear",)))[1])

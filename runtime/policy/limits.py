@@ -75,8 +75,8 @@ def _scan(text: str) -> tuple[int, str] | None:
             dotted = segments > 0
         elif kind == "header":
             in_header = True
-        elif kind == "end":
-            segments, dotted, in_header = 0, False, in_header and match.group() != "]"
+        elif kind == "end":  # `=` ends a key, `]` a header (a header holds no `=`)
+            segments, dotted, in_header = 0, False, False
     return None
 
 
