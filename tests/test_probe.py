@@ -100,3 +100,93 @@ def test_the_probe_leaves_the_tree_and_the_callers_random_state_alone():
     assert torch.equal(torch.random.get_rng_state(), state)
     assert "weight" not in vars(layer) and layer.weight.dtype == torch.bfloat16  # the float32 shadows are gone
     assert all(torch.equal(before[name], tensor) for name, tensor in layer.state_dict().items())
+
+
+# --- the tolerance and the comparison at their edges: a kind and a class whose outputs are set exactly ------------
+
+class Fixed(nn.Linear):
+    """A layer whose own forward gives `self.output` whatever the input (the probe compares outputs only)."""
+
+    output: object = None
+
+    def forward(self, x):
+        return self.output
+
+
+def edge_kind(compute) -> object:
+    from streamwise.runtime.engine.kinds import ComputeKind
+
+    return ComputeKind(name="edge", function=lambda module, x, weight, bias: compute(module), dtype="input",
+                       requires=("weight",), probe=lambda module, generator: [torch.ones(2, 3)])
+
+
+def fixed(output) -> Fixed:
+    layer = Fixed(3, 4)
+    layer.output = output
+    return layer
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 2.0 ** -20])
+def test_four_ulp_of_the_largest_output_pass_and_five_are_refused(scale):
+    """Relative to the largest output, in float32 epsilons: `ULPS` is 4, as the README says."""
+    expected = torch.full((2, 4), scale)
+    eps = torch.finfo(torch.float32).eps
+
+    def off_by(ulps):
+        got = expected.clone()
+        got[0, 0] = scale * (1 + ulps * eps)  # exact: a multiple of the ulp of a power of two
+        return edge_kind(lambda module: got)
+
+    assert ULPS == 4
+    assert probe(off_by(4), fixed(expected)) is None
+    assert "differs from the class's own forward by 5.96e-07" in probe(off_by(5), fixed(expected))
+
+
+def test_an_all_zero_output_is_compared_absolutely():
+    zeros = torch.zeros(2, 4)
+    assert probe(edge_kind(lambda module: zeros.clone()), fixed(zeros)) is None
+    eps = torch.finfo(torch.float32).eps
+    assert "differs" in probe(edge_kind(lambda module: zeros + 5 * eps), fixed(zeros))
+
+
+def test_an_integer_output_must_be_equal():
+    counts = torch.tensor([[3, 5]])
+    assert probe(edge_kind(lambda module: counts.clone()), fixed(counts)) is None
+    assert "differs" in probe(edge_kind(lambda module: counts + 1), fixed(counts))
+
+
+@pytest.mark.parametrize("output, found", [(torch.zeros(2, 8), "(2, 8)"), ((torch.zeros(2, 4),), "tuple")])
+def test_a_kind_whose_output_differs_in_shape_or_type_is_refused_saying_what_each_gives(output, found):
+    problem = probe(edge_kind(lambda module: torch.zeros(2, 4)), fixed(output))
+    assert problem == f"`edge` gives shape (2, 4) where the class gives {found} (input shape (2, 3))"
+    assert "gives shape (2, 8) where the class gives (2, 4)" in probe(
+        edge_kind(lambda module: torch.zeros(2, 8)), fixed(torch.zeros(2, 4)))
+
+
+def test_a_problem_at_magnitude_one_names_no_magnitude():
+    problem = probe(edge_kind(lambda module: torch.ones(2, 4)), fixed(torch.zeros(2, 4) + 2))
+    assert problem.endswith("(relative, input shape (2, 3); allowed 4.8e-07)")
+
+
+def test_nothing_is_probed_on_meta_or_integer_weights():
+    with torch.device("meta"):
+        on_meta = Nudged(16, 8)
+    integer = Nudged(16, 8)
+    integer.weight = nn.Parameter(torch.ones(8, 16, dtype=torch.int32), requires_grad=False)
+    assert probe(COMPUTE_KINDS["linear"], on_meta) is None and probe(COMPUTE_KINDS["linear"], integer) is None
+
+
+def test_an_embedding_look_alike_is_probed_on_every_index_as_given():
+    class Table(nn.Embedding):
+        def forward(self, x):
+            return F.embedding(x, self.weight, self.padding_idx)
+
+    assert probe(COMPUTE_KINDS["embedding"], Table(10, 4)) is None
+
+
+def test_a_flag_set_to_none_is_part_of_a_modules_configuration():
+    from streamwise.runtime.engine.probe import configuration
+
+    layer = nn.Linear(2, 2)
+    layer.mode = None
+    assert ("mode", None) in configuration(COMPUTE_KINDS["linear"], layer)[0]

@@ -44,11 +44,18 @@ def probe(kind: ComputeKind, module: nn.Module) -> str | None:
     with torch.no_grad(), _computing_in(module, dtype):
         inputs = kind.probe(module, generator)
         for x in inputs or ():
-            for magnitude in MAGNITUDES if x.is_floating_point() else (1.0,):
-                problem = _compare(kind, module, x * magnitude, magnitude)
+            for scaled, magnitude in _at_magnitudes(x):
+                problem = _compare(kind, module, scaled, magnitude)
                 if problem is not None:
                     return problem
     return None
+
+
+def _at_magnitudes(x: Tensor) -> list[tuple[Tensor, float]]:
+    """`x` at each probed magnitude; an integer input (indices) only as it is, never made float."""
+    if not x.is_floating_point():
+        return [(x, 1.0)]
+    return [(x * magnitude, magnitude) for magnitude in MAGNITUDES]
 
 
 def configuration(kind: ComputeKind, module: nn.Module) -> tuple:
