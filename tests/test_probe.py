@@ -190,3 +190,10 @@ def test_a_flag_set_to_none_is_part_of_a_modules_configuration():
     layer = nn.Linear(2, 2)
     layer.mode = None
     assert ("mode", None) in configuration(COMPUTE_KINDS["linear"], layer)[0]
+
+
+def test_a_missing_bias_is_no_tensor_of_the_configuration():
+    from streamwise.runtime.engine.probe import configuration
+
+    names = [entry[0] for entry in configuration(COMPUTE_KINDS["linear"], nn.Linear(2, 2, bias=False))[1]]
+    assert names == ["weight"]
