@@ -613,3 +613,98 @@ def test_different_problems_stay_apart_and_the_message_is_bounded():
     assert lines == ["f.safetensors: tensor `t0`: missing from the file (499 more tensors alike: `t1`, `t2`, `t3` and "
                      "496 more)", "f.safetensors: tensor `w`: shape [2] in the file, [3] in the model",
                      "f.safetensors: bad index"]
+
+
+# --- the safetensors reader at its edges (found by mutation testing) ----------------------------------------------
+
+def _write(path, tensors: dict) -> str:
+    safetensors.torch.save_file(tensors, str(path))
+    return str(path)
+
+
+def _raw(header: dict, data: bytes) -> bytes:
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+@pytest.mark.parametrize("name", sorted(readers.SAFETENSORS_DTYPES))
+def test_every_dtype_torch_holds_reads_back_bit_for_bit_empty_too(tmp_path, name):
+    dtype = readers.SAFETENSORS_DTYPES[name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    generator = torch.Generator().manual_seed(0)
+    stored = torch.randint(0, 256, (3 * 5 * itemsize,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        stored = stored % 2
+    tensors = {"x": stored.view(dtype).reshape(3, 5), "empty": torch.empty((0, 4), dtype=dtype)}
+    try:
+        path = _write(tmp_path / "one.safetensors", tensors)
+    except Exception as exc:  # a dtype the installed safetensors cannot write: nothing to read back
+        pytest.skip(f"safetensors cannot write {name}: {exc}")
+    read = {t.name: t.read() for t in open_checkpoint(path).tensors.values()}
+    assert read["x"].dtype == dtype and torch.equal(read["x"].view(torch.uint8), tensors["x"].view(torch.uint8))
+    assert read["empty"].shape == (0, 4) and read["empty"].dtype == dtype
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX sockets")
+def test_a_socket_is_no_checkpoint(tmp_path):
+    import socket
+
+    path = tmp_path / "model.safetensors"
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(path))
+        with pytest.raises(CheckpointError, match="not a regular file"):
+            open_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("size", range(8))
+def test_a_file_shorter_than_the_header_size_field_is_truncated_before_its_header(tmp_path, size):
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(b"\0" * size)
+    with pytest.raises(CheckpointError, match="truncated before its header"):
+        open_checkpoint(str(path))
+
+
+def test_a_header_of_size_zero_is_no_json_not_a_truncated_file(tmp_path):
+    path = tmp_path / "empty-header.safetensors"
+    path.write_bytes(struct.pack("<Q", 0))
+    with pytest.raises(CheckpointError, match="its header is not JSON the format allows"):
+        open_checkpoint(str(path))
+
+
+def test_a_tensor_whose_offsets_hold_more_bytes_than_it_needs_is_refused(tmp_path):
+    path = tmp_path / "long.safetensors"
+    path.write_bytes(_raw({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8))
+    with pytest.raises(CheckpointError, match=r"data_offsets \[0, 8\] hold 8 bytes, but F32\[1\] needs 4"):
+        open_checkpoint(str(path))
+
+
+def test_a_header_of_many_tensors_is_no_duplicate(tmp_path):
+    path = _write(tmp_path / "many.safetensors", {f"t{i}": torch.zeros(1) for i in range(300)})
+    assert len(open_checkpoint(path).tensors) == 300
+
+
+def test_problems_past_a_hundred_are_not_listed_one_by_one(tmp_path):
+    header = {f"t{i}": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]} for i in range(150)}
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(_raw(header, b"\0" * 4))
+    with pytest.raises(CheckpointError) as raised:
+        open_checkpoint(str(path))
+    assert len(raised.value.problems) == 101
+
+
+@pytest.mark.parametrize("size, shown", [(80, "k" * 80), (81, "k" * 77 + "...")])
+def test_a_long_name_is_clipped_past_80_characters(tmp_path, size, shown):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(_raw({"k" * size: {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4))
+    with pytest.raises(CheckpointError) as raised:
+        open_checkpoint(str(path))
+    assert f"tensor `{shown}`:" in raised.value.problems[0]
+
+
+def test_a_tensor_read_from_the_shard_its_index_names(tmp_path):
+    _write(tmp_path / "a.safetensors", {"x": torch.zeros(2), "y": torch.ones(2)})
+    _write(tmp_path / "b.safetensors", {"x": torch.full((2,), 7.0)})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": "b.safetensors", "y": "a.safetensors"}}))
+    read = {t.name: t.read() for t in open_checkpoint(str(index)).tensors.values()}
+    assert torch.equal(read["x"], torch.full((2,), 7.0)) and torch.equal(read["y"], torch.ones(2))

@@ -228,10 +228,10 @@ def _safetensors_header(path: Path, raw: bytes, data_size: int) -> dict[str, tup
             dtype_name, shape, offsets = _entry(info)
         except ValueError as exc:
             problems.append(f"{path}: tensor `{_clipped(name)}`: {exc}")
+            if len(problems) > 100:  # a header of a million bad entries needs no million lines
+                break
             continue
         layout.append((offsets, name, dtype_name, shape))
-        if len(problems) > 100:  # a header of a million bad entries needs no million lines
-            break
     if problems:
         raise CheckpointError(problems)
     entries, end, previous = {}, 0, "the header"
