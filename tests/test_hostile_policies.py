@@ -397,5 +397,17 @@ def test_10000_keys_values_and_dots_pass_and_the_next_one_is_refused():
     assert found[2] == "more than 10000 keys, values and dots; the limit is 10000" and found[:2] == (7, 1)
 
 
-def test_a_section_of_500_rules_passes(tmp_path):
+def test_a_section_of_500_rules_passes_and_501_do_not(tmp_path):
     assert not errors_in(diagnose(tmp_path, "many", HEADER.format(name="many") + rules(500, kinds=("linear",)))[1])
+    found = only(diagnose(tmp_path, "many", HEADER.format(name="many") + rules(501, kinds=("linear",)))[1],
+                 "invalid-value")
+    assert found.message == "[stream] has 501 rules; the limit is 500"
+
+
+def test_a_place_is_counted_from_the_first_character_a_leading_newline_too():
+    assert excess("\n" + "k" * 257 + " = 1") == (2, 1, "a key of 257 characters; the limit is 256")
+
+
+def test_a_comment_after_a_value_does_not_join_the_next_key_to_it():
+    sixteen = ".".join(["k"] * 16)
+    assert excess(f"x = 1 # a comment\n{sixteen} = 2") is None
