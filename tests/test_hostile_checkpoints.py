@@ -708,3 +708,8 @@ def test_a_tensor_read_from_the_shard_its_index_names(tmp_path):
     index.write_text(json.dumps({"weight_map": {"x": "b.safetensors", "y": "a.safetensors"}}))
     read = {t.name: t.read() for t in open_checkpoint(str(index)).tensors.values()}
     assert torch.equal(read["x"], torch.full((2,), 7.0)) and torch.equal(read["y"], torch.ones(2))
+
+
+def test_a_one_byte_tensor_reads_its_byte(tmp_path):
+    path = _write(tmp_path / "byte.safetensors", {"b": torch.tensor([7], dtype=torch.uint8)})
+    assert open_checkpoint(path).tensors["b"].read().tolist() == [7]
