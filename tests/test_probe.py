@@ -197,3 +197,12 @@ def test_a_missing_bias_is_no_tensor_of_the_configuration():
 
     names = [entry[0] for entry in configuration(COMPUTE_KINDS["linear"], nn.Linear(2, 2, bias=False))[1]]
     assert names == ["weight"]
+
+
+def test_an_embedding_look_alike_that_differs_is_named_without_a_magnitude():
+    class Shifted(nn.Embedding):
+        def forward(self, x):
+            return F.embedding(x, self.weight, self.padding_idx) + 1
+
+    problem = probe(COMPUTE_KINDS["embedding"], Shifted(10, 4))
+    assert problem.startswith("`embedding` differs from the class's own forward") and "magnitude" not in problem
