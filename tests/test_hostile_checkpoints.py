@@ -713,3 +713,76 @@ def test_a_tensor_read_from_the_shard_its_index_names(tmp_path):
 def test_a_one_byte_tensor_reads_its_byte(tmp_path):
     path = _write(tmp_path / "byte.safetensors", {"b": torch.tensor([7], dtype=torch.uint8)})
     assert open_checkpoint(path).tensors["b"].read().tolist() == [7]
+
+
+def _refusal(tmp_path, header: dict, data: bytes) -> str:
+    path = tmp_path / "edge.safetensors"
+    path.write_bytes(_raw(header, data))
+    with pytest.raises(CheckpointError) as raised:
+        open_checkpoint(str(path))
+    return raised.value.problems[0].split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("entry, data, said", [
+    ({"dtype": "U8", "shape": [1], "data_offsets": [0, 2**64]}, b"\0",
+     "data_offsets must be two non-negative integers, not [0, 18446744073709551616]"),
+    ({"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}, b"\0",
+     "shape must be a list of non-negative integers, not [-1]"),
+    ({"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}, b"\0" * 3,  # 24 bits: sized, then not read
+     "dtype F6_E2M3 has no torch dtype Streamwise reads"),
+    ({"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}, b"\0", "dtype F4 has no torch dtype Streamwise reads"),
+], ids=["offset-2**64", "negative-size", "six-bit", "four-bit"])
+def test_sizes_and_offsets_at_the_formats_edges(tmp_path, entry, data, said):
+    assert _refusal(tmp_path, {"x": entry}, data) == f"tensor `x`: {said}"
+
+
+def test_metadata_that_is_no_string_map_is_shown_clipped_at_60_characters(tmp_path):
+    x = {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}
+    assert _refusal(tmp_path, {"__metadata__": {"k": 1}, "x": x}, b"\0") == (
+        '`__metadata__` must map strings to strings, not {"k": 1}')
+    long = {"k": "v" * 10, "n": list(range(30))}
+    assert _refusal(tmp_path, {"__metadata__": long, "x": x}, b"\0").endswith(
+        'not {"k": "vvvvvvvvvv", "n": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1...')
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".ckpt"])
+def test_a_file_of_another_format_is_named_as_such(tmp_path, suffix):
+    path = tmp_path / f"model{suffix}"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(CheckpointError, match=r"not a checkpoint Streamwise reads \(.safetensors, a shard index"):
+        open_checkpoint(str(path))
+
+
+def test_an_index_whose_weight_map_is_no_map_is_no_shard_index(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": []}))
+    with pytest.raises(CheckpointError, match="not a shard index .*`weight_map` must map tensor names"):
+        open_checkpoint(str(index))
+
+
+def test_an_index_at_its_limits(tmp_path, monkeypatch):
+    from streamwise.runtime.checkpoint import limits
+
+    _write(tmp_path / "a.safetensors", {"x": torch.zeros(1)})
+    _write(tmp_path / "b.safetensors", {"y": torch.zeros(1)})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}))
+    monkeypatch.setattr(limits, "MAX_SHARDS", 2)
+    monkeypatch.setattr(limits, "MAX_INDEX_BYTES", index.stat().st_size)
+    assert sorted(open_checkpoint(str(index)).tensors) == ["x", "y"]  # exactly at both limits
+    monkeypatch.setattr(limits, "MAX_SHARDS", 1)
+    with pytest.raises(CheckpointError, match="names 2 shard files; the limit is 1"):
+        open_checkpoint(str(index))
+    monkeypatch.setattr(limits, "MAX_SHARDS", 2)
+    monkeypatch.setattr(limits, "MAX_INDEX_BYTES", index.stat().st_size - 1)
+    with pytest.raises(CheckpointError, match="a shard index over"):
+        open_checkpoint(str(index))
+
+
+@pytest.mark.parametrize("pad, clipped", [(43, False), (44, True)])  # 60 and 61 characters of JSON
+def test_metadata_of_60_characters_is_shown_whole_and_61_clipped(tmp_path, pad, clipped):
+    metadata = {"k": 1, "v": "v" * pad}
+    text = json.dumps(metadata)
+    said = _refusal(tmp_path, {"__metadata__": metadata, "x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}},
+                    b"\0")
+    assert said.endswith(f"not {text[:57]}..." if clipped else f"not {text}")
