@@ -127,11 +127,11 @@ def main() -> None:
                 models[name](token)
         samples: dict[str, list[float]] = {name: [] for name in models}
         for round_ in range(args.rounds):
-            order = list(models.items())
+            order = list(models)
             order = order[round_ % 3:] + order[: round_ % 3]  # rotate who runs first
             forwards: dict[str, list[float]] = {name: [] for name in models}
             for _ in range(args.iters):  # one forward of each in turn: a load that comes and goes hits all alike
-                for name, _ in order:
+                for name in order:
                     model = ready(name)
                     start = clock()
                     model(token)

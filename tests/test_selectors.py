@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
-from streamwise.runtime.plan.selectors import CompiledSelector, ModuleRef, outermost, walk_modules
+from streamwise.runtime.plan.selectors import (
+    CompiledSelector,
+    ModuleRef,
+    declared_blocks,
+    holds,
+    joined,
+    outermost,
+    walk_modules,
+)
 from streamwise.schemas import Selector
 from streamwise.schemas.patterns import PatternError, compile_glob, glob_matches
+from streamwise.schemas.policy import BlockSelector
 
 
 def glob(pattern: str, path: str) -> bool:
@@ -91,8 +102,6 @@ def test_qualified_class_names_tell_equal_short_names_apart():
 
 
 def test_real_torch_classes_match_by_short_and_qualified_name():
-    import torch
-
     layer = torch.nn.Linear(2, 2)
     assert CompiledSelector(Selector(**{"class": "Linear"})).matches(ref("x", layer))
     assert CompiledSelector(Selector(**{"class": "torch.nn.modules.linear.Linear"})).matches(ref("x", layer))
@@ -109,23 +118,17 @@ def test_brackets_inside_a_character_class_are_literal():
 
 
 def test_a_module_ref_names_its_class_short_and_qualified():
-    import torch
-
     module = ref("x", torch.nn.Linear(2, 2))
     assert (module.name, module.qualname) == ("Linear", "torch.nn.modules.linear.Linear")
 
 
 def test_a_live_modules_class_verdict_is_the_refs():
-    import torch
-
     selector = CompiledSelector(Selector(**{"class": "Linear", "subclasses": True}, path="head"))
     for path, module in [("a", torch.nn.Linear(2, 2)), ("head", torch.nn.ReLU()), ("b", torch.nn.ReLU())]:
         assert selector.matches_module(path, module) is selector.matches(ref(path, module))
 
 
 def test_walk_modules_is_named_modules():
-    import torch
-
     shared = torch.nn.Linear(2, 2)
     model = torch.nn.Sequential(torch.nn.Sequential(shared, torch.nn.ReLU()), shared, torch.nn.Linear(2, 2))
     model.add_module("empty", None)
@@ -133,8 +136,6 @@ def test_walk_modules_is_named_modules():
 
 
 def test_outermost_keeps_only_matches_inside_no_other():
-    import torch
-
     def block():
         return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
@@ -146,16 +147,15 @@ def test_outermost_keeps_only_matches_inside_no_other():
 
 # --- what each tier and entry means, one behaviour per mutant a reviewer would call plausible ----------------------
 
+class Fused(nn.Linear):
+    pass
+
+
 def specificity(at: str, module: object, **select) -> tuple[int, int] | None:
     return CompiledSelector(Selector(**select)).specificity(ModuleRef.of(at, module))
 
 
 def test_the_tiers_rank_as_the_readme_says_from_exact_path_down_to_holds():
-    from torch import nn
-
-    class Fused(nn.Linear):
-        pass
-
     qualified = f"{nn.Linear.__module__}.{nn.Linear.__qualname__}"
     fused, linear = Fused(2, 2), nn.Linear(2, 2)
     ladder = [
@@ -174,18 +174,11 @@ def test_the_tiers_rank_as_the_readme_says_from_exact_path_down_to_holds():
 
 
 def test_a_selector_with_several_globs_is_as_specific_as_its_best_match():
-    from torch import nn
-
     best = specificity("model.layers.0.mlp", nn.ReLU(), path=["**.mlp", "model.layers.0.mlp", "model.**"])
     assert best == specificity("model.layers.0.mlp", nn.ReLU(), path="model.layers.0.mlp")
 
 
 def test_holds_sees_parameters_then_buffers_and_a_holds_entry_matches_exactly_that():
-    import torch
-    from torch import nn
-
-    from streamwise.runtime.plan.selectors import holds
-
     rotary = nn.Module()
     rotary.register_buffer("inv_freq", torch.ones(2))
     assert (holds(nn.Linear(2, 2)), holds(rotary), holds(nn.ReLU())) == ("parameters", "buffers-only", None)
@@ -197,11 +190,6 @@ def test_holds_sees_parameters_then_buffers_and_a_holds_entry_matches_exactly_th
 
 
 def test_subclasses_match_a_base_by_qualified_name_or_by_glob_too():
-    from torch import nn
-
-    class Fused(nn.Linear):
-        pass
-
     qualified = f"{nn.Linear.__module__}.{nn.Linear.__qualname__}"
     for entry in (qualified, "Lin*", "torch.nn.**.Linear"):
         assert specificity("x", Fused(2, 2), **{"class": entry}, subclasses=True) is not None, entry
@@ -209,8 +197,6 @@ def test_subclasses_match_a_base_by_qualified_name_or_by_glob_too():
 
 
 def _declaring_tree(instance_declares=None):
-    from torch import nn
-
     class Block(nn.Module):
         pass
 
@@ -232,8 +218,6 @@ def _declaring_tree(instance_declares=None):
 
 
 def test_no_split_takes_the_classes_the_tree_declares_and_a_plain_selector_does_not():
-    from streamwise.schemas.policy import BlockSelector
-
     root = _declaring_tree()
     declared = CompiledSelector(BlockSelector(no_split=True))
     assert [path for path, _ in outermost(declared, root)] == ["blocks.0", "blocks.1"]
@@ -242,8 +226,6 @@ def test_no_split_takes_the_classes_the_tree_declares_and_a_plain_selector_does_
 
 
 def test_an_instances_own_declaration_stands_over_its_classes():
-    from streamwise.runtime.plan.selectors import declared_blocks
-
     assert declared_blocks(walk_modules(_declaring_tree())) == {"Block"}
     assert declared_blocks(walk_modules(_declaring_tree(instance_declares=["Other"]))) == {"Other"}
 
@@ -251,18 +233,12 @@ def test_an_instances_own_declaration_stands_over_its_classes():
 def test_a_module_ref_cannot_be_changed():
     import dataclasses
 
-    from torch import nn
-
     ref = ModuleRef.of("x", nn.Linear(2, 2))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ref.path = "y"
 
 
 def test_a_tensor_slot_holding_none_is_not_held():
-    from torch import nn
-
-    from streamwise.runtime.plan.selectors import holds
-
     empty = nn.Module()
     empty.register_parameter("weight", None)
     empty.register_buffer("running_mean", None)
@@ -270,13 +246,9 @@ def test_a_tensor_slot_holding_none_is_not_held():
 
 
 def test_a_root_that_matches_is_the_one_unit_and_everything_lies_inside_it():
-    import torch
-
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     assert [path for path, _ in outermost(CompiledSelector(Selector(path="**")), model)] == [""]
 
 
 def test_a_name_below_the_root_has_no_leading_dot():
-    from streamwise.runtime.plan.selectors import joined
-
     assert (joined("", "weight"), joined("model.layers.0", "weight")) == ("weight", "model.layers.0.weight")
