@@ -72,10 +72,9 @@ class AppliedState:
         streamed: dict[str, int] = {}
         relocating = 0
         for record in self.records:
-            if record.role == "stream":
-                for module in record.modules:
-                    kind = protocol.kind_of(module)
-                    streamed[kind] = streamed.get(kind, 0) + 1
+            if record.role == "stream":  # a record's modules were given one class alike: one kind
+                kind = protocol.kind_of(record.modules[0])
+                streamed[kind] = streamed.get(kind, 0) + len(record.modules)
             elif record.role == "relocate":
                 relocating += len(record.modules)
         return ConversionCounts(dict(sorted(streamed.items())), relocating)

@@ -54,6 +54,14 @@ class Section:
         self.by_path = [(rule, selector) for rule, selector in self.rules if selector.by_path]
         self.by_holds = [(rule, selector) for rule, selector in self.rules if selector.holds is not None]
         self._exclude_by_module = exclude is not None and exclude.by_module
+        # which rules a class can meet: those naming one of its names, and those a glob or a base lets name any
+        self._by_name: dict[str, list[int]] = {}
+        self._any_class: list[int] = []
+        for index, (_, selector) in enumerate(self.rules):
+            if selector.class_keys is None:
+                self._any_class.append(index)
+            for name in selector.class_keys or ():
+                self._by_name.setdefault(name, []).append(index)
         self.of_class: PerClass[_ClassVerdict] = PerClass(lambda cls: self._verdict(class_names(cls)))
         """The class part of every decision for instances of a class, worked out once: `of_class[cls]`."""
 
@@ -88,7 +96,10 @@ class Section:
 
     def _verdict(self, names: ClassNames) -> _ClassVerdict:
         excluded = self.exclude is not None and self.exclude.class_specificity(names) is not None
-        hits = [(spec, rule) for rule, selector in self.rules if (spec := selector.class_specificity(names))]
+        short, qualified = names[0]
+        met = sorted({*self._any_class, *self._by_name.get(short, ()), *self._by_name.get(qualified, ())})
+        hits = [(spec, rule) for rule, selector in map(self.rules.__getitem__, met)
+                if (spec := selector.class_specificity(names))]
         return _ClassVerdict(names, excluded, *(_pick(hits) if hits else (None, None)))
 
 

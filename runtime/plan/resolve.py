@@ -180,8 +180,9 @@ class _Decided:
         self.keys = keys  # the `rule_matches` keys of the deciding rules
         # `auto` chosen per class; a specific kind holds an unproven class only where the rule named it exactly
         self.fit = fit(roles.stream.kind, cls, named=named) if roles.stream is not None else None
+        decided = roles.decided
         self.checks = tuple(check for needs, check in _CHECKS  # those that apply and may fail for this class
-                            if needs <= roles.decided and not (check in _PASSES_FOR_CLASS
+                            if needs <= decided and not (check in _PASSES_FOR_CLASS
                                                                and _PASSES_FOR_CLASS[check](roles, cls)))
         # for a module without children, in which no parameters can hide
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)
@@ -324,11 +325,21 @@ def _stream_takes_input(path: str, module: nn.Module, roles: _Roles, kind: Fit |
 
 
 def _takes_input(cls: type) -> bool:
-    """Whether the class's forward takes any argument (an input a generic fetch can follow)."""
-    try:
-        return len(inspect.signature(protocol.original_class(cls).forward).parameters) > 1
-    except (TypeError, ValueError):  # no signature to read: assume it does
-        return True
+    """Whether the class's forward takes any argument (an input a generic fetch can follow).
+
+    A fact of the class, whatever the policy: kept per class, weakly (reading a signature costs more than the rest
+    of a class's decision)."""
+    takes = _TAKES_INPUT.get(cls)
+    if takes is None:
+        try:
+            takes = len(inspect.signature(protocol.original_class(cls).forward).parameters) > 1
+        except (TypeError, ValueError):  # no signature to read: assume it does
+            takes = True
+        _TAKES_INPUT[cls] = takes
+    return takes
+
+
+_TAKES_INPUT: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):

@@ -109,6 +109,8 @@ class CompiledSelector:
         self._regexes = [compile_regex(r) for r in selector.regex]
         self._classes = frozenset(name for name in selector.class_ if not is_class_glob(name))
         self._class_globs = [(compile_glob(name), "." in name) for name in selector.class_ if is_class_glob(name)]
+        self.class_keys = None if self._class_globs or selector.subclasses else self._classes
+        """The names a class must go by for this selector to name it (None: a glob or a base may name any class)."""
         self.holds = selector.holds
         self.by_path = bool(self._globs or self._regexes)
         self.by_module = self.by_path or self.holds is not None

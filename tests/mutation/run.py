@@ -10,6 +10,11 @@ it before a stop; it is not part of CI, which it would not fit.
     python tests/mutation/run.py                     # every module (hours on 2 cores: engine/kinds.py alone has
                                                      # about 250 mutants at ~25 s each)
     python tests/mutation/run.py runtime/plan/auto.py # one module
+    python tests/mutation/run.py --survivors [module ...]  # only the last run's survivors, against today's tests
+
+Each run keeps its survivors (operator and occurrence) in `build/mutation/survivors.json`; `--survivors` plants just
+those again, so the tests written to kill them are checked in minutes, not hours. The occurrences name places in the
+module as it was when it was scored: after the module itself changes, score it anew.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ MODULES = {
     "runtime/plan/auto.py": ["tests/test_auto_policy.py"],
     "runtime/plan/precedence.py": ["tests/test_precedence.py"],
     "runtime/plan/selectors.py": ["tests/test_selectors.py", "tests/test_precedence.py"],
-    "runtime/engine/kinds.py": ["tests/test_kinds.py", "tests/test_generic.py"],
+    "runtime/engine/kinds.py": ["tests/test_kinds.py", "tests/test_generic.py", "tests/test_probe.py"],
     "runtime/engine/probe.py": ["tests/test_probe.py"],
     "runtime/checkpoint/readers.py": ["tests/test_hostile_checkpoints.py"],
     "runtime/policy/limits.py": ["tests/test_hostile_policies.py"],
@@ -40,10 +45,15 @@ KEEP = ["ReplaceComparisonOperator", "ReplaceAndWithOr", "ReplaceOrWithAnd", "Ad
         "ReplaceFalseWithTrue", "NumberReplacer", "ReplaceBreakWithContinue", "ReplaceContinueWithBreak",
         "ZeroIterationForLoop", "ReplaceUnaryOperator_USub"]
 TIMEOUT = 120.0  # seconds a mutant's tests may take (a mutant that loops forever is killed by it)
+SURVIVORS = REPO / "build" / "mutation" / "survivors.json"  # by module: each survivor of its last run
+
+
+def test_command(tests: list[str]) -> str:
+    return " ".join([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *tests])
 
 
 def config(module: str, tests: list[str]) -> str:
-    command = " ".join([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *tests])
+    command = test_command(tests)
     exclude = "|".join(KEEP)
     return f"""[cosmic-ray]
 module-path = "{module}"
@@ -79,24 +89,53 @@ def run(module: str, tests: list[str], folder: Path, copy: Path) -> dict:
     done = [(job, result) for job, result in jobs if result is not None and result.get("worker_outcome") == "normal"]
     survivors = [job for job, result in done if result["test_outcome"] == "survived"]
     return {"mutants": len(done), "killed": len(done) - len(survivors), "survivors": [
-        f"{m['module_path']}:{m['start_pos'][0]} {m['operator_name']} #{m['occurrence']}"
+        {"line": m["start_pos"][0], "operator": m["operator_name"], "occurrence": m["occurrence"]}
         for job in survivors for m in job["mutations"]]}
 
 
+def rerun(module: str, tests: list[str], copy: Path, survivors: list[dict]) -> dict:
+    """Plant each survivor again (`cosmic-ray mutate-and-test`, which restores the module after) and run the tests."""
+    env = {**os.environ, "PYTHONPATH": str(copy.parent)}
+    left = []
+    for survivor in survivors:
+        step = ["cosmic-ray", "mutate-and-test", module, survivor["operator"], str(survivor["occurrence"]),
+                test_command(tests)]
+        out = subprocess.run(step, cwd=copy, env=env, capture_output=True, text=True, check=True).stdout
+        outcome = json.loads(out)
+        if outcome.get("worker_outcome") == "normal" and outcome["test_outcome"] == "survived":
+            left.append(survivor)
+    return {"survivors": left, "killed": len(survivors) - len(left)}
+
+
+def describe(module: str, survivor: dict) -> str:
+    return f"{module}:{survivor['line']} {survivor['operator']} #{survivor['occurrence']}"
+
+
 def main(argv: list[str]) -> int:
+    again = argv[:1] == ["--survivors"]
+    argv = argv[1:] if again else argv
     chosen = {module: MODULES[module] for module in argv} if argv else MODULES
+    kept = json.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
     started = time.monotonic()
-    results = {}
+    killed = total = 0
     with tempfile.TemporaryDirectory() as tmp:
         copy = private_copy(Path(tmp))
         for module, tests in chosen.items():  # each module's score as soon as it is known: a long run can stop
-            result = results[module] = run(module, tests, Path(tmp), copy)
-            score = result["killed"] / result["mutants"] if result["mutants"] else 1.0
-            print(f"{module}: {result['killed']}/{result['mutants']} killed ({score:.0%})", flush=True)
+            if again:
+                before = kept.get(module, {}).get("survivors", [])
+                result = rerun(module, tests, copy, before)
+                kept[module]["survivors"] = result["survivors"]
+                print(f"{module}: {result['killed']} of the last run's {len(before)} survivors killed", flush=True)
+                killed, total = killed + result["killed"], total + len(before)
+            else:
+                result = kept[module] = run(module, tests, Path(tmp), copy)
+                score = result["killed"] / result["mutants"] if result["mutants"] else 1.0
+                print(f"{module}: {result['killed']}/{result['mutants']} killed ({score:.0%})", flush=True)
+                killed, total = killed + result["killed"], total + result["mutants"]
             for survivor in result["survivors"]:
-                print(f"  survived: {survivor}", flush=True)
-    total = sum(r["mutants"] for r in results.values())
-    killed = sum(r["killed"] for r in results.values())
+                print(f"  survived: {describe(module, survivor)}", flush=True)
+            SURVIVORS.parent.mkdir(parents=True, exist_ok=True)
+            SURVIVORS.write_text(json.dumps(kept, indent=1))
     print(f"total: {killed}/{total} killed ({killed / max(total, 1):.0%}) in {time.monotonic() - started:.0f} s")
     return 0 if killed == total else 1
 
