@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from streamwise.runtime.cli import example_models
@@ -123,6 +124,29 @@ class Custom(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class ChannelsFirstRMSNorm(nn.Module):
+    """A tokenizer's RMSNorm over the channels of (batch, channels, time), as community VibeVoice writes it."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels))
+        self.eps = 1e-5
+
+    def forward(self, x):
+        hidden = x.transpose(1, 2).float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * hidden.type_as(x)).transpose(1, 2)
+
+
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """A LayerNorm over the channels of (batch, channels, time), in float32."""
+
+    def forward(self, x):
+        hidden = F.layer_norm(x.transpose(1, 2).float(), self.normalized_shape, self.weight.float(), self.bias.float(),
+                              self.eps)
+        return hidden.type_as(x).transpose(1, 2)
 
 
 def tiny_sample(name: str) -> tuple[nn.Module, dict]:

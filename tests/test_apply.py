@@ -165,15 +165,6 @@ def test_a_failure_midway_restores_the_tree(monkeypatch, failure, raised, match)
     assert applied_state(model) is None
 
 
-def test_a_streamed_leaf_called_without_its_input_says_so():
-    model = tiny_qwen2()
-    convert(model)
-    force_streaming(model)
-    with pytest.raises(TypeError, match=r"StreamedLinear.forward\(\) got no input: pass it first or as `input=`"):
-        model.lm_head(hidden=torch.randn(1, 64))
-    assert torch.equal(model.lm_head(input=torch.ones(1, 64)), model.lm_head(torch.ones(1, 64)))
-
-
 def test_problems_are_found_before_anything_changes():
     qwen, other = tiny_qwen2(), tiny_qwen2(num_hidden_layers=1)
     plan = streamwise.resolve(DECODER, qwen)

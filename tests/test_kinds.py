@@ -12,7 +12,7 @@ import streamwise
 from streamwise.runtime.engine.kinds import COMPUTE_KINDS
 from streamwise.schemas.vocabulary import COMPUTE_KINDS as VOCABULARY
 
-from helpers import force_streaming, make_policy, stream_rule
+from helpers import ChannelsFirstLayerNorm, ChannelsFirstRMSNorm, force_streaming, make_policy, stream_rule
 
 torch.manual_seed(0)
 
@@ -53,6 +53,11 @@ CASES = {
     "layer_norm": (lambda: nn.LayerNorm(6), lambda: torch.randn(2, 5, 6), {}),
     "group_norm": (lambda: nn.GroupNorm(2, 4), lambda: torch.randn(2, 4, 5), {}),
     "rms_norm": (lambda: nn.RMSNorm(6), lambda: torch.randn(2, 5, 6), {}),
+    # (batch, channels, time) with all three different: a transpose of the wrong dimensions cannot pass
+    "conv_rms_norm": (lambda: ChannelsFirstRMSNorm(6), lambda: torch.randn(2, 6, 5), {}),
+    "conv_rms_norm-bf16": (lambda: ChannelsFirstRMSNorm(6), lambda: torch.randn(2, 6, 5).bfloat16(), {}),
+    "conv_layer_norm": (lambda: ChannelsFirstLayerNorm(6), lambda: torch.randn(2, 6, 5), {}),
+    "conv_layer_norm-bf16": (lambda: ChannelsFirstLayerNorm(6), lambda: torch.randn(2, 6, 5).bfloat16(), {}),
 }
 KIND_OF = {name: name.split("-")[0] for name in CASES}
 RMS_CLASSES = [
@@ -124,3 +129,49 @@ def test_the_input_keyword_is_found_among_other_keywords():
     force_streaming(converted)
     expected = original(x, output_size=[12])
     assert torch.equal(converted[0](output_size=[12], input=x), expected)
+
+
+def test_arguments_after_the_input_pass_through_in_their_places():
+    original = with_random_weights(nn.ConvTranspose1d(4, 2, 4, stride=2, padding=1))
+    x = torch.randn(1, 4, 7)
+    converted = convert(copy.deepcopy(original), "conv_transpose1d")
+    force_streaming(converted)
+    assert torch.equal(converted[0](x, [15]), original(x, output_size=[15]))  # output_size, positionally
+
+
+@pytest.mark.parametrize("call", [lambda leaf: leaf(), lambda leaf: leaf(hidden=torch.randn(1, 4))],
+                         ids=["nothing", "another-keyword"])
+def test_a_leaf_called_without_its_input_says_how_to_pass_it(call):
+    converted = convert(with_random_weights(nn.Linear(4, 3)), "linear")
+    force_streaming(converted)
+    with pytest.raises(TypeError, match=r"^Linear\.forward\(\) got no input: pass it first or as `input=`$"):
+        call(converted[0])
+
+
+def test_a_transposed_convolution_refuses_a_padding_mode_it_cannot_compute_as_its_class_does():
+    """Only `zeros` exists for transposed convolutions; one set afterwards is refused as the class refuses it."""
+    layer = with_random_weights(nn.ConvTranspose1d(2, 3, 3))
+    layer.padding_mode = "reflect"
+    converted = convert(layer, "conv_transpose1d")
+    force_streaming(converted)
+    with pytest.raises(ValueError, match="only `zeros` padding mode is supported for ConvTranspose1d"):
+        converted[0](torch.randn(1, 2, 5))
+
+
+def test_an_input_dtype_kind_fetches_its_weights_in_the_inputs_dtype():
+    """A bfloat16 layer fed float32 computes in float32, as ComfyUI's cast layers do (the stored weights stay)."""
+    stored = with_random_weights(nn.Linear(8, 4)).bfloat16()
+    x = torch.randn(3, 8)
+    converted = convert(copy.deepcopy(stored), "linear")
+    force_streaming(converted)
+    result = converted[0](x)
+    assert result.dtype == torch.float32
+    assert torch.equal(result, nn.functional.linear(x, stored.weight.float(), stored.bias.float()))
+    assert converted[0].weight.dtype == torch.bfloat16
+
+
+def test_a_registered_kind_cannot_be_changed_in_place():
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        COMPUTE_KINDS["linear"].dtype = "stored"

@@ -15,7 +15,7 @@ from streamwise.runtime.engine import ConversionError, applied_state
 from streamwise.runtime.engine.kinds import COMPUTE_KINDS
 from streamwise.runtime.engine.probe import ULPS, probe
 
-from helpers import make_policy, stream_rule, tiny_qwen2
+from helpers import ChannelsFirstLayerNorm, ChannelsFirstRMSNorm, make_policy, stream_rule, tiny_qwen2
 from look_alikes import make, swap_in
 
 
@@ -208,3 +208,86 @@ def test_an_embedding_look_alike_that_differs_is_named_without_a_magnitude():
 
     problem = probe(COMPUTE_KINDS["embedding"], Shifted(10, 4))
     assert problem.startswith("`embedding` differs from the class's own forward") and "magnitude" not in problem
+
+
+# --- every input rank the probe feeds each kind: a difference at that rank alone is caught ------------------------
+
+def _llama_rms_norm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(6)
+
+
+def _randomized(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn_like(parameter))
+    return module
+
+
+# kind -> (a module of a class it computes, with in != out where a weight has both; the input ranks probed)
+RANKS = {
+    "linear": (lambda: nn.Linear(16, 8), (1, 2, 3, 4)),
+    "embedding": (lambda: nn.Embedding(3, 5), (1, 2, 3)),  # fewer rows than columns
+    "conv1d": (lambda: nn.Conv1d(3, 5, 3), (2, 3)),
+    "conv2d": (lambda: nn.Conv2d(3, 5, 3), (3, 4)),
+    "conv3d": (lambda: nn.Conv3d(2, 4, 2), (4, 5)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 5, 3, stride=2), (2, 3)),
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 5, 3, stride=2), (3, 4)),
+    "layer_norm": (lambda: nn.LayerNorm(6), (1, 2, 3, 4)),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), (2, 3, 4)),
+    "rms_norm": (lambda: nn.RMSNorm(6), (1, 2, 3, 4)),
+    "llama_rms_norm": (_llama_rms_norm, (1, 2, 3, 4)),
+    "conv_rms_norm": (lambda: ChannelsFirstRMSNorm(6), (3,)),
+    "conv_layer_norm": (lambda: ChannelsFirstLayerNorm(6), (3,)),
+}
+
+
+def _look_alike(module: nn.Module, rank: int | None) -> nn.Module:
+    """`module` under a class of its own computing the same, plus a quarter at input rank `rank` only."""
+    base = type(module)
+
+    def forward(self, x, *args, **kwargs):
+        y = base.forward(self, x, *args, **kwargs)
+        return y + 0.25 if x.dim() == rank else y
+
+    module.__class__ = type(base.__name__, (base,), {"forward": forward})
+    return module
+
+
+@pytest.mark.parametrize("kind", sorted(RANKS))
+def test_a_look_alike_that_computes_the_same_passes_at_every_rank(kind):
+    build, _ = RANKS[kind]
+    assert probe(COMPUTE_KINDS[kind], _look_alike(_randomized(build()), None)) is None
+
+
+@pytest.mark.parametrize("kind, rank", [(kind, rank) for kind, (_, ranks) in sorted(RANKS.items()) for rank in ranks])
+def test_a_difference_at_one_input_rank_alone_is_caught(kind, rank):
+    build, _ = RANKS[kind]
+    problem = probe(COMPUTE_KINDS[kind], _look_alike(_randomized(build()), rank))
+    assert problem is not None and problem.startswith(f"`{kind}` differs from the class's own forward")
+    shape = ", ".join([r"\d+"] * rank) + ("," if rank == 1 else "")
+    assert re.search(rf"input shape \({shape}\)", problem), problem
+
+
+def test_the_first_row_of_an_embedding_is_probed():
+    """Index 0 (often the padding row) is drawn like any other."""
+
+    class ZeroFirst(nn.Embedding):
+        def forward(self, x):
+            return F.embedding(x, self.weight) * (x != 0).unsqueeze(-1)
+
+    assert "differs" in probe(COMPUTE_KINDS["embedding"], _randomized(ZeroFirst(2, 4)))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nn.Conv1d(2, 3, 3, dilation=12),
+    lambda: nn.Conv2d(2, 3, (2, 5), dilation=(30, 1)),
+    lambda: nn.Conv1d(2, 3, 21),
+], ids=["dilated", "dilated-2d", "wide-kernel"])
+def test_a_convolution_whose_reach_exceeds_a_short_input_is_probed_on_a_long_enough_one(build):
+    """The probe's length follows what the kernel reaches (its size and dilation), or the class's own forward fails."""
+    conv = build()
+    kind = f"conv{conv.weight.dim() - 2}d"
+    assert probe(COMPUTE_KINDS[kind], _look_alike(_randomized(conv), None)) is None
+    assert "differs" in probe(COMPUTE_KINDS[kind], _look_alike(_randomized(build()), conv.weight.dim()))

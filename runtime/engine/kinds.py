@@ -71,7 +71,7 @@ class ComputeKind:
             return args[0], args[1:]
         if input_name in kwargs:
             return kwargs.pop(input_name), args
-        raise TypeError(f"{type(module).__name__}.forward() got no input: pass it first"
+        raise TypeError(f"{_class_name(module)}.forward() got no input: pass it first"
                         + (f" or as `{input_name}=`" if input_name else ""))
 
     def fetch(self, fetcher: Any, module: nn.Module, x: Tensor) -> tuple:
@@ -105,7 +105,7 @@ class GenericKind(ComputeKind):
                 return value, args
         device = protocol.tree_of(module).compute_device
         if device is None:
-            raise TypeError(f"{type(module).__name__}.forward() got no tensor argument and its tree has no compute "
+            raise TypeError(f"{_class_name(module)}.forward() got no tensor argument and its tree has no compute "
                             "device yet, so the device to fetch its weights to is unknown; relocate it instead")
         return torch.empty(0, device=device), args
 
@@ -145,6 +145,11 @@ class GenericKind(ComputeKind):
         _, through_host = fetched
         if through_host is not None:
             fetcher.release(module, *through_host)
+
+
+def _class_name(module: nn.Module) -> str:
+    """The name the module's author knows its class by (not the streaming class derived from it)."""
+    return protocol.original_class(type(module)).__name__
 
 
 def _derived_again(module: nn.Module) -> dict[str, object]:
@@ -204,7 +209,10 @@ def _channels_first(module: nn.Module, generator: torch.Generator, spatial: int,
                     unbatched: bool = True) -> list[Tensor]:
     """(1, channels, *spatial) and, where the class takes it, the unbatched (channels, *spatial)."""
     kernel = module.weight.shape[2:] or (1,)
-    size = 4 * max(kernel) + 8
+    dilation = getattr(module, "dilation", 1)
+    dilation = (dilation,) * len(kernel) if isinstance(dilation, int) else dilation
+    reach = max((size - 1) * step + 1 for size, step in zip(kernel, dilation, strict=False))  # what one output sees
+    size = 4 * reach + 8
     channels = channels if channels is not None else module.weight.shape[0]
     batched = _like(module, generator, 1, channels, *(size,) * spatial)
     return [batched, batched[0]] if unbatched else [batched]
@@ -254,7 +262,7 @@ def _conv(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> 
 def _conv_transpose(functional: Callable[..., Tensor], spatial_dims: int) -> Function:
     def compute(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None, output_size=None) -> Tensor:
         if module.padding_mode != "zeros":
-            raise ValueError(f"only `zeros` padding mode is supported for {type(module).__name__}")
+            raise ValueError(f"only `zeros` padding mode is supported for {_class_name(module)}")
         output_padding = module._output_padding(
             x, output_size, module.stride, module.padding, module.kernel_size, spatial_dims, module.dilation
         )
