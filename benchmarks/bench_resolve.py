@@ -10,13 +10,17 @@ Timed in interleaved rounds, medians:
   seed's `issubclass` scan over its built-in kinds is left out: no class here needs it);
 - `lean walk`: a stricter baseline than the seed's: `named_modules()`, one class-name set lookup per module, the
   swap and an undo list, nothing else;
+- `census walk`: the lean walk, also counting each tensor's bytes once (by id): the least work of a walk whose
+  result reports coverage, as a plan does (timed cold only);
 - `resolve`: the plan alone (precedence, coverage census, diagnostics);
 - `resolve + apply`: `streamwise.apply_policy`, the plan carried out (`streamwise.revert` resets the tree
   outside the timed part);
 - `... cold`: what a load does, on a tree built anew each round (untimed) with a policy read anew (untimed), so
-  nothing decided for the policy is cached: `resolve + apply cold` and `lean walk cold` (the same walk on the
-  fresh tree). The warm figures resolve the same Policy object and tree every round.
-Both walks swap the same modules the plan converts, and are swapped back outside the timed part. Timed in this
+  nothing decided for the policy is cached: `resolve + apply cold`, `lean walk cold` and `census walk cold` (the
+  same walks on the fresh tree). Class facts that no policy changes (a forward's signature, class names) stay
+  known across rounds, as they do in a running process. The warm figures resolve the same Policy object and tree
+  every round.
+The walks swap the same modules the plan converts, and are swapped back outside the timed part. Timed in this
 thread's CPU time, so time the machine spends on other work does not count; the ratios are medians of per-round
 ratios (each round runs every variant once). Goals: `resolve + apply cold` no slower than `lean walk cold`, and warm
 no slower than the seed walk. Run:
@@ -96,6 +100,28 @@ def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
     return undo
 
 
+def census_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict) -> list:
+    """The lean walk, also counting each tensor's bytes once: the least a walk that reports coverage does."""
+    undo = []
+    counted: set[int] = set()
+    total = 0
+    for path, module in model.named_modules():
+        for tensors in (module._parameters, module._buffers):
+            for tensor in tensors.values():
+                if tensor is not None and id(tensor) not in counted:
+                    counted.add(id(tensor))
+                    total += tensor.nbytes
+        cls = type(module)
+        name = cls.__name__
+        if name in stream or name in relocate:
+            target = classes.get(cls)
+            if target is None:
+                target = classes[cls] = type(f"Seed{name}", (cls,), {})
+            undo.append((path, module, cls))
+            module.__class__ = target
+    return undo
+
+
 def timed(run: Callable[[], object]) -> float:
     start = time.thread_time()
     run()
@@ -115,7 +141,7 @@ def main() -> None:
 
     converted = {m.path for m in plan.modules if m.stream or m.relocate}
     paths = {module: path for path, module in model.named_modules()}
-    for baseline in (seed_walk, lean_walk):
+    for baseline in (seed_walk, lean_walk, census_walk):
         undo = baseline(model, stream, relocate, classes)
         swapped = {paths[module] for _, module, _ in undo}
         assert swapped == converted, f"{baseline.__name__} must swap what the plan converts"
@@ -148,12 +174,16 @@ def main() -> None:
         fresh, fresh_policy = build(), streamwise.load_policy("vibevoice")
         return timed(lambda: streamwise.apply_policy(fresh, fresh_policy))
 
-    def lean_walk_cold() -> float:
-        fresh = build()
-        return timed(lambda: lean_walk(fresh, stream, relocate, classes))
+    def cold(baseline: Callable) -> Callable[[], float]:
+        def run() -> float:
+            fresh = build()
+            return timed(lambda: baseline(fresh, stream, relocate, classes))
+
+        return run
 
     runs = {"named_modules": walk, "seed walk": swapping(seed_walk), "lean walk": swapping(lean_walk),
-            "resolve": resolve_only, "resolve + apply": resolve_apply, "lean walk cold": lean_walk_cold,
+            "resolve": resolve_only, "resolve + apply": resolve_apply, "lean walk cold": cold(lean_walk),
+            "census walk cold": cold(census_walk),
             "resolve + apply cold": resolve_apply_cold}
     for run in runs.values():  # warm the class caches
         run()
@@ -166,13 +196,15 @@ def main() -> None:
     print(f"VibeVoice (transformers, default config, meta): {len(list(model.modules()))} modules, "
           f"{len(converted)} converted; median of {args.rounds} rounds")
     for name, values in samples.items():
-        print(f"  {name:<16} {statistics.median(values) * 1e3:8.2f} ms")
+        print(f"  {name:<20} {statistics.median(values) * 1e3:8.2f} ms")
     median = {name: statistics.median(values) for name, values in samples.items()}
     applying = median["resolve + apply"] - median["resolve"]
     print(f"apply within resolve + apply: {applying * 1e3:.2f} ms ({applying / median['resolve + apply']:.0%})")
     for ours, walk_name, goal in (("resolve + apply", "seed walk", " (goal <= 1.00x)"),
                                   ("resolve + apply", "lean walk", ""),
-                                  ("resolve + apply cold", "lean walk cold", " (goal <= 1.00x)")):
+                                  ("resolve + apply cold", "lean walk cold", " (goal <= 1.00x)"),
+                                  ("census walk cold", "lean walk cold", ""),
+                                  ("resolve + apply cold", "census walk cold", "")):
         ratio = [mine / theirs for mine, theirs in zip(samples[ours], samples[walk_name], strict=True)]
         low, _, high = statistics.quantiles(ratio, n=4)
         print(f"{ours} / {walk_name}: {statistics.median(ratio):.2f}x (quartiles {low:.2f}x, {high:.2f}x){goal}")
