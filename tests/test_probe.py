@@ -225,15 +225,15 @@ def _randomized(module: nn.Module) -> nn.Module:
     return module
 
 
-# kind -> (a module of a class it computes, with in != out where a weight has both; the input ranks probed)
+# kind -> (a module of a class it computes, its weight's dimensions all different; the input ranks probed)
 RANKS = {
     "linear": (lambda: nn.Linear(16, 8), (1, 2, 3, 4)),
     "embedding": (lambda: nn.Embedding(3, 5), (1, 2, 3)),  # fewer rows than columns
     "conv1d": (lambda: nn.Conv1d(3, 5, 3), (2, 3)),
     "conv2d": (lambda: nn.Conv2d(3, 5, 3), (3, 4)),
     "conv3d": (lambda: nn.Conv3d(2, 4, 2), (4, 5)),
-    "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 5, 3, stride=2), (2, 3)),
-    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 5, 3, stride=2), (3, 4)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 5, 2, stride=2), (2, 3)),  # a kernel of neither width
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 5, 2, stride=2), (3, 4)),
     "layer_norm": (lambda: nn.LayerNorm(6), (1, 2, 3, 4)),
     "group_norm": (lambda: nn.GroupNorm(2, 4), (2, 3, 4)),
     "rms_norm": (lambda: nn.RMSNorm(6), (1, 2, 3, 4)),
