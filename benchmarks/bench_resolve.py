@@ -85,10 +85,19 @@ def seed_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
     return swapped
 
 
-def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict) -> list:
-    """Swap every listed class for its subclass; the undo list is what the walk returns."""
+def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict,
+              census: set[int] | None = None) -> list:
+    """Swap every listed class for its subclass; the undo list is what the walk returns. With a `census` (the
+    census walk), also count each tensor's bytes once, by id."""
     undo = []
+    counted = 0
     for path, module in model.named_modules():
+        if census is not None:
+            for tensors in (module._parameters, module._buffers):
+                for tensor in tensors.values():
+                    if tensor is not None and id(tensor) not in census:
+                        census.add(id(tensor))
+                        counted += tensor.nbytes
         cls = type(module)
         name = cls.__name__
         if name in stream or name in relocate:
@@ -101,25 +110,8 @@ def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
 
 
 def census_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict) -> list:
-    """The lean walk, also counting each tensor's bytes once: the least a walk that reports coverage does."""
-    undo = []
-    counted: set[int] = set()
-    total = 0
-    for path, module in model.named_modules():
-        for tensors in (module._parameters, module._buffers):
-            for tensor in tensors.values():
-                if tensor is not None and id(tensor) not in counted:
-                    counted.add(id(tensor))
-                    total += tensor.nbytes
-        cls = type(module)
-        name = cls.__name__
-        if name in stream or name in relocate:
-            target = classes.get(cls)
-            if target is None:
-                target = classes[cls] = type(f"Seed{name}", (cls,), {})
-            undo.append((path, module, cls))
-            module.__class__ = target
-    return undo
+    """The lean walk counting each tensor's bytes once: the least a walk that reports coverage does."""
+    return lean_walk(model, stream, relocate, classes, census=set())
 
 
 def timed(run: Callable[[], object]) -> float:
