@@ -86,18 +86,16 @@ def seed_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
 
 
 def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict,
-              census: set[int] | None = None) -> list:
+              census: dict[int, int] | None = None) -> list:
     """Swap every listed class for its subclass; the undo list is what the walk returns. With a `census` (the
-    census walk), also count each tensor's bytes once, by id."""
+    census walk), also note each tensor's bytes there once, by id."""
     undo = []
-    counted = 0
     for path, module in model.named_modules():
         if census is not None:
             for tensors in (module._parameters, module._buffers):
                 for tensor in tensors.values():
                     if tensor is not None and id(tensor) not in census:
-                        census.add(id(tensor))
-                        counted += tensor.nbytes
+                        census[id(tensor)] = tensor.nbytes
         cls = type(module)
         name = cls.__name__
         if name in stream or name in relocate:
@@ -109,9 +107,10 @@ def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
     return undo
 
 
-def census_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict) -> list:
+def census_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict,
+                census: dict[int, int] | None = None) -> list:
     """The lean walk counting each tensor's bytes once: the least a walk that reports coverage does."""
-    return lean_walk(model, stream, relocate, classes, census=set())
+    return lean_walk(model, stream, relocate, classes, census={} if census is None else census)
 
 
 def timed(run: Callable[[], object]) -> float:
@@ -133,6 +132,10 @@ def main() -> None:
 
     converted = {m.path for m in plan.modules if m.stream or m.relocate}
     paths = {module: path for path, module in model.named_modules()}
+    census: dict[int, int] = {}
+    for _, module, cls in census_walk(model, stream, relocate, classes, census):
+        module.__class__ = cls
+    assert sum(census.values()) == sum(plan.coverage.bytes.values()), "the census walk must count what the plan does"
     for baseline in (seed_walk, lean_walk, census_walk):
         undo = baseline(model, stream, relocate, classes)
         swapped = {paths[module] for _, module, _ in undo}

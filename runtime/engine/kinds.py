@@ -211,7 +211,7 @@ def _channels_first(module: nn.Module, generator: torch.Generator, spatial: int,
     kernel = module.weight.shape[2:] or (1,)
     dilation = getattr(module, "dilation", 1)
     dilation = (dilation,) * len(kernel) if isinstance(dilation, int) else dilation
-    reach = max((size - 1) * step + 1 for size, step in zip(kernel, dilation, strict=False))  # what one output sees
+    reach = max((extent - 1) * step + 1 for extent, step in zip(kernel, dilation, strict=False))  # one output's view
     size = 4 * reach + 8
     channels = channels if channels is not None else module.weight.shape[0]
     batched = _like(module, generator, 1, channels, *(size,) * spatial)

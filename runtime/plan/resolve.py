@@ -183,7 +183,7 @@ class _Decided:
         decided = roles.decided
         self.checks = tuple(check for needs, check in _CHECKS  # those that apply and may fail for this class
                             if needs <= decided and not (check in _PASSES_FOR_CLASS
-                                                               and _PASSES_FOR_CLASS[check](roles, cls)))
+                                                         and _PASSES_FOR_CLASS[check](roles, cls)))
         # for a module without children, in which no parameters can hide
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)
         self.template = _template(class_names(cls)[0][1], roles, self.fit)

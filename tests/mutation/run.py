@@ -122,9 +122,12 @@ def main(argv: list[str]) -> int:
         copy = private_copy(Path(tmp))
         for module, tests in chosen.items():  # each module's score as soon as it is known: a long run can stop
             if again:
-                before = kept.get(module, {}).get("survivors", [])
+                if module not in kept:
+                    print(f"{module}: not scored yet (run it without --survivors first)", flush=True)
+                    continue
+                before = kept[module]["survivors"]
                 result = rerun(module, tests, copy, before)
-                kept[module]["survivors"] = result["survivors"]
+                kept[module].update(survivors=result["survivors"], killed=kept[module]["killed"] + result["killed"])
                 print(f"{module}: {result['killed']} of the last run's {len(before)} survivors killed", flush=True)
                 killed, total = killed + result["killed"], total + len(before)
             else:
