@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ...schemas import Policy
 from ...schemas.vocabulary import AUTO_KIND, LINEAR_ONLY_QUANT_FORMATS
 from ..engine import protocol
+from ..engine.class_facts import class_fact
 from ..engine.kinds import COMPUTE_KINDS, FETCHED, GENERIC, Fit, fit
 from ..engine.streamed import holds_parameters_below
 from ..policy.diagnostics import Diagnostic, Note, did_you_mean
@@ -324,22 +325,14 @@ def _stream_takes_input(path: str, module: nn.Module, roles: _Roles, kind: Fit |
     return roles._replace(stream=None, relocate=roles.stream), None
 
 
+@class_fact
 def _takes_input(cls: type) -> bool:
-    """Whether the class's forward takes any argument (an input a generic fetch can follow).
-
-    A fact of the class, whatever the policy: kept per class, weakly (reading a signature costs more than the rest
-    of a class's decision)."""
-    takes = _TAKES_INPUT.get(cls)
-    if takes is None:
-        try:
-            takes = len(inspect.signature(protocol.original_class(cls).forward).parameters) > 1
-        except (TypeError, ValueError):  # no signature to read: assume it does
-            takes = True
-        _TAKES_INPUT[cls] = takes
-    return takes
-
-
-_TAKES_INPUT: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+    """Whether the class's forward takes any argument (an input a generic fetch can follow); reading a signature
+    costs more than the rest of a class's decision."""
+    try:
+        return len(inspect.signature(protocol.original_class(cls).forward).parameters) > 1
+    except (TypeError, ValueError):  # no signature to read: assume it does
+        return True
 
 
 def _stream_or_relocate(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
-from weakref import WeakKeyDictionary
 
 from ...schemas import Selector
 from ...schemas.patterns import (
@@ -24,6 +23,7 @@ from ...schemas.patterns import (
     is_class_glob,
     is_exact_path,
 )
+from ..engine.class_facts import class_fact
 from ..engine.protocol import original_class  # a converted module is seen as its original class
 
 # Specificity tiers, highest first (see the README's precedence table).
@@ -36,19 +36,11 @@ T = TypeVar("T")
 Walk = Iterable[tuple[str, object]]  # (path, module) pairs in `named_modules()` order
 
 
+@class_fact
 def class_names(cls: type) -> ClassNames:
-    """The names selectors compare for instances of `cls` (its original class's MRO, without `object`).
-
-    Memoized per class, weakly: every selector and section asks on first sight of a class.
-    """
-    names = _NAMES.get(cls)
-    if names is None:
-        mro = original_class(cls).__mro__[:-1]
-        names = _NAMES[cls] = tuple((c.__name__, f"{c.__module__}.{c.__qualname__}") for c in mro)
-    return names
-
-
-_NAMES: WeakKeyDictionary[type, ClassNames] = WeakKeyDictionary()
+    """The names selectors compare for instances of `cls` (its original class's MRO, without `object`): every
+    selector and section asks on first sight of a class."""
+    return tuple((c.__name__, f"{c.__module__}.{c.__qualname__}") for c in original_class(cls).__mro__[:-1])
 
 
 class PerClass(dict, Generic[T]):
