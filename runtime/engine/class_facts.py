@@ -16,7 +16,8 @@ T = TypeVar("T")
 
 
 def class_fact(compute: Callable[..., T]) -> Callable[..., T]:
-    """`compute(cls, *args)`, memoized per class (weakly: a class made and dropped is not kept) and arguments."""
+    """`compute(cls, *args)`, memoized per class (weakly: a class made and dropped is not kept, so a fact must not
+    refer to its class) and arguments."""
     facts: WeakKeyDictionary[type, dict[tuple[Hashable, ...], T]] = WeakKeyDictionary()
 
     @functools.wraps(compute)
