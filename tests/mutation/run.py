@@ -48,6 +48,15 @@ TIMEOUT = 120.0  # seconds a mutant's tests may take (a mutant that loops foreve
 SURVIVORS = REPO / "build" / "mutation" / "survivors.json"  # by module: each survivor of its last run
 
 
+def tool(name: str) -> str:
+    """A cosmic-ray command: the one installed beside this Python (a venv need not be activated), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        raise SystemExit(f"`{name}` not found beside {sys.executable} or on PATH: pip install -e \".[mutation]\"")
+    return found
+
+
 def test_command(tests: list[str]) -> str:
     return " ".join([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", *tests])
 
@@ -80,10 +89,10 @@ def run(module: str, tests: list[str], folder: Path, copy: Path) -> dict:
     cfg, session = folder / f"{Path(module).stem}.toml", folder / f"{Path(module).stem}.sqlite"
     cfg.write_text(config(module, tests))
     env = {**os.environ, "PYTHONPATH": str(copy.parent)}
-    for step in (["cosmic-ray", "init", cfg, session], ["cr-filter-operators", session, cfg],
-                 ["cosmic-ray", "exec", cfg, session]):
+    for step in ([tool("cosmic-ray"), "init", cfg, session], [tool("cr-filter-operators"), session, cfg],
+                 [tool("cosmic-ray"), "exec", cfg, session]):
         subprocess.run([str(part) for part in step], cwd=copy, env=env, check=True)
-    dump = subprocess.run(["cosmic-ray", "dump", str(session)], cwd=copy, capture_output=True, text=True,
+    dump = subprocess.run([tool("cosmic-ray"), "dump", str(session)], cwd=copy, capture_output=True, text=True,
                           check=True).stdout
     jobs = [json.loads(line) for line in dump.splitlines() if line.strip()]
     done = [(job, result) for job, result in jobs if result is not None and result.get("worker_outcome") == "normal"]
@@ -98,7 +107,7 @@ def rerun(module: str, tests: list[str], copy: Path, survivors: list[dict]) -> d
     env = {**os.environ, "PYTHONPATH": str(copy.parent)}
     left = []
     for survivor in survivors:
-        step = ["cosmic-ray", "mutate-and-test", module, survivor["operator"], str(survivor["occurrence"]),
+        step = [tool("cosmic-ray"), "mutate-and-test", module, survivor["operator"], str(survivor["occurrence"]),
                 test_command(tests)]
         out = subprocess.run(step, cwd=copy, env=env, capture_output=True, text=True, check=True).stdout
         outcome = json.loads(out)
@@ -114,6 +123,9 @@ def describe(module: str, survivor: dict) -> str:
 def main(argv: list[str]) -> int:
     again = argv[:1] == ["--survivors"]
     argv = argv[1:] if again else argv
+    unknown = [module for module in argv if module not in MODULES]
+    if unknown:
+        raise SystemExit(f"not a module this script scores: {', '.join(unknown)} (choose from {', '.join(MODULES)})")
     chosen = {module: MODULES[module] for module in argv} if argv else MODULES
     kept = json.loads(SURVIVORS.read_text()) if SURVIVORS.exists() else {}
     started = time.monotonic()
