@@ -96,6 +96,7 @@ def test_no_rule_selects_the_module():
 def test_a_section_decides_as_decide_does(path, cls):
     rules = [
         quant("family", "int8", **{"class": "Linear", "subclasses": True}),
+        quant("fused", "none", **{"class": "Fused*"}),  # a glob names any class: met by every class, not by name
         quant("head", "none", path="model.lm_head"),
         quant("first", "int8", regex=[r".*\.0"]),
     ]
