@@ -1,5 +1,5 @@
-"""Facts of a class that no policy changes (its selector names, whether a kind reproduces it, whether it speaks the
-host's protocol), worked out once per class and kept while the class lives.
+"""Facts of a class that no policy changes (the names selectors compare, whether its forward takes an input),
+worked out once per class and kept while the class lives.
 
 A cold resolve reads a new policy, but the classes of a running process are the ones it met before: what depends
 on the class alone is not worked out again (`benchmarks/bench_resolve.py`).
