@@ -25,8 +25,10 @@ def class_fact(compute: Callable[..., T]) -> Callable[..., T]:
         known = facts.get(cls)
         if known is None:
             known = facts[cls] = {}
-        if args not in known:
-            known[args] = compute(cls, *args)
-        return known[args]
+        try:
+            return known[args]
+        except KeyError:  # first sight of the class with these arguments
+            value = known[args] = compute(cls, *args)
+            return value
 
     return fact
