@@ -13,14 +13,17 @@ Timed in interleaved rounds, medians:
   nothing else;
 - `census walk`: the lean walk, also counting each tensor's bytes once (by id): the least work of a walk whose
   result reports coverage, as a plan does (timed cold only);
+- `floor walk`: the census walk over streamwise's own walk (`walk_modules`, one stack, no generator per level),
+  the fastest this code walks: what `resolve` + `apply` cannot do with less, before a single rule is decided or a
+  plan entry made (timed cold only);
 - `resolve`: the plan alone (precedence, coverage census, diagnostics);
 - `resolve + apply`: `streamwise.apply_policy`, the plan carried out (`streamwise.revert` resets the tree
   outside the timed part);
 - `... cold`: what a load does, on a tree built anew each round (untimed) with a policy read anew (untimed), so
-  nothing decided for the policy is cached: `resolve + apply cold`, `lean walk cold` and `census walk cold` (the
-  same walks on the fresh tree). Class facts that no policy changes (a forward's signature, class names) stay
-  known across rounds, as they do in a running process. The warm figures resolve the same Policy object and tree
-  every round.
+  nothing decided for the policy is cached: `resolve + apply cold`, `lean walk cold`, `census walk cold` and
+  `floor walk cold` (the same walks on the fresh tree). Class facts that no policy changes (a forward's signature,
+  class names) stay known across rounds, as they do in a running process. The warm figures resolve the same Policy
+  object and tree every round.
 The walks swap the same modules the plan converts, and are swapped back outside the timed part. Timed in this
 thread's CPU time, so time the machine spends on other work does not count; the ratios are medians of per-round
 ratios (each round runs every variant once). Goals: `resolve + apply cold` no slower than `lean walk cold`, and warm
@@ -34,13 +37,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import transformers
 from torch import nn
 
 import streamwise
+from streamwise.runtime.plan.selectors import walk_modules
 
 
 def build() -> nn.Module:
@@ -87,12 +91,13 @@ def seed_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
 
 
 def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict,
-              census: dict[int, int] | None = None) -> list:
+              census: dict[int, int] | None = None, walk: Callable[[nn.Module], Iterable] | None = None) -> list:
     """Swap every listed class for its subclass; the undo list is what the walk returns. With a `census` (the
-    census walk), also note each tensor's bytes there once, by id."""
+    census walk), also note each tensor's bytes there once, by id; with a `walk`, visit the tree by it instead of
+    `named_modules()`."""
     undo = []
-    for path, module in model.named_modules():
-        if census is not None:
+    for path, module in model.named_modules() if walk is None else walk(model):
+        if census is not None and (module._parameters or module._buffers):
             for tensors in (module._parameters, module._buffers):
                 for tensor in tensors.values():
                     if tensor is not None and id(tensor) not in census:
@@ -114,6 +119,13 @@ def census_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], cl
     return lean_walk(model, stream, relocate, classes, census={} if census is None else census)
 
 
+def floor_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict,
+               census: dict[int, int] | None = None) -> list:
+    """The census walk over streamwise's own walk (one stack, no generator per level): the least `resolve` + `apply`
+    could do, before a single rule is decided or a plan entry made."""
+    return lean_walk(model, stream, relocate, classes, census={} if census is None else census, walk=walk_modules)
+
+
 def timed(run: Callable[[], object]) -> float:
     start = time.thread_time()
     run()
@@ -133,11 +145,13 @@ def main() -> None:
 
     converted = {m.path for m in plan.modules if m.stream or m.relocate}
     paths = {module: path for path, module in model.named_modules()}
-    census: dict[int, int] = {}
-    for _, module, cls in census_walk(model, stream, relocate, classes, census):
-        module.__class__ = cls
-    assert sum(census.values()) == sum(plan.coverage.bytes.values()), "the census walk must count what the plan does"
-    for baseline in (seed_walk, lean_walk, census_walk):
+    for counting in (census_walk, floor_walk):
+        census: dict[int, int] = {}
+        for _, module, cls in counting(model, stream, relocate, classes, census):
+            module.__class__ = cls
+        assert sum(census.values()) == sum(plan.coverage.bytes.values()), \
+            f"{counting.__name__} must count what the plan does"
+    for baseline in (seed_walk, lean_walk, census_walk, floor_walk):
         undo = baseline(model, stream, relocate, classes)
         swapped = {paths[module] for _, module, _ in undo}
         assert swapped == converted, f"{baseline.__name__} must swap what the plan converts"
@@ -179,7 +193,7 @@ def main() -> None:
 
     runs = {"named_modules": walk, "seed walk": swapping(seed_walk), "lean walk": swapping(lean_walk),
             "resolve": resolve_only, "resolve + apply": resolve_apply, "lean walk cold": cold(lean_walk),
-            "census walk cold": cold(census_walk),
+            "census walk cold": cold(census_walk), "floor walk cold": cold(floor_walk),
             "resolve + apply cold": resolve_apply_cold}
     for run in runs.values():  # warm the class caches
         run()
@@ -200,6 +214,7 @@ def main() -> None:
                                   ("resolve + apply", "lean walk", ""),
                                   ("resolve + apply cold", "lean walk cold", " (goal <= 1.00x)"),
                                   ("census walk cold", "lean walk cold", ""),
+                                  ("floor walk cold", "lean walk cold", ""),
                                   ("resolve + apply cold", "census walk cold", "")):
         ratio = [mine / theirs for mine, theirs in zip(samples[ours], samples[walk_name], strict=True)]
         low, _, high = statistics.quantiles(ratio, n=4)
