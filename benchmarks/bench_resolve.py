@@ -114,16 +114,16 @@ def lean_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], clas
 
 
 def census_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict,
-                census: dict[int, int] | None = None) -> list:
+                census: dict[int, int] | None = None, walk: Callable[[nn.Module], Iterable] | None = None) -> list:
     """The lean walk counting each tensor's bytes once: the least a walk that reports coverage does."""
-    return lean_walk(model, stream, relocate, classes, census={} if census is None else census)
+    return lean_walk(model, stream, relocate, classes, census={} if census is None else census, walk=walk)
 
 
 def floor_walk(model: nn.Module, stream: dict[str, str], relocate: set[str], classes: dict,
                census: dict[int, int] | None = None) -> list:
     """The census walk over streamwise's own walk (one stack, no generator per level): the least `resolve` + `apply`
     could do, before a single rule is decided or a plan entry made."""
-    return lean_walk(model, stream, relocate, classes, census={} if census is None else census, walk=walk_modules)
+    return census_walk(model, stream, relocate, classes, census, walk=walk_modules)
 
 
 def timed(run: Callable[[], object]) -> float:
