@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..quant.huge_pages import empty
 from .errors import CheckpointError
+
+_FADVISE = getattr(os, "posix_fadvise", None)  # Unix only: advice, never needed for a right answer
 
 
 def _identity(status: os.stat_result) -> tuple[int, ...]:
@@ -41,22 +44,55 @@ class CheckedFile:
 
     def read(self, offset: int, nbytes: int) -> Tensor:
         """The `nbytes` bytes at `offset`, as a fresh uint8 tensor; a CheckpointError if the file changed."""
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        try:  # never blocks: a FIFO put in the file's place opens at once, and fails the identity check
-            descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise self.changed(f"it cannot be opened again ({exc.strerror})") from None
+        buffer = empty((nbytes,), torch.uint8, torch.device("cpu"))
+        self.read_into([(offset, buffer)])
+        return buffer
+
+    def read_into(self, ranges: list[tuple[int, Tensor]], *, drop_cache: bool = False) -> None:
+        """Fill each contiguous CPU tensor of `ranges` with the file's bytes from its offset on, through one
+        descriptor whose identity is checked before and after; a CheckpointError if the file changed or ends early.
+        `drop_cache` tells the kernel the ranges' page cache is no longer needed (`POSIX_FADV_DONTNEED`), so a copy
+        kept in memory is not charged twice under a memory limit."""
+        descriptor = self._open()
         with open(descriptor, "rb", buffering=0) as handle:
             self._check(os.fstat(descriptor))
-            handle.seek(offset)
-            view, done = memoryview(buffer.numpy()), 0
-            while done < nbytes:
-                count = handle.readinto(view[done:])
-                if not count:
-                    raise self.changed(f"it ends at byte {offset + done}, inside a tensor's data")
-                done += count
+            for offset, out in ranges:
+                nbytes = out.numel() * out.element_size()
+                if nbytes == 0:
+                    continue
+                handle.seek(offset)
+                view, done = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0
+                while done < nbytes:
+                    count = handle.readinto(view[done:])
+                    if not count:
+                        raise self.changed(f"it ends at byte {offset + done}, inside a tensor's data")
+                    done += count
             self._check(os.fstat(descriptor))
-        return buffer
+            if drop_cache and _FADVISE is not None:
+                for offset, out in ranges:
+                    _FADVISE(descriptor, offset, out.numel() * out.element_size(), os.POSIX_FADV_DONTNEED)
+
+    def will_read(self, offset: int, nbytes: int) -> None:
+        """Tell the kernel a range is about to be read (`POSIX_FADV_WILLNEED`), where the platform can be told."""
+        if _FADVISE is None:
+            return
+        try:
+            descriptor = self._open()
+        except CheckpointError:
+            return  # the read itself will say so
+        try:
+            _FADVISE(descriptor, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(descriptor)
+
+    def _open(self) -> int:
+        """A fresh read-only descriptor on the path. Where the platform has `O_NONBLOCK`, a FIFO put in the file's
+        place opens at once and fails the identity check; elsewhere (Windows) there are no FIFOs to block on."""
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+        try:
+            return os.open(self.path, flags)
+        except OSError as exc:
+            raise self.changed(f"it cannot be opened again ({exc.strerror})") from None
 
     @contextmanager
     def private_copy(self, head: int) -> Iterator[str]:
