@@ -16,6 +16,7 @@ layout (`conversion`: renamed keys, stacked experts, the base model's prefix).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -27,8 +28,9 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ..engine import protocol
-from ..engine.apply import ConversionError, apply, check
+from ..engine.apply import ConversionError, applied_state, apply, check
 from ..engine.exclusive import one_writer
+from ..engine.file_tier import FileSource, FileTier, Sources
 from ..engine.journal import Journal
 from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
@@ -39,7 +41,8 @@ from ..sizes import human
 from . import comfy_quant
 from .conversion import under_model_keys
 from .llama_cpp import Mapped, is_llama_cpp_layout
-from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
+from .readers import Checkpoint, CheckpointError, FileRange, StoredTensor, open_checkpoint
+from .tiers import Tiers, Unit, host_budget, place, read_in
 
 _log = logging.getLogger("streamwise.load")
 _GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
@@ -65,6 +68,8 @@ class LoadReport:
     covered: str = "100.00%"
     """The share of the tree's bytes its plan streams or relocates (`Coverage.percent`): below 100%, tensors are
     stranded."""
+    tiers: Tiers | None = None
+    """What is in host memory and what stayed in the file (`tiers.place`)."""
 
     def __str__(self) -> str:
         """One line for people: the class built, what was read, what stayed quantized (by type), what was dequantized
@@ -81,6 +86,8 @@ class LoadReport:
         if self.ignored:
             parts.append(f"{len(self.ignored)} file tensors unused")
         parts.append(f"covered {self.covered}")
+        if self.tiers is not None and self.tiers.file_bytes:
+            parts.append(str(self.tiers))
         return "; ".join(parts)
 
 
@@ -97,6 +104,7 @@ def load(
     dtype: torch.dtype | None = None,
     progress: Callable[[int, int], None] | bool | None = None,
     allow_stranded: bool = True,
+    max_memory: object = None,
 ) -> LoadReport:
     """Load `path` into `model` as `policy` says, then convert the tree (see `apply`); the report is also logged
     (logger `streamwise.load`).
@@ -104,7 +112,10 @@ def load(
     `dtype` converts floating-point tensors; without it a file dtype that differs from the
     model's is an error. `progress(done, total)` is called as tensors are placed; without one, a
     tqdm bar shows on a terminal; `progress=False` shows none. `allow_stranded=False` refuses a plan that strands
-    tensors before anything is read (`Plan.refuse_stranded`): what the ComfyUI loader asks.
+    tensors before anything is read (`Plan.refuse_stranded`): what the ComfyUI loader asks. `max_memory` is the host
+    budget (`tiers.host_budget`: by default what this process can spare): streamed units past it stay in the file and
+    are read at each forward (`engine.file_tier`); the tree keeps the budget and where each tensor can be read back
+    from, for a later `offload`.
     """
 
     def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
@@ -125,26 +136,36 @@ def load(
         if filling.problems:
             raise CheckpointError(filling.problems)
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
+        must_hold, units = filling.units(plan)
+        tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory))
+        filling.read_in(tiers)  # every read error surfaces here, before the tree changes
+        file_tier = FileTier()
         if progress is None or progress is True:
             from tqdm import tqdm
 
             with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
                       disable=None, leave=False) as bar:
-                filling.assign(lambda done, total: bar.update(done - bar.n), journal)
+                filling.assign(lambda done, total: bar.update(done - bar.n), journal, file_tier)
         else:
-            filling.assign(progress or (lambda done, total: None), journal)
+            filling.assign(progress or (lambda done, total: None), journal, file_tier)
         apply(plan, model, journal=journal)
+        tree = applied_state(model).tree
+        journal.set_attributes(tree, {"file_tier": file_tier, "host_budget": tiers.budget})
+        for unit in units:
+            if any(key in tiers.in_file for key, _ in unit.values):
+                leaf = model.get_submodule(unit.path)
+                journal.keep(leaf, (protocol.FETCH_FLAG,))
+                protocol.set_fetching(leaf, True)  # its weights come from the file at each forward
     residents: dict[str, int] = {}
     for module in model.modules():
         handler = protocol.quant_handler(module)
         if handler is not None:
             residents[handler.name] = residents.get(handler.name, 0) + 1
-    read = [*filling.tensors.values(), *(t for _, stored, _ in filling.residents.values() for t in stored.values())]
     report = LoadReport(
-        checkpoint.path, len(filling.tensors) + len(filling.residents),
-        sum(t.numel() * t.element_size() for t in read), dict(sorted(residents.items())),
-        len(filling.dequantized), dict(sorted(filling.kept.items())), dict(sorted(filling.dequantized.items())),
-        dict(sorted(mapped.ignored.items())) if mapped is not None else {}, covered=plan.coverage.percent,
+        checkpoint.path, len(filling.tensors) + len(filling.residents), tiers.host_bytes + tiers.file_bytes,
+        dict(sorted(residents.items())), len(filling.dequantized), dict(sorted(filling.kept.items())),
+        dict(sorted(filling.dequantized.items())), dict(sorted(mapped.ignored.items())) if mapped is not None else {},
+        covered=plan.coverage.percent, tiers=tiers,
     )
     _log.info("load: policy `%s`, %s", plan.policy, report)
     return report
@@ -161,6 +182,8 @@ class _Filling:
         self.dequantized: dict[str, str] = {}  # model key -> why
         self.kept: dict[str, str] = {}  # model key -> GGML type kept as a resident
         self.aliases: dict[str, list[str]] = {}
+        self.buffers: set[str] = set()  # keys of buffers: they never stay in the file
+        self.sources: dict[str, FileSource] = {}  # key -> where its value can be read back from
 
     def problem(self, name: str, message: str) -> None:
         stored = self.checkpoint.tensors.get(name)  # in a sharded folder: the shard that holds it
@@ -168,6 +191,7 @@ class _Filling:
 
     def collect(self) -> None:
         expected = self.model.state_dict(keep_vars=True)
+        self.buffers = {name for name, tensor in expected.items() if not isinstance(tensor, nn.Parameter)}
         groups: dict[int, list[str]] = {}
         for name, tensor in expected.items():
             groups.setdefault(id(tensor), []).append(name)
@@ -205,22 +229,24 @@ class _Filling:
             return
         target = self.dtype if (self.dtype is not None and current.is_floating_point()) else current.dtype
         module_path, _, attribute = name.rpartition(".")
+        in_file = isinstance(stored.read, FileRange)  # nothing transformed it: it can be read back at a fetch
         if stored.qtype is not None:
             if not current.is_floating_point():
                 self.problem(name, f"a quantized {stored.qtype.name} tensor in the file, {current.dtype} in the model")
                 return
-            blocks = stored.read()
+            blocks = None if in_file else stored.read()
             try:
-                check_blocks(stored.qtype, stored.shape, blocks.numel())
+                check_blocks(stored.qtype, stored.shape, stored.read.nbytes if in_file else blocks.numel())
             except ValueError as exc:  # UnsupportedQuantType too
                 self.problem(name, str(exc))
                 return
             if self._keeps_gguf_storage(module_path, attribute):
                 attributes = {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape}
-                self.residents[module_path] = ("gguf", {"weight": blocks}, attributes)
+                raw = FileSource(stored.read, torch.uint8, stored.read.shape) if in_file else blocks
+                self.residents[module_path] = ("gguf", {"weight": raw}, attributes)
                 self.kept[name] = stored.qtype.name
                 return
-            tensor = dequantize(blocks, stored.qtype, stored.shape, target)
+            tensor = dequantize(stored.read() if blocks is None else blocks, stored.qtype, stored.shape, target)
             why = self._why_float(module_path, attribute)
             tied = f" (tied: {', '.join(names[1:])} shares it)" if len(names) > 1 else ""
             self.dequantized[name] = f"dequantized from {stored.qtype.name}: {why}{tied}"
@@ -228,22 +254,23 @@ class _Filling:
             self.dequantized[name] = stored.note
             tensor = stored.read().to(target)
         else:
-            tensor = stored.read()
-            if (tensor.dtype != target and tensor.dtype in _GGUF_HALVES
+            if (stored.dtype != target and stored.dtype in _GGUF_HALVES
                     and self._keeps_gguf_storage(module_path, attribute)):
                 # a GGUF F16/BF16 weight under a `gguf` rule stays in the file's storage, like a quantized one
-                attributes = {"gguf_qtype": _GGUF_HALVES[tensor.dtype], "gguf_shape": stored.shape}
-                self.residents[module_path] = ("gguf", {"weight": tensor.view(torch.uint8).reshape(-1)}, attributes)
-                self.kept[name] = _GGUF_HALVES[tensor.dtype].name
+                attributes = {"gguf_qtype": _GGUF_HALVES[stored.dtype], "gguf_shape": stored.shape}
+                nbytes = math.prod(stored.shape) * stored.dtype.itemsize
+                raw = (FileSource(stored.read, torch.uint8, (nbytes,)) if in_file
+                       else stored.read().view(torch.uint8).reshape(-1))
+                self.residents[module_path] = ("gguf", {"weight": raw}, attributes)
+                self.kept[name] = _GGUF_HALVES[stored.dtype].name
                 return
-            if tensor.dtype != target:
-                if not (self.dtype is not None and tensor.is_floating_point() and current.is_floating_point()):
-                    self.problem(
-                        name,
-                        f"dtype {tensor.dtype} in the file, {current.dtype} in the model (pass dtype= to convert)",
-                    )
-                    return
-                tensor = tensor.to(target)
+            if stored.dtype != target and not (
+                    self.dtype is not None and stored.dtype.is_floating_point and current.is_floating_point()):
+                self.problem(
+                    name, f"dtype {stored.dtype} in the file, {current.dtype} in the model (pass dtype= to convert)",
+                )
+                return
+            tensor = FileSource(stored.read, target, stored.shape) if in_file else stored.read().to(target)
         self.tensors[name] = tensor
         self.aliases[name] = names
 
@@ -300,27 +327,102 @@ class _Filling:
             except ValueError as exc:
                 self.problem(key, str(exc))
                 continue
-            stored_tensors = {"weight": weight.read(), "weight_scale": scale.read().float().reshape(-1)}
+            raw = (FileSource(weight.read, torch.int8, weight.shape) if isinstance(weight.read, FileRange)
+                   else weight.read())
+            stored_tensors = {"weight": raw, "weight_scale": scale.read().float().reshape(-1)}
             self.residents[prefix] = (format_name, stored_tensors, {"_sw_group_size": group})
             consumed += [f"{prefix}.weight", f"{prefix}.weight_scale"]
         return consumed
 
-    def assign(self, progress: Callable[[int, int], None] | None, journal: Journal) -> None:
+    def units(self, plan) -> tuple[list[object], list[Unit]]:
+        """What must be in memory (outside any streamed unit: buffers, relocated, tied or transformed tensors), and
+        each streamed unit's values, in the plan's order."""
+        streamed = {entry.path: Unit(entry.path, []) for entry in plan.modules if entry.stream}
+        relocated = {(entry.path, name) for entry in plan.modules for name in entry.relocate}
+        must_hold: list[object] = []
+
+        def unit_of(module_path: str) -> Unit | None:
+            path = module_path
+            while True:
+                if path in streamed:
+                    return streamed[path]
+                if not path:
+                    return None
+                path = path.rpartition(".")[0]
+
+        for name, value in self.tensors.items():
+            module_path, _, attribute = name.rpartition(".")
+            unit = unit_of(module_path)
+            if (unit is None or len(self.aliases[name]) > 1 or name in self.buffers
+                    or (module_path, attribute) in relocated):
+                must_hold.append(value)
+            else:
+                unit.values.append((name, value))
+        for module_path, (_, stored, _) in self.residents.items():
+            unit = unit_of(module_path)
+            for attribute, value in stored.items():
+                if unit is None:
+                    must_hold.append(value)
+                else:
+                    unit.values.append((f"{module_path}.{attribute}", value))
+        return must_hold, [unit for unit in streamed.values() if unit.values]
+
+    def read_in(self, tiers: Tiers) -> None:
+        """Read every value that stays in memory (those left in the file stay `FileSource`s)."""
+        self.sources = {key: value for key, value in self._values() if isinstance(value, FileSource)}
+        keyed = [(key, value) for key, value in self.sources.items() if key not in tiers.in_file]
+        for (key, _), tensor in zip(keyed, read_in([value for _, value in keyed], drop_cache=tiers.tight),
+                                    strict=True):
+            self._set_value(key, tensor)
+
+    def _values(self):
+        yield from self.tensors.items()
+        for module_path, (_, stored, _) in self.residents.items():
+            for attribute, value in stored.items():
+                yield f"{module_path}.{attribute}", value
+
+    def _set_value(self, key: str, value: object) -> None:
+        if key in self.tensors:
+            self.tensors[key] = value
+            return
+        module_path, _, attribute = key.rpartition(".")
+        self.residents[module_path][1][attribute] = value
+
+    def assign(self, progress: Callable[[int, int], None] | None, journal: Journal, file_tier: FileTier) -> None:
+        """Put every value in the tree: tensors in memory as they are, those left in the file as meta placeholders;
+        every value read from the file is recorded where it can be read back from (`protocol.SOURCES`)."""
         expected = self.model.state_dict(keep_vars=True)
+        found: dict[str, dict[str, FileSource]] = {}
         total = len(self.tensors) + len(self.residents)
         for done, (name, tensor) in enumerate(self.tensors.items(), 1):
             if progress is not None:
                 progress(done, total)
             current = expected[name]
-            if isinstance(current, nn.Parameter):
+            source = self.sources.get(name) if len(self.aliases[name]) == 1 else None
+            if isinstance(tensor, FileSource):
+                value = tensor.placeholder(current)
+            elif isinstance(current, nn.Parameter):
                 value = nn.Parameter(tensor, requires_grad=current.requires_grad)
             else:
                 value = tensor
             for alias in self.aliases[name]:
                 module_path, _, attribute = alias.rpartition(".")
                 journal.set_tensor(self.model.get_submodule(module_path), attribute, value)
+                if source is not None:
+                    found.setdefault(module_path, {})[attribute] = source
         for done, (module_path, (format_name, stored, attributes)) in enumerate(self.residents.items(),
                                                                                 len(self.tensors) + 1):
-            make_resident(self.model.get_submodule(module_path), format_name, stored, attributes, journal)
+            held = {}
+            for attribute, value in stored.items():
+                if isinstance(value, FileSource):
+                    value = value.placeholder(torch.empty(0))  # a plain meta tensor: the resident wraps it
+                held[attribute] = value
+                source = self.sources.get(f"{module_path}.{attribute}")
+                if source is not None:
+                    found.setdefault(module_path, {})[attribute] = source
+            make_resident(self.model.get_submodule(module_path), format_name, held, attributes, journal)
             if progress is not None:
                 progress(done, total)
+        for module_path, tensors in found.items():
+            journal.set_attributes(self.model.get_submodule(module_path),
+                                   {protocol.SOURCES: Sources(file_tier, tensors)})

@@ -193,7 +193,7 @@ def _safetensors(path: Path) -> tuple[dict[str, StoredTensor], CheckedFile]:
         raise CheckpointError([f"{path}: not a readable safetensors file ({exc})"]) from None
     entries = _safetensors_header(path, raw, size - 8 - header_size)
     data_start = 8 + header_size
-    return {name: StoredTensor(name, str(path), shape, dtype, _reader(checked, dtype, shape, data_start + begin))
+    return {name: StoredTensor(name, str(path), shape, dtype, FileRange(checked, data_start + begin, dtype, shape))
             for name, (dtype, shape, begin) in entries.items()}, checked
 
 
@@ -333,16 +333,25 @@ def _nbytes(dtype_name: str, shape: tuple[int, ...]) -> int | str:
     return bits // 8
 
 
-def _reader(checked: CheckedFile, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> Callable[[], Tensor]:
-    """A tensor's `read`: its bytes at `offset`, read into memory of its own (`checked_file`)."""
-    nbytes = math.prod(shape) * dtype.itemsize
+@dataclass(frozen=True)
+class FileRange:
+    """A tensor's bytes at `offset` in a checked file: called, they are read into memory of their own
+    (`checked_file`); as a `StoredTensor.read` that nothing transformed, it is also where the file tier reads them
+    back from (`engine.file_tier.FileSource`)."""
 
-    def read() -> Tensor:
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return checked.read(offset, nbytes).view(dtype).reshape(shape)
+    file: CheckedFile
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
-    return read
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __call__(self) -> Tensor:
+        if self.nbytes == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return self.file.read(self.offset, self.nbytes).view(self.dtype).reshape(self.shape)
 
 
 def _gguf(path: Path) -> Checkpoint:
@@ -367,10 +376,10 @@ def _gguf(path: Path) -> Checkpoint:
         shape = tuple(reversed(info.dims))
         offset = header.data_start + info.offset
         if info.qtype in plain:
-            read = _reader(checked, plain[info.qtype], shape, offset)
+            read = FileRange(checked, offset, plain[info.qtype], shape)
             tensors[info.name] = StoredTensor(info.name, str(path), shape, plain[info.qtype], read)
         else:
-            read = _reader(checked, torch.uint8, (info.nbytes,), offset)
+            read = FileRange(checked, offset, torch.uint8, (info.nbytes,))
             tensors[info.name] = StoredTensor(info.name, str(path), shape, torch.uint8, read, info.qtype)
     found = header.metadata.get(gguf.Keys.General.ARCHITECTURE)
     architecture = found.value if found is not None and isinstance(found.value, str) else None

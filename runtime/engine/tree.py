@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import protocol
+from .file_tier import FileTier, held
 
 
 class Fetcher(Protocol):
@@ -49,14 +50,14 @@ class TorchFetcher:
     """Let host-to-device copies return early: only for a host that pins the offloaded weights."""
 
     def fetch_raw(self, module, names, device):
-        return [None if (t := getattr(module, name)) is None else t.to(device, non_blocking=self.non_blocking)
+        return [None if (t := held(module, name)) is None else t.to(device, non_blocking=self.non_blocking)
                 for name in names]
 
     def fetch_parameters(self, module, names, device):
         return self.fetch_raw(module, names, device)  # plain torch patches by weight functions alone
 
     def fetch(self, module, device, dtype):
-        return self.for_compute(module, module.weight, getattr(module, "bias", None), device, dtype)
+        return self.for_compute(module, held(module, "weight"), held(module, "bias"), device, dtype)
 
     def for_compute(self, module: nn.Module, weight: Tensor | None, bias: Tensor | None, device: torch.device,
                     dtype: torch.dtype | None) -> tuple:
@@ -88,11 +89,14 @@ def cast_for_compute(
 
 
 class StreamTree:
-    """The state one converted tree shares: where it computes, and the host's fetcher."""
+    """The state one converted tree shares: where it computes, the host's fetcher, and its file-tier reads."""
 
     def __init__(self) -> None:
         self.compute_device: torch.device | None = None
         self.fetcher: Fetcher = TorchFetcher()
+        self.file_tier: FileTier | None = None
+        self.host_budget: int | None = None
+        """Bytes of host memory the tree may hold (None: no limit); set where it was loaded from files."""
 
 
 def move_in_place(module: nn.Module, name: str, device: torch.device, *, pin: bool = False) -> Tensor:

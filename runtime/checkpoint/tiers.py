@@ -1,0 +1,160 @@
+"""Where a load puts each tensor: host memory, or left in its file (the file tier), within a host budget.
+
+The host budget follows accelerate's `max_memory["cpu"]`: given, or by default what this process can still allocate
+(`host_memory`: the smallest cgroup limit up its tree, reclaimable page cache counted, else `MemAvailable`) less
+`HOST_MARGIN` of the ceiling, kept for activations, the KV cache, the allocator's slack and whatever else the process
+loads later. Tensors that must be in memory come first: everything outside a streamed unit, tied tensors, and values
+the load transformed (dequantized, reordered); then whole streamed units in the plan's order while they fit; the rest
+stays in the file and is read at each fetch into staging buffers (`engine.file_tier`), which the budget counts too. A
+budget that cannot hold what must be in memory is refused before anything is read, with both figures and the budget
+to set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..engine.file_tier import FileSource, FileTier
+from ..host_memory import HostMemoryError, host_memory
+from ..quant.huge_pages import empty
+from ..sizes import SizeError, human, parse_size
+from .errors import CheckpointError
+
+CHUNK = 64 << 20
+"""Bytes one read of a load copies at most: large enough for the disk's sequential rate, small enough to spread."""
+READERS = 4
+"""Threads a load reads with at most."""
+HOST_MARGIN = 0.10
+"""The share of the host's memory ceiling (a cgroup limit, else the machine's RAM) the default host budget leaves
+free: activations, the KV cache, the allocator's slack, and a later model in the same process."""
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    bytes: int | None
+    """None: no limit (everything the load reads stays in memory)."""
+    why: str
+
+
+def host_budget(max_memory: object) -> HostBudget:
+    """The host budget of `max_memory`: None or `"auto"` (what the process can spare, less `HOST_MARGIN`), a size,
+    or accelerate's dict whose `"cpu"` entry is the host budget (`"disk"` needs no entry: the checkpoint is the
+    disk tier); a dict without `"cpu"` leaves host memory unlimited."""
+    if isinstance(max_memory, dict):
+        if "cpu" not in max_memory:
+            return HostBudget(None, "max_memory names no \"cpu\" budget")
+        max_memory = max_memory["cpu"]
+    if max_memory is None or (isinstance(max_memory, str) and max_memory.strip().lower() == "auto"):
+        try:
+            memory = host_memory()
+        except HostMemoryError as exc:
+            raise CheckpointError([f"{exc}: pass max_memory={{'cpu': '8GiB'}}"]) from None
+        spare = max(0, memory.available - int(HOST_MARGIN * memory.total))
+        return HostBudget(spare, f"{human(spare)}: {human(memory.available)} available less {HOST_MARGIN:.0%} of "
+                                 f"{human(memory.total)} ({memory.source})")
+    try:
+        size = parse_size(max_memory, "max_memory['cpu']")
+    except SizeError as exc:
+        raise CheckpointError([f"{exc}; or 'auto' (what this process can spare)"]) from None
+    return HostBudget(size, f"{human(size)}, as max_memory['cpu'] says")
+
+
+@dataclass
+class Unit:
+    """A streamed unit's tensors as the load holds them: (key, value) where a value is read from the file
+    (`FileSource`) or was made in memory (a tensor)."""
+
+    path: str
+    values: list[tuple[str, object]]
+
+    @property
+    def bytes(self) -> int:
+        return sum(_nbytes(value) for _, value in self.values)
+
+    @property
+    def can_stay_in_file(self) -> bool:
+        return all(isinstance(value, FileSource) for _, value in self.values)
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """What a load keeps in memory and what stays in the file."""
+
+    in_file: frozenset[str]
+    """The keys whose values stay in their file."""
+    host_bytes: int
+    file_bytes: int
+    file_units: int
+    staging_bytes: int
+    budget: int | None
+    """The host budget, kept by the tree for a later `offload`."""
+
+    @property
+    def tight(self) -> bool:
+        """Memory is short: the page cache of what is copied into memory is dropped, so a memory limit does not
+        charge those bytes twice (a warm load after a tight one reads from the disk again)."""
+        return self.file_bytes > 0 or (self.budget is not None and 2 * self.host_bytes > self.budget)
+
+    def __str__(self) -> str:
+        return (f"host memory {human(self.host_bytes)}, file {human(self.file_bytes)} in {self.file_units} units "
+                f"(+{human(self.staging_bytes)} staging)")
+
+
+def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget) -> Tiers:
+    """Units in memory in order while they fit `budget` after `must_hold`; the rest in the file, or a
+    CheckpointError saying what is needed, what the budget is and which budget to set."""
+    fixed = sum(_nbytes(value) for value in must_hold)
+    host, kept, in_file, file_bytes, file_units, largest = fixed, 0, set(), 0, 0, 0
+    for unit in units:
+        size = unit.bytes
+        if not unit.can_stay_in_file:
+            host, kept = host + size, kept + size
+        elif budget.bytes is None or host + size + FileTier.SLABS * max(largest, size) <= budget.bytes:
+            host += size
+        else:
+            in_file.update(key for key, _ in unit.values)
+            file_bytes, file_units, largest = file_bytes + size, file_units + 1, max(largest, size)
+    staging = FileTier.SLABS * largest
+    if budget.bytes is not None and fixed + kept + staging > budget.bytes:
+        raise CheckpointError([
+            f"{path}: loading needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
+            f"{budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed "
+            f"ones too), {human(kept)} of units whose values were transformed on load, and {human(staging)} of "
+            f"staging buffers ({FileTier.SLABS} x the largest unit left in the file). Free memory or raise the "
+            "limit, pass a larger max_memory={'cpu': ...}, or use a policy that streams more of the model"])
+    return Tiers(frozenset(in_file), host, file_bytes, file_units, staging, budget.bytes)
+
+
+def read_in(sources: list[FileSource], *, drop_cache: bool) -> list[Tensor]:
+    """Each source's tensor read into memory of its own, in chunks of `CHUNK` bytes spread over a few threads (the
+    copy out of the page cache is most of a warm load, and reads release the GIL); any CheckpointError raised as is."""
+    raws = [empty((source.range.nbytes,), torch.uint8, torch.device("cpu")) for source in sources]
+    batches: list[tuple[object, list[tuple[int, Tensor]]]] = []
+    size = CHUNK
+    for source, raw in zip(sources, raws, strict=True):
+        for start in range(0, source.range.nbytes, CHUNK):
+            piece = raw[start:start + CHUNK]
+            if size + piece.numel() > CHUNK or batches[-1][0] is not source.range.file:
+                batches.append((source.range.file, []))
+                size = 0
+            batches[-1][1].append((source.range.offset + start, piece))
+            size += piece.numel()
+    workers = min(READERS, len(batches), os.cpu_count() or 1)
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="streamwise-load") as pool:
+            for _ in pool.map(lambda batch: batch[0].read_into(batch[1], drop_cache=drop_cache), batches):
+                pass
+    else:
+        for file, ranges in batches:
+            file.read_into(ranges, drop_cache=drop_cache)
+    return [source.as_model_tensor(raw) for source, raw in zip(sources, raws, strict=True)]
+
+
+def _nbytes(value: object) -> int:
+    return value.nbytes  # a FileSource's in the model's dtype; a tensor's own

@@ -1,0 +1,213 @@
+"""The file tier: weights that stay in their checkpoint file until their unit is fetched.
+
+A tensor on the file tier is a `meta` tensor of its dtype and shape (model code reading `.dtype` or `.shape` sees
+the real ones), with a `FileSource` recorded on its module (`protocol.SOURCES`) saying where its bytes are. A fetch
+reads them, through the checkpoint's checked reads (handed in as `FileSource.range`: this stage imports no reader),
+into a staging buffer the tree reuses once nothing holds it any more. While one unit computes, a reader thread reads
+the unit that came next in the last forward, so a forward whose weights come from the file runs near the disk's
+read rate. A file changed under the model is the reader's `CheckpointError` at the fetch that reads it, never a
+signal: nothing of the file is mapped.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from . import protocol
+
+
+class FileRange(Protocol):
+    """A tensor's bytes in a checked file (the checkpoint stage's `FileRange`)."""
+
+    file: object  # has read_into(ranges) and will_read(offset, nbytes)
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """Where a tensor of the model can be read back from: its file range, and the dtype and shape it has in the
+    model (a float cast at the fetch where they differ from the file's; uint8 is a resident's raw storage)."""
+
+    range: FileRange
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it takes in memory, in the model's dtype."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def as_model_tensor(self, raw: Tensor) -> Tensor:
+        """The model's tensor from the range's raw bytes (`raw`, uint8)."""
+        if self.dtype == torch.uint8 and self.range.dtype != torch.uint8:  # a resident keeps the raw storage
+            return raw.reshape(self.shape)
+        values = raw.view(self.range.dtype).reshape(self.range.shape)
+        return values if values.dtype == self.dtype else values.to(self.dtype)
+
+    def placeholder(self, like: Tensor) -> Tensor:
+        """What the module holds in place of `like` while it is on the file tier: a meta tensor of its dtype and
+        shape, a Parameter where `like` is one."""
+        tensor = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        if isinstance(like, nn.Parameter):
+            return nn.Parameter(tensor, requires_grad=like.requires_grad)
+        return tensor
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What `protocol.SOURCES` holds on a module: its tensors that can go back to their file, and the tree's reads
+    (a generic container's claimed descendants are no converted modules, yet read through it)."""
+
+    tier: FileTier
+    tensors: dict[str, FileSource]
+
+
+def sources(module: nn.Module) -> dict[str, FileSource]:
+    """The tensors of `module` that can go back to their file, by attribute name."""
+    record = module.__dict__.get(protocol.SOURCES)
+    return record.tensors if record is not None else {}
+
+
+def on_file_tier(module: nn.Module, name: str) -> bool:
+    tensor = module._parameters.get(name, module._buffers.get(name))
+    return tensor is not None and tensor.is_meta and name in sources(module)
+
+
+def unit_sources(modules: list[nn.Module]) -> list[tuple[nn.Module, str, FileSource]]:
+    """The file-tier tensors of a unit's modules, each shared tensor once."""
+    seen, found = set(), []
+    for module in modules:
+        for name, source in sources(module).items():
+            tensor = module._parameters.get(name, module._buffers.get(name))
+            if tensor is not None and tensor.is_meta and id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append((module, name, source))
+    return found
+
+
+def held(module: nn.Module, name: str) -> Tensor | None:
+    """The tensor `name` of `module` as a fetch copies it: the one it holds, or, on the file tier, its bytes read
+    from the file (`FileTier.read`)."""
+    tensor = getattr(module, name, None)
+    if tensor is None or not tensor.is_meta:
+        return tensor
+    record = module.__dict__.get(protocol.SOURCES)
+    if record is None or name not in record.tensors:
+        return tensor  # a meta tensor nothing can read: the op says so
+    return record.tier.read(module)[name]
+
+
+def _use_count(tensor: Tensor) -> int:
+    """How many tensors share `tensor`'s storage (torch's own count; views included)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+class FileTier:
+    """A tree's reads of its file-tier tensors: staging buffers and read-ahead.
+
+    Staging buffers are reused only once no tensor views them any more (torch's storage use count), so a weight
+    that model code or autograd keeps past its forward keeps its values; otherwise a fresh buffer is taken.
+    """
+
+    SLABS = 3
+    """Staging buffers kept: the unit computing, the unit read ahead, one in hand between them."""
+
+    def __init__(self) -> None:
+        self._slabs: list[Tensor] = []
+        self._order: list[weakref.ref] = []
+        self._position: dict[int, int] = {}
+        self._ahead: dict[int, Future] = {}
+        self._current: tuple[int, dict[str, Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._reader: ThreadPoolExecutor | None = None
+        self.read_ahead = True
+
+    def staging_bytes(self, largest_unit: int) -> int:
+        """What the staging buffers take at most, for a largest file-tier unit of `largest_unit` bytes."""
+        return self.SLABS * largest_unit
+
+    def read(self, module: nn.Module) -> dict[str, Tensor]:
+        """`module`'s file-tier tensors, read now or taken from the read ahead; then the next unit's read starts."""
+        key = id(module)
+        current = self._current
+        if current is not None and current[0] == key:
+            return current[1]
+        future = self._ahead.pop(key, None)
+        tensors = future.result() if future is not None else self._read_unit(module)
+        self._current = (key, tensors)
+        self._follow(module)
+        return tensors
+
+    def forget(self) -> None:
+        """Drop what was read ahead and the order learnt (the tree was placed anew)."""
+        for future in self._ahead.values():
+            future.cancel()
+        self._ahead.clear()
+        self._current = None
+        self._order.clear()
+        self._position.clear()
+
+    def close(self) -> None:
+        self.forget()
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
+            self._reader = None
+
+    def _follow(self, module: nn.Module) -> None:
+        """Learn the forward order; start reading the unit after `module` in it."""
+        key = id(module)
+        position = self._position.get(key)
+        if position is None:
+            position = self._position[key] = len(self._order)
+            self._order.append(weakref.ref(module))
+        if not self.read_ahead or torch.compiler.is_compiling():
+            return
+        following = self._order[(position + 1) % len(self._order)]()
+        if following is None or following is module or id(following) in self._ahead:
+            return
+        if not unit_sources([following]):
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="streamwise-read-ahead")
+            weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
+        self._ahead[id(following)] = self._reader.submit(self._read_unit, following)
+
+    def _read_unit(self, module: nn.Module) -> dict[str, Tensor]:
+        found = [(name, source) for name, source in sources(module).items() if on_file_tier(module, name)]
+        total = sum(source.range.nbytes for _, source in found)
+        slab = self._slab(total)
+        by_file: dict[int, tuple[object, list]] = {}
+        tensors, start = {}, 0
+        for name, source in found:
+            raw = slab[start:start + source.range.nbytes]
+            start += source.range.nbytes
+            by_file.setdefault(id(source.range.file), (source.range.file, []))[1].append((source.range.offset, raw))
+            tensors[name] = source.as_model_tensor(raw)
+        for file, ranges in by_file.values():
+            file.read_into(ranges)
+        return tensors
+
+    def _slab(self, nbytes: int) -> Tensor:
+        """A uint8 buffer of at least `nbytes` no tensor views any more, kept for reuse."""
+        with self._lock:
+            for index, slab in enumerate(self._slabs):
+                if slab.numel() >= nbytes and _use_count(slab) == 1:
+                    return slab[:nbytes]
+            fresh = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            if len(self._slabs) < self.SLABS:
+                self._slabs.append(fresh)
+            else:  # every kept buffer is in use: replace the smallest, the others' users keep theirs
+                smallest = min(range(len(self._slabs)), key=lambda i: self._slabs[i].numel())
+                self._slabs[smallest] = fresh
+            return fresh[:nbytes]
