@@ -110,12 +110,14 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
     """Units in memory in order while they fit `budget` after `must_hold`; the rest in the file, or a
     CheckpointError saying what is needed, what the budget is and which budget to set."""
     fixed = sum(_nbytes(value) for value in must_hold)
+    # staging sized for the largest unit that could stay in the file, so no later unit outgrows what was kept free
+    reserve = FileTier.SLABS * max((unit.bytes for unit in units if unit.can_stay_in_file), default=0)
     host, kept, in_file, file_bytes, file_units, largest = fixed, 0, set(), 0, 0, 0
     for unit in units:
         size = unit.bytes
         if not unit.can_stay_in_file:
             host, kept = host + size, kept + size
-        elif budget.bytes is None or host + size + FileTier.SLABS * max(largest, size) <= budget.bytes:
+        elif budget.bytes is None or host + size + reserve <= budget.bytes:
             host += size
         else:
             in_file.update(key for key, _ in unit.values)

@@ -26,7 +26,10 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ..engine import ConversionError, applied_state, apply_policy, protocol
+from ..checkpoint.tiers import read_in
+from ..engine import file_tier
 from ..engine.exclusive import one_writer
+from ..engine.file_tier import FileTier
 from ..engine.journal import Journal
 from ..engine.tree import TorchFetcher
 from ..plan.selectors import walk_modules
@@ -36,7 +39,7 @@ from .devices import weight_device
 
 UNIT_SHARE = 0.5
 """A streamed unit (a leaf, or a generic container with what it claims) larger than this share of the budget (of
-everything streamed, at budget 0) is warned of: it must fit on the device whole while it computes."""
+everything streamed, at budget 0) is warned of, the only unit too: it must fit on the device whole while it computes."""
 AUTO_MARGIN = 0.10
 """The share of a device's total memory `budget="auto"` leaves free: for activations, the KV cache and the
 allocator's slack."""
@@ -60,12 +63,19 @@ class OffloadReport:
     """The budget in bytes it was placed within (None: everything resident)."""
     large_units: tuple[tuple[str, int], ...] = ()
     """(path, bytes) of each streamed unit larger than `UNIT_SHARE` of the budget (of all streamed bytes at 0)."""
+    file_bytes: int = 0
+    """Of `streamed_bytes`, those read from their checkpoint file at each fetch (the file tier)."""
+    host_budget: int | None = None
+    """The host budget the tree was loaded under (None: host memory unlimited)."""
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
         line = (f"{budget} on {self.device}: {self.resident_modules} streamed leaves resident "
                 f"({human(self.resident_bytes)}), {self.streamed_modules} stream from {self.offload_device} "
                 f"({human(self.streamed_bytes)})")
+        if self.file_bytes:
+            line += (f", {human(self.file_bytes)} of them read from the file (host budget "
+                     f"{human(self.host_budget or 0)})")
         if self.large_units:
             listed = ", ".join(f"`{path or '<root>'}` ({human(size)})" for path, size in self.large_units)
             line += f"; units larger than {UNIT_SHARE:.0%} of the budget: {listed}"
@@ -103,19 +113,33 @@ def offload(
         paths = [entry.path for entry in plan.modules if entry.stream]
         leaves = [modules[path] for path in paths]
         streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
-        resident_bytes = streamed_bytes = resident_count = 0
+        resident_bytes = streamed_bytes = resident_count = file_bytes = 0
+        host_budget = state.tree.host_budget
         placed = _residency(leaves, budget)
+        if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
+            staging = FileTier.SLABS * max((size for _, size, _ in placed), default=0)
+            room = max(0, host_budget - _outside_units(model, leaves) - staging)
+            if budget is None or budget > room:
+                budget = room
+                placed = _residency(leaves, budget)
+        in_file = _file_tier(model, placed, host_budget, device, leaves)
         for group, size, resident in placed:
             for leaf in group:
                 for owner in _owners(leaf):
-                    _place(journal, owner, device if resident else offload_device,
-                           pin=streamer.non_blocking and not resident)
+                    if id(leaf) in in_file:
+                        _leave_in_file(journal, owner)
+                    else:
+                        _place(journal, owner, device if resident else offload_device,
+                               pin=streamer.non_blocking and not resident)
                 journal.keep(leaf, (protocol.FETCH_FLAG,))
                 protocol.set_fetching(leaf, not resident)
             if resident:
                 resident_bytes, resident_count = resident_bytes + size, resident_count + len(group)
             else:
                 streamed_bytes += size
+                file_bytes += size if id(group[0]) in in_file else 0
+        if state.tree.file_tier is not None:
+            state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
         converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
         for module in model.modules():
             if id(module) not in converted and not protocol.relocated_names(module):
@@ -129,7 +153,8 @@ def offload(
         elif is_armed(model):  # armed before: its compiled blocks cannot trace prefetch bookkeeping
             streamer.inline_for_compile()
     report = OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
-                           resident_bytes, streamed_bytes, budget, _large_units(placed, paths, leaves, budget))
+                           resident_bytes, streamed_bytes, budget, _large_units(placed, paths, leaves, budget),
+                           file_bytes, state.tree.host_budget)
     (_log.warning if report.large_units else _log.info)("offload: policy `%s`, %s", policy.name, report)
     return report
 
@@ -211,12 +236,54 @@ def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[n
 def _large_units(placed: list[tuple[list[nn.Module], int, bool]], paths: list[str], leaves: list[nn.Module],
                  budget: int | None) -> tuple[tuple[str, int], ...]:
     """The units larger than `UNIT_SHARE` of the budget (of all streamed bytes at budget 0), by the path of their
-    first leaf: each must fit on the device whole while it computes."""
-    if budget is None or len(placed) < 2:
+    first leaf: each must fit on the device whole while it computes. The only unit is one too: at budget 0 it is all
+    that streams, so it is always named (a whole model streamed as one unit, where no blocks were found)."""
+    if budget is None or not placed:
         return ()
     limit = UNIT_SHARE * (budget or sum(size for _, size, _ in placed))
     path_of = {id(leaf): path for leaf, path in zip(leaves, paths, strict=True)}
     return tuple((path_of[id(group[0])], size) for group, size, _ in placed if size > limit)
+
+
+def _file_tier(model: nn.Module, placed: list[tuple[list[nn.Module], int, bool]], host_budget: int | None,
+               device: torch.device, leaves: list[nn.Module]) -> set[int]:
+    """The ids of the streamed leaves whose units stay in their file: host memory holds, in order, what lives on the
+    CPU outside streamed units, the resident units where the device is the CPU (its budget is part of the host's),
+    then streamed units while they fit `host_budget` with the staging buffers; the rest, where every tensor of the
+    unit can be read back from its file, stays there."""
+    if host_budget is None:
+        return set()
+    on_cpu = device.type == "cpu"
+    host = _outside_units(model, leaves) if on_cpu else 0
+    readable = [all(name in file_tier.sources(owner) for leaf in group for owner in _owners(leaf)
+                    for name, t in owner._parameters.items() if t is not None) for group, _, _ in placed]
+    reserve = FileTier.SLABS * max((size for (_, size, _), can in zip(placed, readable) if can), default=0)
+    in_file = set()
+    for (group, size, resident), can in zip(placed, readable, strict=True):
+        if resident:
+            host += size if on_cpu else 0
+        elif not can or host + size + reserve <= host_budget:
+            host += size
+        else:
+            in_file.update(id(leaf) for leaf in group)
+    return in_file
+
+
+def _outside_units(model: nn.Module, leaves: list[nn.Module]) -> int:
+    """Bytes of the tensors outside every streamed unit: they live on the compute device whatever the budgets."""
+    units = {id(owner) for leaf in leaves for owner in _owners(leaf)}
+    tensors = {id(t): t for m in model.modules() if id(m) not in units
+               for t in (*m._parameters.values(), *m._buffers.values()) if t is not None and not t.is_meta}
+    return sum(_nbytes(t) for t in tensors.values())
+
+
+def _leave_in_file(journal: Journal, module: nn.Module) -> None:
+    """Put a unit's tensors back in their file: each becomes its meta placeholder (already there: nothing to do)."""
+    for name, source in file_tier.sources(module).items():
+        tensor = module._parameters.get(name)
+        if tensor is not None and not tensor.is_meta:
+            source.range.file.verify()  # a file changed since the load could not give the same values back
+            journal.set_tensor(module, name, source.placeholder(tensor))
 
 
 def _owners(leaf: nn.Module) -> list[nn.Module]:
@@ -246,8 +313,19 @@ def _place(journal: Journal, module: nn.Module, device: torch.device, *, pin: bo
     for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
         if tensor is None or name in relocated:
             continue
+        if file_tier.on_file_tier(module, name):  # back from the file: read, then placed as any other
+            journal.set_tensor(module, name, _read_back(module, name, tensor))
+            tensor = module._parameters[name]
         if tensor.device != device or (pin and not tensor.is_pinned()):
             journal.move(module, name, device, pin=pin)
+
+
+def _read_back(module: nn.Module, name: str, placeholder: Tensor) -> Tensor:
+    """The value of a file-tier tensor, read from its file into memory of its own."""
+    (value,) = read_in([file_tier.sources(module)[name]], drop_cache=False)
+    if isinstance(placeholder, nn.Parameter):
+        return nn.Parameter(value, requires_grad=placeholder.requires_grad)
+    return value
 
 
 def _nbytes(tensor: Tensor) -> int:
@@ -313,9 +391,9 @@ class _Streamer(TorchFetcher):
 
 
 def _copy(module: nn.Module, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-    bias = getattr(module, "bias", None)
+    weight, bias = file_tier.held(module, "weight"), file_tier.held(module, "bias")
     return (
-        module.weight.to(device, non_blocking=True),
+        None if weight is None else weight.to(device, non_blocking=True),
         None if bias is None else bias.to(device, non_blocking=True),
     )
 
