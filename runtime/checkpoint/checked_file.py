@@ -30,6 +30,38 @@ from .errors import CheckpointError
 _FADVISE = getattr(os, "posix_fadvise", None)  # Unix only: advice, never needed for a right answer
 
 
+_PROC_FD = "/proc/self/fd"  # where Linux names a process's descriptors by path (absent where /proc is not mounted)
+_FSCTL_SET_SPARSE = 0x900C4
+
+
+def _extend(descriptor: int, size: int) -> None:
+    """Lengthen the open file to `size` bytes, zeros past what was written, without writing those zeros where the
+    platform allows: `ftruncate` leaves a hole on Unix file systems, but Windows' C runtime writes every zero, so
+    there the file is marked sparse and its end set with the Win32 calls (nothing written, a hole on NTFS)."""
+    if os.name == "nt" and _extend_windows(descriptor, size):
+        return
+    os.ftruncate(descriptor, size)
+
+
+def _extend_windows(descriptor: int, size: int) -> bool:
+    """`FSCTL_SET_SPARSE` (advice: a FAT volume has no holes), then `SetEndOfFile` at `size`; False where a call
+    is missing or fails, for `ftruncate` to do it the slow way."""
+    try:
+        import ctypes
+        import msvcrt
+        from ctypes import wintypes
+
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+        handle = wintypes.HANDLE(msvcrt.get_osfhandle(descriptor))
+        returned = wintypes.DWORD()
+        kernel32.DeviceIoControl(handle, wintypes.DWORD(_FSCTL_SET_SPARSE), None, wintypes.DWORD(0), None,
+                                 wintypes.DWORD(0), ctypes.byref(returned), None)
+        moved = kernel32.SetFilePointerEx(handle, ctypes.c_longlong(size), None, wintypes.DWORD(0))  # FILE_BEGIN
+        return bool(moved and kernel32.SetEndOfFile(handle) and os.fstat(descriptor).st_size == size)
+    except Exception:  # no Win32 here (ImportError, AttributeError), or a call refused: the slow way is right too
+        return False
+
+
 def _identity(status: os.stat_result) -> tuple[int, ...]:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
@@ -96,25 +128,32 @@ class CheckedFile:
 
     @contextmanager
     def private_copy(self, head: int) -> Iterator[str]:
-        """A path to a private in-memory file of this file's size holding its first `head` bytes (its header) and
-        zeros after: for a reader that maps a path (transformers' GGUF reader), which then sees exactly the header
-        that was checked, and cannot be killed by a truncation of the real file."""
+        """A path to a private file of this file's size holding its first `head` bytes (its header) and zeros after:
+        for a reader that maps a path (transformers' GGUF reader), which then sees exactly the header that was
+        checked, and cannot be killed by a truncation of the real file. Where the platform has anonymous memory files
+        and names descriptors by path (`memfd_create` and `/proc/self/fd`: Linux) it costs no disk; elsewhere (Windows,
+        macOS, a Linux without /proc) it is `header.gguf` in a private temporary folder (mode 0700), sparse where the
+        file system allows, closed before its path is handed out and removed after."""
         data = self.read(0, head).numpy()
-        if hasattr(os, "memfd_create"):
-            descriptor, holder, folder = os.memfd_create("streamwise-header", os.MFD_CLOEXEC), None, "/proc/self/fd"
-        else:
-            holder = tempfile.TemporaryFile()
-            descriptor, folder = holder.fileno(), "/dev/fd"
-        try:
-            with open(descriptor, "wb", closefd=False) as handle:
-                handle.write(data)
-            os.ftruncate(descriptor, self.size)  # sparse: the tensor data costs nothing
-            yield f"{folder}/{descriptor}"
-        finally:
-            if holder is None:
+        if hasattr(os, "memfd_create") and os.path.isdir(_PROC_FD):
+            descriptor = os.memfd_create("streamwise-header", os.MFD_CLOEXEC)
+            try:
+                with open(descriptor, "wb", closefd=False) as handle:
+                    handle.write(data)
+                os.ftruncate(descriptor, self.size)  # sparse: the tensor data costs nothing
+                yield f"{_PROC_FD}/{descriptor}"
+            finally:
                 os.close(descriptor)
-            else:
-                holder.close()
+            return
+        # a folder of its own: nobody else can put a file at the path, and the reader's own folder lookups find
+        # nothing else there; a file a reader still maps at the end (Windows cannot remove it) is left to the system
+        with tempfile.TemporaryDirectory(prefix="streamwise-", ignore_cleanup_errors=True) as folder:
+            path = os.path.join(folder, "header.gguf")
+            with open(path, "xb") as handle:
+                handle.write(data)
+                handle.flush()
+                _extend(handle.fileno(), self.size)
+            yield path
 
     def _check(self, status: os.stat_result) -> None:
         now = _identity(status)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import resource
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -173,7 +173,29 @@ def run_demo(print=print, budget_fraction: float = 0.25) -> dict:
                       f"leaves resident/streamed {report.resident_modules}/{report.streamed_modules}  "
                       f"forward {result['seconds'] * 1e3:.1f} ms  max error {result['max_error']:.2e}, relative "
                       f"{result['relative_error']:.2e}{agreement}")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\npeak resident memory of this process: {peak:.0f} MiB")
+    peak = peak_rss_mib()
+    shown = "unknown on this platform" if peak is None else f"{peak:.0f} MiB"
+    print(f"\npeak resident memory of this process: {shown}")
     results["peak_rss_mib"] = peak
     return results
+
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory in MiB: `getrusage` on Unix (KiB on Linux, bytes on macOS), psutil's peak
+    working set on Windows; None where neither is there."""
+    try:
+        import resource
+    except ImportError:
+        resource = None
+    if resource is not None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1 << 20 if sys.platform == "darwin" else 1 << 10)
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        peak = getattr(psutil.Process().memory_info(), "peak_wset", None)  # Windows' own peak figure
+    except (psutil.Error, OSError):
+        return None
+    return None if peak is None else peak / (1 << 20)
