@@ -155,6 +155,14 @@ class CheckedFile:
                 _extend(handle.fileno(), self.size)
             yield path
 
+    def verify(self) -> None:
+        """A CheckpointError if the file at the path is no longer the one whose header was read."""
+        try:
+            status = os.stat(self.path)
+        except OSError as exc:
+            raise self.changed(f"it cannot be found again ({exc.strerror})") from None
+        self._check(status)
+
     def _check(self, status: os.stat_result) -> None:
         now = _identity(status)
         if now == self.identity:
