@@ -109,7 +109,8 @@ def held(module: nn.Module, name: str) -> Tensor | None:
 
 
 def _use_count(tensor: Tensor) -> int:
-    """How many tensors share `tensor`'s storage (torch's own count; views included)."""
+    """How many references `tensor`'s storage has (torch's own count: views, and the storage object this call
+    makes); compared only with the same call's count when the buffer was new."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
@@ -120,11 +121,13 @@ class FileTier:
     that model code or autograd keeps past its forward keeps its values; otherwise a fresh buffer is taken.
     """
 
-    SLABS = 3
-    """Staging buffers kept: the unit computing, the unit read ahead, one in hand between them."""
+    SLABS = 2
+    """Staging buffers kept: the unit computing and the unit read ahead (the one before them is released by the
+    time the next read starts; a buffer still held gets a fresh one instead, and is not counted here)."""
 
     def __init__(self) -> None:
-        self._slabs: list[Tensor] = []
+        self._slabs: list[tuple[Tensor, int]] = []  # (buffer, its storage's use count when nothing views it)
+        self._largest = 0
         self._order: list[weakref.ref] = []
         self._position: dict[int, int] = {}
         self._ahead: dict[int, Future] = {}
@@ -140,11 +143,12 @@ class FileTier:
     def read(self, module: nn.Module) -> dict[str, Tensor]:
         """`module`'s file-tier tensors, read now or taken from the read ahead; then the next unit's read starts."""
         key = id(module)
-        current = self._current
-        if current is not None and current[0] == key:
-            return current[1]
+        if self._current is not None and self._current[0] == key:
+            return self._current[1]
+        self._current = None  # the unit before is done: its buffer is free for what is read next
         future = self._ahead.pop(key, None)
         tensors = future.result() if future is not None else self._read_unit(module)
+        del future  # holds the result too
         self._current = (key, tensors)
         self._follow(module)
         return tensors
@@ -201,13 +205,15 @@ class FileTier:
     def _slab(self, nbytes: int) -> Tensor:
         """A uint8 buffer of at least `nbytes` no tensor views any more, kept for reuse."""
         with self._lock:
-            for index, slab in enumerate(self._slabs):
-                if slab.numel() >= nbytes and _use_count(slab) == 1:
+            for slab, idle in self._slabs:
+                if slab.numel() >= nbytes and _use_count(slab) == idle:
                     return slab[:nbytes]
-            fresh = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self._largest = max(self._largest, nbytes, 1)  # every buffer fits every unit seen: no resizing churn
+            fresh = torch.empty(self._largest, dtype=torch.uint8)
+            kept = (fresh, _use_count(fresh))  # the count while only this list holds it
             if len(self._slabs) < self.SLABS:
-                self._slabs.append(fresh)
+                self._slabs.append(kept)
             else:  # every kept buffer is in use: replace the smallest, the others' users keep theirs
-                smallest = min(range(len(self._slabs)), key=lambda i: self._slabs[i].numel())
-                self._slabs[smallest] = fresh
+                smallest = min(range(len(self._slabs)), key=lambda i: self._slabs[i][0].numel())
+                self._slabs[smallest] = kept
             return fresh[:nbytes]

@@ -1,0 +1,235 @@
+"""Models bigger than memory: a host budget leaves streamed units in their file, read at each forward.
+
+Every case compares with the same file loaded without a budget (everything in memory): the tokens and logits are
+the same, bit for bit, whatever stays in the file. The memory cases run in a child process, so a kill by the kernel
+fails the test with its exit code instead of ending the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import streamwise
+from helpers import REPO, gguf_policy, tiny_qwen2
+from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
+from streamwise.runtime.checkpoint.readers import CheckpointError
+from streamwise.runtime.engine import file_tier
+
+INPUTS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+
+
+def _saved(folder: Path, form: str) -> tuple[Path, str]:
+    """A tiny Qwen2 written by the real libraries as `form`; the path to load and the policy to load it with."""
+    torch.manual_seed(0)
+    model = tiny_qwen2(tie_word_embeddings=False)
+    if form == "safetensors":
+        model.save_pretrained(folder)
+        return folder, "auto"
+    if form == "sharded":
+        model.save_pretrained(folder, max_shard_size="60KB")
+        assert (folder / "model.safetensors.index.json").is_file()
+        return folder, "auto"
+    model.save_pretrained(folder / "float")
+    policy = gguf_policy(folder, "Q8_0")
+    quantize_to_gguf(folder / "float" / "model.safetensors", folder / "float" / "model.gguf", policy, model)
+    return folder / "float" / "model.gguf", str(policy)
+
+
+def _logits_and_tokens(model) -> tuple[torch.Tensor, list[int]]:
+    with torch.no_grad():
+        return model(INPUTS).logits, model.generate(INPUTS, max_new_tokens=6, do_sample=False)[0].tolist()
+
+
+@pytest.mark.parametrize("form", ["safetensors", "sharded", "gguf"])
+def test_a_host_budget_leaves_units_in_the_file_and_computes_the_same(tmp_path, form):
+    path, policy = _saved(tmp_path, form)
+    whole = streamwise.load_pretrained(path, policy, progress=False)
+    assert whole.report.tiers.file_bytes == 0
+    budget = whole.report.bytes // 4 + 2 * 128 * 64 * 4  # a quarter, and staging for the float32 embedding
+    tight = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": budget})
+    tiers = tight.report.tiers
+    assert tiers.file_bytes > whole.report.bytes // 2 and tiers.host_bytes + tiers.staging_bytes <= budget, tiers
+    assert "in the file" not in str(whole.report) and f"file {streamwise.runtime.sizes.human(tiers.file_bytes)}" \
+        in str(tight.report)
+    expected_logits, expected_tokens = _logits_and_tokens(whole.model)
+    logits, tokens = _logits_and_tokens(tight.model)
+    assert tokens == expected_tokens and torch.equal(logits, expected_logits)
+    if form == "gguf":  # quantized blocks stay in the file raw, and stream as they are stored
+        assert tight.report.quantized and any(
+            file_tier.on_file_tier(m, "weight") and m.weight.dtype == torch.uint8 for m in tight.model.modules())
+
+
+def test_a_weight_in_the_file_shows_model_code_its_dtype_and_shape(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    head = model.lm_head
+    assert file_tier.on_file_tier(head, "weight")
+    assert head.weight.dtype == torch.float32 and head.weight.shape == (128, 64) and head.weight.is_meta
+    assert isinstance(head.weight, torch.nn.Parameter)
+
+
+def test_offload_moves_units_between_device_host_and_file_and_computes_the_same(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    expected, _ = _logits_and_tokens(streamwise.load_pretrained(path, policy, progress=False).model)
+    loaded = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 96 << 10})
+    for budget in (0, 48 << 10, None):
+        report = streamwise.offload(loaded.model, "decoder-llm", device="cpu", budget=budget)
+        assert report.file_bytes > 0 and report.host_budget == 96 << 10, report
+        assert report.resident_bytes + report.streamed_bytes - report.file_bytes <= 96 << 10
+        logits, _ = _logits_and_tokens(loaded.model)
+        assert torch.equal(logits, expected), budget
+    roomy = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": "64MiB"})
+    report = streamwise.offload(roomy.model, "decoder-llm", device="cpu", budget=0)
+    assert report.file_bytes == 0  # everything fits the host: nothing is read from the file
+    assert torch.equal(_logits_and_tokens(roomy.model)[0], expected)
+
+
+def test_a_budget_that_cannot_hold_what_must_be_in_memory_is_refused_with_its_figures(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    with pytest.raises(CheckpointError) as raised:
+        streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 4096})
+    message = str(raised.value)
+    assert str(path / "model.safetensors") in message
+    assert "loading needs at least" in message and "the host budget is 4.0 KiB, as max_memory['cpu'] says" in message
+    assert "staging buffers" in message and "max_memory={'cpu': ...}" in message
+
+
+def test_a_bad_host_budget_is_a_clear_error(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    with pytest.raises(CheckpointError, match=r"max_memory\['cpu'\]='lots'"):
+        streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": "lots"})
+
+
+def test_a_staging_buffer_is_reused_only_once_nothing_holds_what_was_read_into_it(tmp_path):
+    """A weight kept past its forward (by model code, by autograd) keeps its values while later units are read."""
+    path, policy = _saved(tmp_path, "safetensors")
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    whole = streamwise.load_pretrained(path, policy, progress=False).model
+    leaves = [(name, m) for name, m in model.named_modules() if file_tier.on_file_tier(m, "weight")]
+    assert len(leaves) > file_tier.FileTier.SLABS + 1
+    kept = file_tier.held(leaves[0][1], "weight")
+    for _, module in leaves[1:]:
+        file_tier.held(module, "weight")
+    assert torch.equal(kept, whole.get_submodule(leaves[0][0]).weight)
+
+
+CHILD = textwrap.dedent('''
+    import json, os, sys, threading, time
+    import torch, streamwise
+
+    def anon():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+    folder, budget = sys.argv[1], sys.argv[2]
+    import transformers  # the import baseline: what the interpreter, torch, transformers and the model's code hold
+    from transformers import Qwen2ForCausalLM
+    from streamwise.runtime.checkpoint import pretrained
+    with torch.no_grad():  # torch's own first-use allocations (thread pools) belong to the baseline too
+        torch.nn.functional.linear(torch.ones(64, 64), torch.ones(64, 64))
+    base, peak, done = anon(), [0], threading.Event()
+    if budget == "imports":
+        print(json.dumps({"anon": base}))
+        sys.exit(0)
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    max_memory = None if budget == "auto" else {"cpu": int(budget)}
+    model, report, _ = streamwise.load_pretrained(folder, "auto", progress=False, max_memory=max_memory)
+    with torch.no_grad():
+        tokens = model.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=4, do_sample=False)[0].tolist()
+    done.set()
+    sampler.join()
+    print(json.dumps({"tokens": tokens, "grown": max(peak[0], anon()) - base, "base": base,
+                      "file": report.tiers.file_bytes,
+                      "host": report.tiers.host_bytes, "staging": report.tiers.staging_bytes}))
+''')
+
+
+def _saved_model(folder: Path, hidden: int, layers: int) -> int:
+    """A float32 Qwen2 saved by transformers; its file's size."""
+    torch.manual_seed(0)
+    model = tiny_qwen2(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers, vocab_size=2048,
+                       num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    model.save_pretrained(folder)
+    return (folder / "model.safetensors").stat().st_size
+
+
+def _child(folder: Path, budget: str, cgroup: Path | None = None) -> dict:
+    command = [sys.executable, "-c", CHILD, str(folder), budget]
+    if cgroup is not None:  # join the cgroup before the interpreter starts
+        command = ["sh", "-c", f'echo $$ > "{cgroup}/cgroup.procs" && exec "$@"', "sh", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO / "tests")
+    assert result.returncode == 0, f"exit code {result.returncode} (-9: killed by the kernel): {result.stderr[-3000:]}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="RssAnon is read from /proc (Linux)")
+def test_the_anonymous_memory_of_a_load_stays_within_the_host_budget(tmp_path):
+    size = _saved_model(tmp_path, 256, 8)  # ~40 MiB: holding it would show beside the budget
+    expected = _child(tmp_path, str(size * 4))  # room for everything: the reference tokens
+    budget = size // 5
+    tight = _child(tmp_path, str(budget))
+    assert tight["tokens"] == expected["tokens"] and tight["file"] > size // 2
+    # generous: the allocator's slack and the forward's activations come on top of the budget
+    assert tight["grown"] <= budget + 16 * 2**20, (tight, expected)
+    assert expected["grown"] >= size  # the measure sees a whole model held in memory
+
+
+def _memory_cgroup() -> tuple[Path, str] | None:
+    """A writable memory cgroup this process may create children in (v2, else v1), or None."""
+    try:
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in own:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
+            parent = Path("/sys/fs/cgroup") / path.lstrip("/")
+            if "memory" in (parent / "cgroup.subtree_control").read_text(errors="replace").split():
+                return parent, "memory.max"
+        elif "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes"
+    return None
+
+
+def test_a_checkpoint_larger_than_the_memory_limit_runs_under_it(tmp_path):
+    """Under a memory cgroup below the checkpoint's size, the default host budget (read from the cgroup) leaves
+    what does not fit in the file, and the tokens are those of an unlimited run."""
+    found = _memory_cgroup()
+    if found is None or not os.access(found[0], os.W_OK):
+        pytest.skip("this machine delegates no writable memory cgroup (cgroup v1 or v2) to the tests")
+    parent, limit_file = found
+    imports = _child(tmp_path, "imports")["anon"]
+    size = _saved_model(tmp_path, 1024, 12)  # ~740 MB
+    limit = imports + 256 * 2**20  # below the checkpoint: it cannot be held whole
+    assert limit < size
+    expected = _child(tmp_path, str(size * 4))
+    cgroup = parent / f"streamwise-test-{uuid.uuid4().hex[:8]}"
+    try:
+        cgroup.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup under {parent}: {exc.strerror}")
+    try:
+        (cgroup / limit_file).write_text(str(limit))
+        swap = cgroup / "memory.memsw.limit_in_bytes"
+        if swap.exists():
+            swap.write_text(str(limit))
+        limited = _child(tmp_path, "auto", cgroup)
+        assert limited["tokens"] == expected["tokens"] and limited["file"] > size // 2, limited
+    finally:
+        cgroup.rmdir()
