@@ -127,8 +127,9 @@ def test_budgets_as_users_write_them():
                                                                      "cpu": 64 * GIB}
     assert list(budgets({"cpu": 1, "cuda:1": 2, "cuda:0": 3})) == ["cuda:1", "cuda:0", "cpu"]
     assert budgets({"cuda": "1GiB"}) == {"cuda:0": GIB, "cpu": 0}
+    assert budgets({"disk": "1TB", "cpu": 1}) == {"cpu": 1, "disk": 10**12}  # the file tier, as accelerate spells it
     for bad, says in [({"cuda:0": "lots"}, "write bytes with a unit"), ({"cuda:0": -1}, "not negative"),
-                      ({"cuda:0": True}, "a number of bytes"), ({"disk": "1GiB"}, "disk"), ({"meta": 1}, "meta"),
+                      ({"cuda:0": True}, "a number of bytes"), ({"meta": 1}, "meta"),
                       ({"gpu:0": 1}, "not a device"), ({"cuda:0": 1, "cuda": 2}, "twice"), ({}, "mapping"),
                       ({"cpu": float("inf")}, "finite")]:
         with pytest.raises(DispatchError, match=says):

@@ -93,6 +93,29 @@ def test_offload_moves_units_between_device_host_and_file_and_computes_the_same(
     assert torch.equal(_logits_and_tokens(roomy.model)[0], expected)
 
 
+def test_dispatch_leaves_what_fits_no_device_in_its_file_under_disk_and_reads_it_back(tmp_path):
+    """accelerate's `"disk"` entry is the file tier: streamed leaves past the cpu budget stay in the checkpoint;
+    a later dispatch with room reads them back; a tree not loaded from a file is refused before anything moves."""
+    from streamwise.runtime.hosts.dispatch import DispatchError, dispatch
+
+    path, policy = _saved(tmp_path, "safetensors")
+    expected, _ = _logits_and_tokens(streamwise.load_pretrained(path, policy, progress=False).model)
+    model = streamwise.load_pretrained(path, policy, progress=False).model
+    report = dispatch(model, "decoder-llm", max_memory={"cpu": 96 << 10, "disk": "1TB"})
+    assert report.bytes["cpu"] <= 96 << 10 and report.bytes["disk"] > 0 and "disk" in model.hf_device_map.values()
+    assert any(file_tier.on_file_tier(m, "weight") for m in model.modules())
+    assert torch.equal(_logits_and_tokens(model)[0], expected)
+    report = dispatch(model, "decoder-llm", max_memory={"cpu": "1GiB"})
+    assert "disk" not in report.bytes and not any(file_tier.on_file_tier(m, "weight") for m in model.modules())
+    assert torch.equal(_logits_and_tokens(model)[0], expected)
+    torch.manual_seed(0)
+    built = tiny_qwen2(tie_word_embeddings=False)
+    before = {name: t.clone() for name, t in built.state_dict().items()}
+    with pytest.raises(DispatchError, match="was not loaded from a file"):
+        dispatch(built, "decoder-llm", max_memory={"cpu": 96 << 10, "disk": "1TB"})
+    assert all(torch.equal(t, before[name]) for name, t in built.state_dict().items())
+
+
 def test_a_budget_that_cannot_hold_what_must_be_in_memory_is_refused_with_its_figures(tmp_path):
     path, policy = _saved(tmp_path, "safetensors")
     with pytest.raises(CheckpointError) as raised:

@@ -104,19 +104,6 @@ class CheckedFile:
                 for offset, out in ranges:
                     _FADVISE(descriptor, offset, out.numel() * out.element_size(), os.POSIX_FADV_DONTNEED)
 
-    def will_read(self, offset: int, nbytes: int) -> None:
-        """Tell the kernel a range is about to be read (`POSIX_FADV_WILLNEED`), where the platform can be told."""
-        if _FADVISE is None:
-            return
-        try:
-            descriptor = self._open()
-        except CheckpointError:
-            return  # the read itself will say so
-        try:
-            _FADVISE(descriptor, offset, nbytes, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(descriptor)
-
     def _open(self) -> int:
         """A fresh read-only descriptor on the path. Where the platform has `O_NONBLOCK`, a FIFO put in the file's
         place opens at once and fails the identity check; elsewhere (Windows) there are no FIFOs to block on."""

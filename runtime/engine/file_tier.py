@@ -16,12 +16,15 @@ import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from . import protocol
+
+if TYPE_CHECKING:  # the journal moves tensors through `tree`, which reads through this module
+    from .journal import Journal
 
 
 class FileRange(Protocol):
@@ -71,6 +74,26 @@ class Sources:
 
     tier: FileTier
     tensors: dict[str, FileSource]
+
+
+def read_back(module: nn.Module, name: str) -> Tensor:
+    """The value of a file-tier tensor, read into memory of its own (a Parameter where its placeholder is one)."""
+    source, placeholder = sources(module)[name], module._parameters[name]
+    raw = torch.empty(source.range.nbytes, dtype=torch.uint8)
+    source.range.file.read_into([(source.range.offset, raw)])
+    value = source.as_model_tensor(raw)
+    value = nn.Parameter(value, requires_grad=placeholder.requires_grad) if isinstance(placeholder, nn.Parameter) \
+        else value
+    return value
+
+
+def leave_in_file(journal: Journal, module: nn.Module) -> None:
+    """Put a module's tensors back in their file: each becomes its meta placeholder (those there already stay)."""
+    for name, source in sources(module).items():
+        tensor = module._parameters.get(name)
+        if tensor is not None and not tensor.is_meta:
+            source.range.file.verify()  # a file changed since the load could not give the same values back
+            journal.set_tensor(module, name, source.placeholder(tensor))
 
 
 def sources(module: nn.Module) -> dict[str, FileSource]:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
-from ..engine import ConversionError, applied_state, apply_policy, protocol
+from ..engine import ConversionError, applied_state, apply_policy, file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.journal import Journal
 from ..engine.tree import TorchFetcher
@@ -40,6 +40,9 @@ from ..sizes import SizeError, parse_size
 from .devices import weight_device
 
 CPU = "cpu"
+DISK = "disk"
+"""accelerate's name for weights offloaded to disk: here, streamed leaves left in the checkpoint they were loaded
+from (the file tier, `engine.file_tier`), read at each forward."""
 _HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")  # what accelerate's add_hook_to_module sets
 
 
@@ -55,7 +58,7 @@ class DispatchReport:
     bytes: dict[str, int]
     """Bytes of parameters and buffers per device (tied ones counted once)."""
     streamed_modules: int
-    """Streamed leaves in the `"cpu"` entry: Streamwise fetches them per forward."""
+    """Streamed leaves in the `"cpu"` and `"disk"` entries: Streamwise fetches them per forward."""
     resident_modules: int
     """Streamed leaves on an accelerator: resident, computing with the original forward."""
 
@@ -79,7 +82,8 @@ def budgets(max_memory: Mapping | None) -> dict[str, int]:
 
     Keys: "cpu", an accelerator ("cuda:1", a torch.device, or an index as accelerate takes it); values: bytes,
     or sizes with accelerate's units ("20GiB", "1.5GB": `runtime/sizes.py`). None: accelerate's
-    `get_max_memory()`, the free memory of every device here. Disk offload is not Streamwise's: refused.
+    `get_max_memory()`, the free memory of every device here. `"disk"` (any size: the checkpoint is the disk) lets
+    what fits no device stay in the file the tree was loaded from.
     """
     if max_memory is None:
         max_memory = _accelerate().utils.get_max_memory()
@@ -92,8 +96,8 @@ def budgets(max_memory: Mapping | None) -> dict[str, int]:
         if device in parsed:
             raise DispatchError(f"max_memory names {device!r} twice (as {key!r})")
         parsed[device] = _bytes(value, device)
-    cpu = parsed.pop(CPU, 0)
-    return {**parsed, CPU: cpu}
+    cpu, disk = parsed.pop(CPU, 0), parsed.pop(DISK, None)
+    return {**parsed, CPU: cpu, **({DISK: disk} if disk is not None else {})}
 
 
 def _device_name(key: object) -> str:
@@ -102,9 +106,11 @@ def _device_name(key: object) -> str:
     if isinstance(key, int):  # accelerate's spelling of an accelerator index
         accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         key = torch.device(accelerator.type if accelerator is not None else "cuda", key)
-    if key in ("disk", "meta"):
-        raise DispatchError(f"max_memory key {key!r}: Streamwise streams from CPU memory; weights on {key} "
-                            "would not be there to stream (give the CPU a budget instead)")
+    if key == DISK:
+        return DISK
+    if key == "meta":
+        raise DispatchError(f"max_memory key {key!r}: weights on meta would not be there to stream (give the CPU "
+                            "a budget, or \"disk\" to leave them in their file)")
     device = weight_device(key, f"max_memory key {key!r}", DispatchError)
     if device.type == CPU:
         return CPU
@@ -133,7 +139,7 @@ def infer_device_map(model: nn.Module, plan: Plan | Policy | str | Path, max_mem
     if not isinstance(plan, Plan):
         _, plan = plan_for(plan, model)
     limits = budgets(max_memory)
-    accelerators = [device for device in limits if device != CPU]
+    accelerators = [device for device in limits if device not in (CPU, DISK)]
     atoms = _Atoms(model, plan)
     reserve = 0
     while True:
@@ -147,7 +153,7 @@ def infer_device_map(model: nn.Module, plan: Plan | Policy | str | Path, max_mem
 def _on_cpu(path: str, placement: dict[str, str]) -> bool:
     while True:
         if path in placement:
-            return placement[path] == CPU
+            return placement[path] in (CPU, DISK)
         if not path:
             return False
         path = path.rpartition(".")[0]
@@ -235,7 +241,9 @@ def _fill(units, sizes, movable, accelerators, limits, reserve) -> dict[str, str
             device = accelerators[current]
         elif not accelerators or all(movable[atom] for atom in unit):
             device = CPU
-            if used[CPU] + size > limits[CPU]:
+            if used[CPU] + size > limits[CPU] and DISK in limits and all(movable[atom] for atom in unit):
+                device = DISK  # left in its file: `dispatch` checks it was loaded from one
+            elif used[CPU] + size > limits[CPU]:
                 raise DispatchError(
                     f"{unit[0]!r} ({size} bytes) fits no device: the accelerators are full and the cpu entry "
                     f"holds {used[CPU]} of its {limits[CPU]} bytes; raise max_memory")
@@ -264,7 +272,7 @@ def dispatch(
     """
     accelerate = _accelerate()
     limits = budgets(max_memory)
-    accelerators = [torch.device(device) for device in limits if device != CPU]
+    accelerators = [torch.device(device) for device in limits if device not in (CPU, DISK)]
     for device in accelerators:
         _check_present(device)
     main = accelerators[0] if accelerators else torch.device(CPU)
@@ -284,11 +292,13 @@ def dispatch(
         placed_bytes = dict.fromkeys(limits, 0)
         seen: set[int] = set()
         for atom, device in device_map.items():
-            on_cpu = device == CPU
-            target = torch.device(device)
+            on_cpu = device in (CPU, DISK)
+            target = torch.device(CPU if device == DISK else device)
             owner, slot = _target(model, atom)
             modules = [owner] if slot is not None else list(owner.modules())
             for module in modules:
+                if device == DISK:
+                    _leave_in_file(journal, atom, module)
                 if not on_cpu and protocol.relocated_names(module):  # accelerate places them: keep them there
                     journal.set_attributes(module, {protocol.RELOCATED: ()})
                 relocated = protocol.relocated_names(module)
@@ -298,8 +308,11 @@ def dispatch(
                     if id(tensor) not in seen:
                         seen.add(id(tensor))
                         placed_bytes[device] += tensor.numel() * tensor.element_size()
-                    if name in relocated:
+                    if name in relocated or device == DISK:
                         continue
+                    if file_tier.on_file_tier(module, name):  # back from the file, then placed as any other
+                        journal.set_tensor(module, name, file_tier.read_back(module, name))
+                        tensor = module._parameters[name]
                     pinned = pin and on_cpu and name in module._parameters
                     if tensor.device != target or (pinned and not tensor.is_pinned()):
                         journal.move(module, name, target, pin=pinned)
@@ -316,12 +329,23 @@ def dispatch(
         for module in model.modules():
             journal.keep(module, _HOOK_ATTRIBUTES)
         journal.keep(model, ("hf_device_map",))
-        execution = {atom: device for atom, device in device_map.items() if device != CPU}
+        execution = {atom: device for atom, device in device_map.items() if device not in (CPU, DISK)}
         accelerate.hooks.attach_align_device_hook_on_blocks(
             model, execution_device={**execution, "": main}, offload=dict.fromkeys(execution, False),
             skip_keys=getattr(model, "_skip_keys_device_placement", None))
         model.hf_device_map = dict(device_map)
     return DispatchReport(dict(device_map), placed_bytes, streamed, resident)
+
+
+def _leave_in_file(journal: Journal, atom: str, module: nn.Module) -> None:
+    """A module of a `"disk"` entry: its parameters back in their file, or a DispatchError where one has none."""
+    missing = [name for name, tensor in module._parameters.items()
+               if tensor is not None and name not in file_tier.sources(module)]
+    if missing:
+        raise DispatchError(f"{atom!r} goes to \"disk\" but its `{missing[0]}` was not loaded from a file it can be "
+                            "read back from: load the model with streamwise.load or load_pretrained, or raise the "
+                            "cpu budget")
+    file_tier.leave_in_file(journal, module)
 
 
 def _target(model: nn.Module, atom: str) -> tuple[nn.Module, str | None]:

@@ -25,9 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
-from ..engine import ConversionError, applied_state, apply_policy, protocol
-from ..checkpoint.tiers import read_in
-from ..engine import file_tier
+from ..engine import ConversionError, applied_state, apply_policy, file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileTier
 from ..engine.journal import Journal
@@ -127,7 +125,7 @@ def offload(
             for leaf in group:
                 for owner in _owners(leaf):
                     if id(leaf) in in_file:
-                        _leave_in_file(journal, owner)
+                        file_tier.leave_in_file(journal, owner)
                     else:
                         _place(journal, owner, device if resident else offload_device,
                                pin=streamer.non_blocking and not resident)
@@ -257,7 +255,8 @@ def _file_tier(model: nn.Module, placed: list[tuple[list[nn.Module], int, bool]]
     host = _outside_units(model, leaves) if on_cpu else 0
     readable = [all(name in file_tier.sources(owner) for leaf in group for owner in _owners(leaf)
                     for name, t in owner._parameters.items() if t is not None) for group, _, _ in placed]
-    reserve = FileTier.SLABS * max((size for (_, size, _), can in zip(placed, readable) if can), default=0)
+    reserve = FileTier.SLABS * max((size for (_, size, _), can in zip(placed, readable, strict=True) if can),
+                                   default=0)
     in_file = set()
     for (group, size, resident), can in zip(placed, readable, strict=True):
         if resident:
@@ -275,15 +274,6 @@ def _outside_units(model: nn.Module, leaves: list[nn.Module]) -> int:
     tensors = {id(t): t for m in model.modules() if id(m) not in units
                for t in (*m._parameters.values(), *m._buffers.values()) if t is not None and not t.is_meta}
     return sum(_nbytes(t) for t in tensors.values())
-
-
-def _leave_in_file(journal: Journal, module: nn.Module) -> None:
-    """Put a unit's tensors back in their file: each becomes its meta placeholder (already there: nothing to do)."""
-    for name, source in file_tier.sources(module).items():
-        tensor = module._parameters.get(name)
-        if tensor is not None and not tensor.is_meta:
-            source.range.file.verify()  # a file changed since the load could not give the same values back
-            journal.set_tensor(module, name, source.placeholder(tensor))
 
 
 def _owners(leaf: nn.Module) -> list[nn.Module]:
@@ -314,18 +304,10 @@ def _place(journal: Journal, module: nn.Module, device: torch.device, *, pin: bo
         if tensor is None or name in relocated:
             continue
         if file_tier.on_file_tier(module, name):  # back from the file: read, then placed as any other
-            journal.set_tensor(module, name, _read_back(module, name, tensor))
+            journal.set_tensor(module, name, file_tier.read_back(module, name))
             tensor = module._parameters[name]
         if tensor.device != device or (pin and not tensor.is_pinned()):
             journal.move(module, name, device, pin=pin)
-
-
-def _read_back(module: nn.Module, name: str, placeholder: Tensor) -> Tensor:
-    """The value of a file-tier tensor, read from its file into memory of its own."""
-    (value,) = read_in([file_tier.sources(module)[name]], drop_cache=False)
-    if isinstance(placeholder, nn.Parameter):
-        return nn.Parameter(value, requires_grad=placeholder.requires_grad)
-    return value
 
 
 def _nbytes(tensor: Tensor) -> int:
