@@ -47,6 +47,12 @@ class StreamwiseModelLoader(io.ComfyNode):
                                tooltip="The dtype of the floating-point weights; `auto` takes the one most of the "
                                        "checkpoint's values are stored in."),
                 allow_stranded_input(),
+                io.String.Input(
+                    "host_budget", default="auto", optional=True,
+                    tooltip="Host memory the weights may take: `auto` (what this process can still allocate, "
+                            "counting a container's memory limit, which ComfyUI's own free-RAM figure does not, less "
+                            "10% of the limit) or a size such as `12GiB`. A model that does not fit is refused "
+                            "before anything is read, with both figures, instead of ending in the OOM killer."),
             ],
             outputs=[
                 io.Model.Output("model_out", display_name="model",
@@ -57,17 +63,19 @@ class StreamwiseModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False) -> str:
+    def fingerprint_inputs(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False,
+                           host_budget: str = "auto") -> str:
         """The model's files (path, size, mtime) and the policy's content: a replaced model or an edited policy
         (or any file it extends) loads again; an unchanged one stays cached."""
         try:
             files = model_identity(resolve_model(model, model_roots()))
         except (FileNotFoundError, OSError):
             files = ()  # execute says what is wrong
-        return json.dumps([files, policy_fingerprint(policy, comfy_policy_dirs()), dtype, allow_stranded])
+        return json.dumps([files, policy_fingerprint(policy, comfy_policy_dirs()), dtype, allow_stranded, host_budget])
 
     @classmethod
-    def execute(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False) -> io.NodeOutput:
+    def execute(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False,
+                host_budget: str = "auto") -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -77,9 +85,10 @@ class StreamwiseModelLoader(io.ComfyNode):
         policy = chosen_policy(policy, dirs, auto=True)
         path = resolve_model(model, model_roots())
         progress = comfy.utils.ProgressBar(100)
-        tree, report, chosen = load_pretrained(
+        tree, report, chosen = load_pretrained(  # core moves whole modules: every weight stays in memory
             path, policy, dtype=DTYPES[dtype], policy_dirs=dirs, allow_stranded=allow_stranded,
             progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
+            max_memory={"cpu": host_budget}, file_tier=False,
         )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device(),

@@ -105,6 +105,7 @@ def load(
     progress: Callable[[int, int], None] | bool | None = None,
     allow_stranded: bool = True,
     max_memory: object = None,
+    file_tier: bool = True,
 ) -> LoadReport:
     """Load `path` into `model` as `policy` says, then convert the tree (see `apply`); the report is also logged
     (logger `streamwise.load`).
@@ -115,7 +116,8 @@ def load(
     tensors before anything is read (`Plan.refuse_stranded`): what the ComfyUI loader asks. `max_memory` is the host
     budget (`tiers.host_budget`: by default what this process can spare): streamed units past it stay in the file and
     are read at each forward (`engine.file_tier`); the tree keeps the budget and where each tensor can be read back
-    from, for a later `offload`.
+    from, for a later `offload`. `file_tier=False` keeps everything in memory (a host that moves tensors itself, as
+    ComfyUI core does, cannot hold placeholders): what does not fit the budget is then refused before anything is read.
     """
 
     def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
@@ -137,20 +139,20 @@ def load(
             raise CheckpointError(filling.problems)
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
         must_hold, units = filling.units(plan)
-        tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory))
+        tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier)
         filling.read_in(tiers)  # every read error surfaces here, before the tree changes
-        file_tier = FileTier()
+        reads = FileTier()
         if progress is None or progress is True:
             from tqdm import tqdm
 
             with tqdm(total=len(filling.tensors) + len(filling.residents), desc="streamwise load", unit="tensor",
                       disable=None, leave=False) as bar:
-                filling.assign(lambda done, total: bar.update(done - bar.n), journal, file_tier)
+                filling.assign(lambda done, total: bar.update(done - bar.n), journal, reads)
         else:
-            filling.assign(progress or (lambda done, total: None), journal, file_tier)
+            filling.assign(progress or (lambda done, total: None), journal, reads)
         apply(plan, model, journal=journal)
         tree = applied_state(model).tree
-        journal.set_attributes(tree, {"file_tier": file_tier, "host_budget": tiers.budget})
+        journal.set_attributes(tree, {"file_tier": reads, "host_budget": tiers.budget})
         for unit in units:
             if any(key in tiers.in_file for key, _ in unit.values):
                 leaf = model.get_submodule(unit.path)

@@ -48,6 +48,7 @@ def load_pretrained(
     progress: Callable[[int, int], None] | bool | None = None,
     allow_stranded: bool = True,
     max_memory: object = None,
+    file_tier: bool = True,
 ) -> Pretrained:
     """Build, convert and load the model at `path` (a Hugging Face or diffusers model folder, a weight file beside its
     config.json, or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
@@ -59,8 +60,8 @@ def load_pretrained(
     dtype most of the file's values are stored in (float8 counts as bfloat16); a folder holding several variants of
     its weights loads the one named for `dtype` (`model.fp16.safetensors`), else the plain one. The tree's recorded
     `source` (where its tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from
-    alone. `progress`, `allow_stranded` and `max_memory` (the host budget) are as for `load`; the class built and
-    the choice of policy are logged (logger `streamwise.load`), then the load's report.
+    alone. `progress`, `allow_stranded`, `max_memory` (the host budget) and `file_tier` are as for `load`; the class
+    built and the choice of policy are logged (logger `streamwise.load`), then the load's report.
     """
     path = Path(path)
     checkpoint = open_checkpoint(path, dtype)  # first: an unusable path is a CheckpointError, before any other look
@@ -82,7 +83,7 @@ def load_pretrained(
     policy, chosen = choice.policy, choice.reason
     _log.info("load_pretrained: %s: built %s; %s", path.name, built, chosen)
     report = load(model, checkpoint.path, policy, dtype=dtype, progress=progress, allow_stranded=allow_stranded,
-                  max_memory=max_memory)
+                  max_memory=max_memory, file_tier=file_tier)
     report = replace(report, built=built)
     applied_state(model).source = source
     return Pretrained(model, report, chosen)

@@ -106,16 +106,18 @@ class Tiers:
                 f"(+{human(self.staging_bytes)} staging)")
 
 
-def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget) -> Tiers:
-    """Units in memory in order while they fit `budget` after `must_hold`; the rest in the file, or a
-    CheckpointError saying what is needed, what the budget is and which budget to set."""
+def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, *,
+          file_tier: bool = True) -> Tiers:
+    """Units in memory in order while they fit `budget` after `must_hold`; the rest in the file (with `file_tier`;
+    a host that cannot read from files keeps all in memory), or a CheckpointError saying what is needed, what the
+    budget is and which budget to set."""
     fixed = sum(_nbytes(value) for value in must_hold)
     # staging sized for the largest unit that could stay in the file, so no later unit outgrows what was kept free
     reserve = FileTier.SLABS * max((unit.bytes for unit in units if unit.can_stay_in_file), default=0)
     host, kept, in_file, file_bytes, file_units, largest = fixed, 0, set(), 0, 0, 0
     for unit in units:
         size = unit.bytes
-        if not unit.can_stay_in_file:
+        if not (file_tier and unit.can_stay_in_file):
             host, kept = host + size, kept + size
         elif budget.bytes is None or host + size + reserve <= budget.bytes:
             host += size
@@ -124,12 +126,14 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
             file_bytes, file_units, largest = file_bytes + size, file_units + 1, max(largest, size)
     staging = FileTier.SLABS * largest
     if budget.bytes is not None and fixed + kept + staging > budget.bytes:
+        kept_why = ("of streamed units this host keeps in memory (it reads no weight from files)" if not file_tier
+                    else "of units whose values were transformed on load")
         raise CheckpointError([
             f"{path}: loading needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
             f"{budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed "
-            f"ones too), {human(kept)} of units whose values were transformed on load, and {human(staging)} of "
-            f"staging buffers ({FileTier.SLABS} x the largest unit left in the file). Free memory or raise the "
-            "limit, pass a larger max_memory={'cpu': ...}, or use a policy that streams more of the model"])
+            f"ones too), {human(kept)} {kept_why}, and {human(staging)} of staging buffers ({FileTier.SLABS} x the "
+            "largest unit left in the file). Free memory or raise the limit, pass a larger max_memory={'cpu': ...}, "
+            "or use a policy that streams more of the model"])
     return Tiers(frozenset(in_file), host, file_bytes, file_units, staging, budget.bytes)
 
 

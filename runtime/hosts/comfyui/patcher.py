@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ....schemas import Policy
-from ...engine import ConversionError, applied_state, apply, protocol
+from ...engine import ConversionError, applied_state, apply, file_tier, protocol
 from ...engine.apply import swap_class
 from ...engine.classes import derived_class
 from ...engine.relocating import offload_relocated
@@ -73,6 +73,12 @@ def _host(model: nn.Module, policy: Policy | str | None, allow_stranded: bool) -
     state = applied_state(model)
     if state is None:
         raise ConversionError("convert the model first (streamwise.apply) or pass policy=")
+    in_file = next((path for path, module in walk_modules(model) for name in file_tier.sources(module)
+                    if file_tier.on_file_tier(module, name)), None)
+    if in_file is not None:  # core moves whole modules with `.to()`: a placeholder has nothing to move
+        raise ConversionError(f"`{in_file or '<root>'}` holds weights left in their file (a host budget at load); "
+                              "ComfyUI core moves weights itself, so this host needs them in memory: load with "
+                              "file_tier=False or a larger max_memory")
     if policy is None and not allow_stranded:
         state.plan.refuse_stranded()  # converted elsewhere (`apply`, `load`), by a plan that may strand
     walk = walk_modules(model)
