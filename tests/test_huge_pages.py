@@ -1,4 +1,7 @@
-"""Huge-page advice for large fresh CPU buffers: the kernel sees it, and compiled graphs stay whole."""
+"""Huge-page advice for large fresh CPU buffers: the kernel sees the advice, and compiled graphs stay whole.
+
+Whether the kernel then gives huge pages depends on the machine's state (its free contiguous memory, khugepaged), so
+the tests check the advice Streamwise gives, never the kernel's answer."""
 
 from __future__ import annotations
 
@@ -35,9 +38,8 @@ def mapping(address: int) -> dict[str, list[str]]:
 def test_large_cpu_buffer_is_advised_before_first_touch():
     buffer = huge_pages.empty((4 * huge_pages.HUGE_PAGE,), torch.uint8, torch.device("cpu"))
     middle = buffer.data_ptr() + buffer.numel() // 2
-    assert "hg" in mapping(middle)["VmFlags"]
-    buffer.fill_(1)  # the first touch: advised in time, it faults in whole huge pages
-    assert int(mapping(middle)["AnonHugePages"][0]) > 0
+    assert "hg" in mapping(middle)["VmFlags"]  # advised before the first touch, which is the kernel's to serve
+    assert int(mapping(middle)["Rss"][0]) < 4 * huge_pages.HUGE_PAGE // 1024  # untouched yet: advised in time
     assert buffer.shape == (4 * huge_pages.HUGE_PAGE,) and buffer.dtype == torch.uint8
 
 
