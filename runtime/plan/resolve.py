@@ -35,10 +35,12 @@ from .selectors import (
     EXACT_PATH,
     HOLDS,
     QUALIFIED_CLASS,
+    REPEATED,
     CompiledSelector,
     ModuleRef,
     class_names,
     declared_blocks,
+    found_blocks,
     holds,
     joined,
     walk_modules,
@@ -419,13 +421,20 @@ _ABOVE_BLOCKS = "holds the model's blocks: its own tensors follow the compute de
 
 
 class _BlocksBelow:
-    """Where a tree's blocks are (its declared `_no_split_modules`, and the policy's compile blocks): a generic
-    container above one would make a single streamed unit of them all."""
+    """Where a tree's blocks are: a generic container above one would make a single streamed unit of them all.
+
+    The blocks are the modules the policy's compile blocks select and those of the classes the tree declares as its
+    repeated blocks (transformers' `_no_split_modules`, diffusers' `_repeated_blocks`). Where none of these names a
+    module of the tree (timm's ViT, open_clip's CLIP), they are found: the children of its largest `ModuleList` or
+    `Sequential` by parameter bytes whose children, at least 2, share one class (`found_blocks`). So a root holding
+    direct parameters (`cls_token`, `pos_embed`) above blocks nobody declared relocates them instead of streaming
+    the whole model as one unit.
+    """
 
     def __init__(self, walk: list[tuple[str, nn.Module]], matcher: _Matcher) -> None:
-        declared, selector = declared_blocks(walk), matcher.blocks
+        declared, selector = declared_blocks(walk, REPEATED), matcher.blocks
         self.paths = [path for path, module in walk if class_names(type(module))[0][0] in declared
-                      or selector is not None and selector.matches_module(path, module)]
+                      or selector is not None and selector.matches_module(path, module)] or found_blocks(walk)
 
     def hold(self, outer: str) -> bool:
         """Whether a block lies strictly inside the module at `outer`."""

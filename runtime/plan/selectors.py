@@ -5,7 +5,7 @@ direct tensors it holds (`holds`). Matching therefore needs neither torch nor th
 causes an import: class entries are compared by name (or glob). What a selector makes of a class depends on the
 class alone, so a `CompiledSelector` decides it once per class; only path globs, regexes and `holds` are tried per
 module. `walk_modules` and `outermost` are the tree walks resolve and compile share; `declared_blocks` reads a
-tree's own declaration of its repeated blocks.
+tree's own declaration of its repeated blocks, and `found_blocks` finds them in a tree that declares none.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from torch import nn
 
 from ...schemas import Selector
 from ...schemas.patterns import (
@@ -179,26 +181,65 @@ def outermost(selector: CompiledSelector, model, *, walk: Walk | None = None) ->
     return units
 
 
-def declared_blocks(walk: Walk) -> frozenset[str]:
+NO_SPLIT = ("_no_split_modules",)
+"""transformers' (and accelerate's) declaration of a tree's repeated blocks: what `no_split = true` selects."""
+REPEATED = (*NO_SPLIT, "_repeated_blocks")
+"""Every declaration of a tree's repeated blocks: diffusers also lists them in `_repeated_blocks` (the classes its
+`compile_repeated_blocks` compiles), the only declaration some of its models make (LTX-Video)."""
+
+
+def declared_blocks(walk: Walk, attributes: tuple[str, ...] = NO_SPLIT) -> frozenset[str]:
     """The class names a tree declares as its repeated blocks: every `_no_split_modules` of its modules (set on an
-    instance when it is built, else on its class).
+    instance when it is built, else on its class), or every list named in `attributes` (`REPEATED`: diffusers'
+    `_repeated_blocks` too).
 
     Read from the instances' and the classes' own dictionaries, as data: nothing is called, imported or evaluated.
     """
     declared: set[str] = set()
-    classes = set()
-    for _, module in walk:
-        names = vars(module).get("_no_split_modules")
-        if names is None:
-            classes.add(type(module))
-        declared.update(_names(names))
-    for cls in classes:
-        for klass in original_class(cls).__mro__:
-            names = vars(klass).get("_no_split_modules")
-            if names is not None:
-                declared.update(_names(names))
-                break
+    for attribute in attributes:
+        classes = set()
+        for _, module in walk:
+            names = vars(module).get(attribute)
+            if names is None:
+                classes.add(type(module))
+            declared.update(_names(names))
+        for cls in classes:
+            for klass in original_class(cls).__mro__:
+                names = vars(klass).get(attribute)
+                if names is not None:
+                    declared.update(_names(names))
+                    break
     return frozenset(declared)
+
+
+def found_blocks(walk: Walk) -> list[str]:
+    """The paths of a tree's repeated blocks where nothing declares them: the children of its largest `ModuleList`
+    or `Sequential` (by the bytes of the parameters below it) whose children, at least 2, are all of one class
+    (timm's ViT `blocks`, open_clip's `resblocks`); [] when there is none. A `Sequential` of mixed layers (an MLP)
+    is not repeated.
+
+    Bytes are summed in one pass over the walk, each module's direct parameters counted for every container above it.
+    """
+    walk = list(walk)
+    below: dict[str, int] = {}  # the bytes of the parameters in each module's subtree, by path
+    for path, module in reversed(walk):  # pre-order reversed: every child is counted before its parent
+        size = below.get(path, 0) + sum(p.nbytes for p in vars(module).get("_parameters", {}).values()
+                                        if p is not None)
+        below[path] = size
+        if path:
+            parent = path.rpartition(".")[0]
+            below[parent] = below.get(parent, 0) + size
+    best, largest = None, 0
+    for path, module in walk:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or below[path] <= largest:
+            continue
+        children = [child for child in module._modules.values() if child is not None]
+        if len(children) >= 2 and len({class_names(type(child))[0][1] for child in children}) == 1:
+            best, largest = (path, module), below[path]
+    if best is None:
+        return []
+    path, module = best
+    return [joined(path, name) for name, child in module._modules.items() if child is not None]
 
 
 def _names(value: object) -> list[str]:
