@@ -22,7 +22,7 @@ import streamwise
 from helpers import REPO, gguf_policy, tiny_qwen2
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.checkpoint.readers import CheckpointError
-from streamwise.runtime.engine import file_tier
+from streamwise.runtime.engine import ConversionError, file_tier
 
 INPUTS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
 
@@ -124,6 +124,14 @@ def test_a_budget_that_cannot_hold_what_must_be_in_memory_is_refused_with_its_fi
     assert str(path / "model.safetensors") in message
     assert "loading needs at least" in message and "the host budget is 4.0 KiB, as max_memory['cpu'] says" in message
     assert "staging buffers" in message and "max_memory={'cpu': ...}" in message
+
+
+def test_revert_refuses_a_tree_whose_weights_are_in_their_file(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    with pytest.raises(ConversionError, match="left in their file"):
+        streamwise.revert(model)
+    assert streamwise.runtime.engine.applied_state(model) is not None  # still converted, still computing
 
 
 def test_a_bad_host_budget_is_a_clear_error(tmp_path):

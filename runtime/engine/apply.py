@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from ..policy.diagnostics import PolicyError
-from . import protocol
+from . import file_tier, protocol
 from .exclusive import one_writer
 from .journal import ABSENT, Journal, Record, swap_class
 from .kinds import COMPUTE_KINDS, GENERIC, fit
@@ -202,6 +202,11 @@ def revert(model: nn.Module) -> None:
             raise ConversionError(
                 "the tree holds quantized residents, whose float weights are gone; reload the model instead"
             )
+        in_file = next((path for path, m in model.named_modules()
+                        if any(file_tier.on_file_tier(m, name) for name in file_tier.sources(m))), None)
+        if in_file is not None:  # unconverted, nothing would read it back
+            raise ConversionError(f"`{in_file or '<root>'}` holds weights left in their file (the file tier); read "
+                                  "them back first (offload with a host budget that holds them) or reload the model")
         journal = Journal()
         with journal.atomic(lambda exc: ConversionError(f"reverting failed ({exc!r}); the tree is converted as "
                                                         "before")):
