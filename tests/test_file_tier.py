@@ -19,10 +19,11 @@ import pytest
 import torch
 
 import streamwise
-from helpers import REPO, gguf_policy, tiny_qwen2
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.engine import ConversionError, file_tier
+
+from helpers import REPO, gguf_policy, tiny_qwen2
 
 INPUTS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
 

@@ -265,6 +265,22 @@ def test_the_loader_refuses_a_stranding_plan_unless_told_to_accept_it(server):
     server.run(graph)  # accepted: it succeeds
 
 
+def test_the_loader_refuses_a_model_larger_than_its_host_budget_naming_both_figures(server, object_info):
+    """`host_budget` is an optional text input (`auto` by default); a model that does not fit it is the loader's
+    error, naming what loading needs and the budget, before a weight is read."""
+    (kind, spec) = object_info["StreamwiseModelLoader"]["input"]["optional"]["host_budget"]
+    assert kind == "STRING" and spec["default"] == "auto" and spec["tooltip"]
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["host_budget"] = "4KiB"
+    entry = server.wait(server.queue(graph))
+    assert entry["status"]["status_str"] == "error"
+    (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert error["node_type"] == "StreamwiseModelLoader"
+    assert error["exception_type"] == "streamwise.runtime.checkpoint.errors.CheckpointError"
+    message = error["exception_message"]
+    assert "loading needs at least" in message and "the host budget is 4.0 KiB" in message, message
+
+
 def user_policies(server) -> Path:
     folder = server.log.parent / "user" / "default" / "streamwise" / "policies"
     if not folder.is_dir():  # a core whose user folder sits elsewhere: the pack created it on first use
