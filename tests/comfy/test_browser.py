@@ -63,13 +63,22 @@ def history(server) -> dict:
         return json.load(response)
 
 
+def prompt_ids(server) -> set[str]:
+    """Every prompt the server knows, queued, running or done: /queue first, so a prompt that ends between the two
+    requests is in /history."""
+    queue = server.request("/queue")
+    return {item[1] for item in queue["queue_running"] + queue["queue_pending"]} | set(history(server))
+
+
 def queue_from_the_page(page, server) -> dict:
-    """Press the frontend's queue (as the Run button does) and wait for the prompt's /history entry."""
-    before = set(history(server))
+    """Press the frontend's queue (as the Run button does) and wait for the prompt's /history entry. The prompt is
+    found in /queue as soon as the server takes it: a first compiled run on a busy machine outlasts the minute given
+    to the page to queue."""
+    before = prompt_ids(server)
     page.evaluate("() => window.app.queuePrompt(0)")
     page.wait_for_function("() => true")  # let the request leave
     for _ in range(600):
-        new = [key for key in history(server) if key not in before]
+        new = sorted(prompt_ids(server) - before)
         if new:
             return server.wait(new[0], timeout=300)
         page.wait_for_timeout(100)
