@@ -62,7 +62,7 @@ def host_budget(max_memory: object) -> HostBudget:
         size = parse_size(max_memory, "max_memory['cpu']")
     except SizeError as exc:
         raise CheckpointError([f"{exc}; or 'auto' (what this process can spare)"]) from None
-    return HostBudget(size, f"{human(size)}, as max_memory['cpu'] says")
+    return HostBudget(size, f"{human(size)}, as given (max_memory['cpu'])")
 
 
 @dataclass
@@ -132,8 +132,8 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
             f"{path}: loading needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
             f"{budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed "
             f"ones too), {human(kept)} {kept_why}, and {human(staging)} of staging buffers ({FileTier.SLABS} x the "
-            "largest unit left in the file). Free memory or raise the limit, pass a larger max_memory={'cpu': ...}, "
-            "or use a policy that streams more of the model"])
+            "largest unit left in the file). Free memory or raise the memory limit, raise the host budget, or use a "
+            "policy that streams more of the model"])
     return Tiers(frozenset(in_file), host, file_bytes, file_units, staging, budget.bytes)
 
 
