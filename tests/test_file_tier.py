@@ -124,7 +124,28 @@ def test_a_budget_that_cannot_hold_what_must_be_in_memory_is_refused_with_its_fi
     message = str(raised.value)
     assert str(path / "model.safetensors") in message
     assert "loading needs at least" in message and "the host budget is 4.0 KiB, as given (max_memory['cpu'])" in message
-    assert "staging buffers" in message and "raise the host budget" in message
+    assert "staging buffer of the largest unit" in message and "raise the host budget" in message
+
+
+def test_memory_too_short_for_two_staging_buffers_reads_with_one_and_no_read_ahead(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    expected, _ = _logits_and_tokens(streamwise.load_pretrained(path, policy, progress=False).model)
+    largest = 128 * 64 * 4  # the float32 embedding and output head
+    tight = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": largest + largest // 2})
+    tiers = tight.report.tiers
+    assert tiers.slabs == 1 and tiers.staging_bytes == largest and "no read-ahead" in str(tight.report)
+    assert torch.equal(_logits_and_tokens(tight.model)[0], expected)
+
+
+def test_a_budget_larger_than_the_memory_there_is_is_held_to_what_can_be_spared(tmp_path, monkeypatch):
+    """A budget is a most: past what the process can allocate it would end in the OOM killer."""
+    from streamwise.runtime import host_memory
+    from streamwise.runtime.checkpoint import tiers
+
+    path, policy = _saved(tmp_path, "safetensors")
+    monkeypatch.setattr(tiers, "host_memory", lambda: host_memory.HostMemory(200 << 10, 1 << 20, "a test's figure"))
+    loaded = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": "1GiB"})
+    assert loaded.report.tiers.budget == (200 << 10) - (1 << 20) // 10 and loaded.report.tiers.file_bytes > 0
 
 
 def test_revert_refuses_a_tree_whose_weights_are_in_their_file(tmp_path):

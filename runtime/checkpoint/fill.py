@@ -141,7 +141,7 @@ def load(
         must_hold, units = filling.units(plan)
         tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier)
         filling.read_in(tiers)  # every read error surfaces here, before the tree changes
-        reads = FileTier()
+        reads = FileTier(tiers.slabs)
         if progress is None or progress is True:
             from tqdm import tqdm
 

@@ -62,6 +62,12 @@ def host_budget(max_memory: object) -> HostBudget:
         size = parse_size(max_memory, "max_memory['cpu']")
     except SizeError as exc:
         raise CheckpointError([f"{exc}; or 'auto' (what this process can spare)"]) from None
+    try:
+        spare = host_budget("auto")
+    except CheckpointError:  # no figure of the host's memory here: the budget given is all there is to go by
+        spare = None
+    if spare is not None and spare.bytes < size:  # a budget is a most, never more than the memory there is
+        return HostBudget(spare.bytes, f"{spare.why}, less than the {human(size)} given (max_memory['cpu'])")
     return HostBudget(size, f"{human(size)}, as given (max_memory['cpu'])")
 
 
@@ -94,6 +100,8 @@ class Tiers:
     staging_bytes: int
     budget: int | None
     """The host budget, kept by the tree for a later `offload`."""
+    slabs: int = FileTier.SLABS
+    """Staging buffers for the file tier (one: memory is too short to read ahead)."""
 
     @property
     def tight(self) -> bool:
@@ -102,18 +110,35 @@ class Tiers:
         return self.file_bytes > 0 or (self.budget is not None and 2 * self.host_bytes > self.budget)
 
     def __str__(self) -> str:
+        ahead = "" if self.slabs > 1 else ", no read-ahead"
         return (f"host memory {human(self.host_bytes)}, file {human(self.file_bytes)} in {self.file_units} units "
-                f"(+{human(self.staging_bytes)} staging)")
+                f"(+{human(self.staging_bytes)} staging{ahead})")
 
 
 def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, *,
           file_tier: bool = True) -> Tiers:
     """Units in memory in order while they fit `budget` after `must_hold`; the rest in the file (with `file_tier`;
-    a host that cannot read from files keeps all in memory), or a CheckpointError saying what is needed, what the
-    budget is and which budget to set."""
+    a host that cannot read from files keeps all in memory), with two staging buffers, or one (no read-ahead) where
+    two do not fit; else a CheckpointError saying what is needed, what the budget is and which budget to set."""
     fixed = sum(_nbytes(value) for value in must_hold)
+    for slabs in range(FileTier.SLABS, 0, -1):
+        tiers, kept = _placed(fixed, units, budget, file_tier, slabs)
+        if budget.bytes is None or fixed + kept + tiers.staging_bytes <= budget.bytes:
+            return tiers
+    kept_why = ("of streamed units this host keeps in memory (it reads no weight from files)" if not file_tier
+                else "of units whose values were transformed on load")
+    raise CheckpointError([
+        f"{path}: loading needs at least {human(fixed + kept + tiers.staging_bytes)} of host memory, but the host "
+        f"budget is {budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or "
+        f"transformed ones too), {human(kept)} {kept_why}, and {human(tiers.staging_bytes)} for a staging buffer "
+        "of the largest unit left in the file. Free memory or raise the memory limit, raise the host budget, or use "
+        "a policy that streams more of the model"])
+
+
+def _placed(fixed: int, units: list[Unit], budget: HostBudget, file_tier: bool, slabs: int) -> tuple[Tiers, int]:
+    """The tiers with `slabs` staging buffers, and the bytes of units that must be in memory."""
     # staging sized for the largest unit that could stay in the file, so no later unit outgrows what was kept free
-    reserve = FileTier.SLABS * max((unit.bytes for unit in units if unit.can_stay_in_file), default=0)
+    reserve = slabs * max((unit.bytes for unit in units if file_tier and unit.can_stay_in_file), default=0)
     host, kept, in_file, file_bytes, file_units, largest = fixed, 0, set(), 0, 0, 0
     for unit in units:
         size = unit.bytes
@@ -124,17 +149,7 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
         else:
             in_file.update(key for key, _ in unit.values)
             file_bytes, file_units, largest = file_bytes + size, file_units + 1, max(largest, size)
-    staging = FileTier.SLABS * largest
-    if budget.bytes is not None and fixed + kept + staging > budget.bytes:
-        kept_why = ("of streamed units this host keeps in memory (it reads no weight from files)" if not file_tier
-                    else "of units whose values were transformed on load")
-        raise CheckpointError([
-            f"{path}: loading needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
-            f"{budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed "
-            f"ones too), {human(kept)} {kept_why}, and {human(staging)} of staging buffers ({FileTier.SLABS} x the "
-            "largest unit left in the file). Free memory or raise the memory limit, raise the host budget, or use a "
-            "policy that streams more of the model"])
-    return Tiers(frozenset(in_file), host, file_bytes, file_units, staging, budget.bytes)
+    return Tiers(frozenset(in_file), host, file_bytes, file_units, slabs * largest, budget.bytes, slabs), kept
 
 
 def read_in(sources: list[FileSource], *, drop_cache: bool) -> list[Tensor]:

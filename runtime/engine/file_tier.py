@@ -146,9 +146,12 @@ class FileTier:
 
     SLABS = 2
     """Staging buffers kept: the unit computing and the unit read ahead (the one before them is released by the
-    time the next read starts; a buffer still held gets a fresh one instead, and is not counted here)."""
+    time the next read starts; a buffer still held gets a fresh one instead, and is not counted here). One where
+    memory is too short for two: then nothing is read ahead."""
 
-    def __init__(self) -> None:
+    def __init__(self, slabs: int = SLABS) -> None:
+        self.slabs = slabs
+        self.read_ahead = slabs > 1
         self._slabs: list[tuple[Tensor, int]] = []  # (buffer, its storage's use count when nothing views it)
         self._largest = 0
         self._order: list[weakref.ref] = []
@@ -157,11 +160,6 @@ class FileTier:
         self._current: tuple[int, dict[str, Tensor]] | None = None
         self._lock = threading.Lock()
         self._reader: ThreadPoolExecutor | None = None
-        self.read_ahead = True
-
-    def staging_bytes(self, largest_unit: int) -> int:
-        """What the staging buffers take at most, for a largest file-tier unit of `largest_unit` bytes."""
-        return self.SLABS * largest_unit
 
     def read(self, module: nn.Module) -> dict[str, Tensor]:
         """`module`'s file-tier tensors, read now or taken from the read ahead; then the next unit's read starts."""
@@ -234,7 +232,7 @@ class FileTier:
             self._largest = max(self._largest, nbytes, 1)  # every buffer fits every unit seen: no resizing churn
             fresh = torch.empty(self._largest, dtype=torch.uint8)
             kept = (fresh, _use_count(fresh))  # the count while only this list holds it
-            if len(self._slabs) < self.SLABS:
+            if len(self._slabs) < self.slabs:
                 self._slabs.append(kept)
             else:  # every kept buffer is in use: replace the smallest, the others' users keep theirs
                 smallest = min(range(len(self._slabs)), key=lambda i: self._slabs[i][0].numel())

@@ -115,12 +115,12 @@ def offload(
         host_budget = state.tree.host_budget
         placed = _residency(leaves, budget)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
-            staging = FileTier.SLABS * max((size for _, size, _ in placed), default=0)
+            staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
             room = max(0, host_budget - _outside_units(model, leaves) - staging)
             if budget is None or budget > room:
                 budget = room
                 placed = _residency(leaves, budget)
-        in_file = _file_tier(model, placed, host_budget, device, leaves)
+        in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
         for group, size, resident in placed:
             for leaf in group:
                 for owner in _owners(leaf):
@@ -243,8 +243,12 @@ def _large_units(placed: list[tuple[list[nn.Module], int, bool]], paths: list[st
     return tuple((path_of[id(group[0])], size) for group, size, _ in placed if size > limit)
 
 
+def _slabs(tree) -> int:
+    return tree.file_tier.slabs if tree.file_tier is not None else FileTier.SLABS
+
+
 def _file_tier(model: nn.Module, placed: list[tuple[list[nn.Module], int, bool]], host_budget: int | None,
-               device: torch.device, leaves: list[nn.Module]) -> set[int]:
+               device: torch.device, leaves: list[nn.Module], slabs: int) -> set[int]:
     """The ids of the streamed leaves whose units stay in their file: host memory holds, in order, what lives on the
     CPU outside streamed units, the resident units where the device is the CPU (its budget is part of the host's),
     then streamed units while they fit `host_budget` with the staging buffers; the rest, where every tensor of the
@@ -255,7 +259,7 @@ def _file_tier(model: nn.Module, placed: list[tuple[list[nn.Module], int, bool]]
     host = _outside_units(model, leaves) if on_cpu else 0
     readable = [all(name in file_tier.sources(owner) for leaf in group for owner in _owners(leaf)
                     for name, t in owner._parameters.items() if t is not None) for group, _, _ in placed]
-    reserve = FileTier.SLABS * max((size for (_, size, _), can in zip(placed, readable, strict=True) if can),
+    reserve = slabs * max((size for (_, size, _), can in zip(placed, readable, strict=True) if can),
                                    default=0)
     in_file = set()
     for (group, size, resident), can in zip(placed, readable, strict=True):
