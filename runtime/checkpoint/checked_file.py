@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..quant.huge_pages import empty
 from .errors import CheckpointError
 
 _FADVISE = getattr(os, "posix_fadvise", None)  # Unix only: advice, never needed for a right answer
@@ -76,7 +75,7 @@ class CheckedFile:
 
     def read(self, offset: int, nbytes: int) -> Tensor:
         """The `nbytes` bytes at `offset`, as a fresh uint8 tensor; a CheckpointError if the file changed."""
-        buffer = empty((nbytes,), torch.uint8, torch.device("cpu"))
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.read_into([(offset, buffer)])
         return buffer
 

@@ -22,7 +22,6 @@ from torch import Tensor
 
 from ..engine.file_tier import FileSource, FileTier
 from ..host_memory import HostMemoryError, host_memory
-from ..quant.huge_pages import empty
 from ..sizes import SizeError, human, parse_size
 from .errors import CheckpointError
 
@@ -117,45 +116,56 @@ class Tiers:
 
 def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, *,
           file_tier: bool = True) -> Tiers:
-    """Units in memory in order while they fit `budget` after `must_hold`; the rest in the file (with `file_tier`;
-    a host that cannot read from files keeps all in memory), with two staging buffers, or one (no read-ahead) where
-    two do not fit; else a CheckpointError saying what is needed, what the budget is and which budget to set."""
+    """What stays in memory and what in the file, the fewest bytes in the file that fit `budget` after `must_hold`:
+    two staging buffers (read-ahead), else one; each sized for the largest unit left in the file, so every size of
+    that unit is tried (a large embedding kept in memory can leave far more of the rest there). A host that cannot
+    read from files (`file_tier=False`) keeps all in memory. Nothing fits: a CheckpointError saying what is needed,
+    what the budget is and which budget to set."""
     fixed = sum(_nbytes(value) for value in must_hold)
+    movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
+    caps = sorted({unit.bytes for unit in movable}, reverse=True) or [0]
     for slabs in range(FileTier.SLABS, 0, -1):
-        tiers, kept = _placed(fixed, units, budget, file_tier, slabs)
-        if budget.bytes is None or fixed + kept + tiers.staging_bytes <= budget.bytes:
-            return tiers
+        fitting = [tiers for cap in caps if _fits(tiers := _placed(fixed, units, movable, budget, slabs, cap), budget)]
+        if fitting:
+            return min(fitting, key=lambda tiers: tiers.file_bytes)
+    kept = sum(unit.bytes for unit in units) - sum(unit.bytes for unit in movable)
     kept_why = ("of streamed units this host keeps in memory (it reads no weight from files)" if not file_tier
                 else "of units whose values were transformed on load")
+    staging = caps[0]
     raise CheckpointError([
-        f"{path}: loading needs at least {human(fixed + kept + tiers.staging_bytes)} of host memory, but the host "
-        f"budget is {budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or "
-        f"transformed ones too), {human(kept)} {kept_why}, and {human(tiers.staging_bytes)} for a staging buffer "
-        "of the largest unit left in the file. Free memory or raise the memory limit, raise the host budget, or use "
-        "a policy that streams more of the model"])
+        f"{path}: loading needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
+        f"{budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed ones "
+        f"too), {human(kept)} {kept_why}, and {human(staging)} for a staging buffer of the largest unit left in the "
+        "file. Free memory or raise the memory limit, raise the host budget, or use a policy that streams more of "
+        "the model"])
 
 
-def _placed(fixed: int, units: list[Unit], budget: HostBudget, file_tier: bool, slabs: int) -> tuple[Tiers, int]:
-    """The tiers with `slabs` staging buffers, and the bytes of units that must be in memory."""
-    # staging sized for the largest unit that could stay in the file, so no later unit outgrows what was kept free
-    reserve = slabs * max((unit.bytes for unit in units if file_tier and unit.can_stay_in_file), default=0)
-    host, kept, in_file, file_bytes, file_units, largest = fixed, 0, set(), 0, 0, 0
+def _fits(tiers: Tiers, budget: HostBudget) -> bool:
+    return budget.bytes is None or tiers.host_bytes + tiers.staging_bytes <= budget.bytes
+
+
+def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudget, slabs: int, cap: int) -> Tiers:
+    """Units in memory in order while they fit beside `slabs` staging buffers of `cap` bytes; the rest in the file,
+    except units larger than `cap` (and those that cannot stay in the file), which are in memory whatever it costs."""
+    can_move = {id(unit) for unit in movable if unit.bytes <= cap}
+    host = fixed + sum(unit.bytes for unit in units if id(unit) not in can_move)  # first: they come what may
+    in_file, file_bytes, file_units, largest = set(), 0, 0, 0
     for unit in units:
         size = unit.bytes
-        if not (file_tier and unit.can_stay_in_file):
-            host, kept = host + size, kept + size
-        elif budget.bytes is None or host + size + reserve <= budget.bytes:
+        if id(unit) not in can_move:
+            continue
+        if budget.bytes is None or host + size + slabs * cap <= budget.bytes:
             host += size
         else:
             in_file.update(key for key, _ in unit.values)
             file_bytes, file_units, largest = file_bytes + size, file_units + 1, max(largest, size)
-    return Tiers(frozenset(in_file), host, file_bytes, file_units, slabs * largest, budget.bytes, slabs), kept
+    return Tiers(frozenset(in_file), host, file_bytes, file_units, slabs * largest, budget.bytes, slabs)
 
 
 def read_in(sources: list[FileSource], *, drop_cache: bool) -> list[Tensor]:
     """Each source's tensor read into memory of its own, in chunks of `CHUNK` bytes spread over a few threads (the
     copy out of the page cache is most of a warm load, and reads release the GIL); any CheckpointError raised as is."""
-    raws = [empty((source.range.nbytes,), torch.uint8, torch.device("cpu")) for source in sources]
+    raws = [torch.empty(source.range.nbytes, dtype=torch.uint8) for source in sources]
     batches: list[tuple[object, list[tuple[int, Tensor]]]] = []
     size = CHUNK
     for source, raw in zip(sources, raws, strict=True):
