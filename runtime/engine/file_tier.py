@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the journal moves tensors through `tree`, which reads throu
 class FileRange(Protocol):
     """A tensor's bytes in a checked file (the checkpoint stage's `FileRange`)."""
 
-    file: object  # has read_into(ranges) and will_read(offset, nbytes)
+    file: object  # has read_into(ranges) and verify(): the checkpoint stage's CheckedFile
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -82,8 +82,8 @@ def read_back(module: nn.Module, name: str) -> Tensor:
     raw = torch.empty(source.range.nbytes, dtype=torch.uint8)
     source.range.file.read_into([(source.range.offset, raw)])
     value = source.as_model_tensor(raw)
-    value = nn.Parameter(value, requires_grad=placeholder.requires_grad) if isinstance(placeholder, nn.Parameter) \
-        else value
+    if isinstance(placeholder, nn.Parameter):
+        return nn.Parameter(value, requires_grad=placeholder.requires_grad)
     return value
 
 
@@ -105,18 +105,6 @@ def sources(module: nn.Module) -> dict[str, FileSource]:
 def on_file_tier(module: nn.Module, name: str) -> bool:
     tensor = module._parameters.get(name, module._buffers.get(name))
     return tensor is not None and tensor.is_meta and name in sources(module)
-
-
-def unit_sources(modules: list[nn.Module]) -> list[tuple[nn.Module, str, FileSource]]:
-    """The file-tier tensors of a unit's modules, each shared tensor once."""
-    seen, found = set(), []
-    for module in modules:
-        for name, source in sources(module).items():
-            tensor = module._parameters.get(name, module._buffers.get(name))
-            if tensor is not None and tensor.is_meta and id(tensor) not in seen:
-                seen.add(id(tensor))
-                found.append((module, name, source))
-    return found
 
 
 def held(module: nn.Module, name: str) -> Tensor | None:
@@ -183,12 +171,6 @@ class FileTier:
         self._order.clear()
         self._position.clear()
 
-    def close(self) -> None:
-        self.forget()
-        if self._reader is not None:
-            self._reader.shutdown(wait=False, cancel_futures=True)
-            self._reader = None
-
     def _follow(self, module: nn.Module) -> None:
         """Learn the forward order; start reading the unit after `module` in it."""
         key = id(module)
@@ -201,7 +183,7 @@ class FileTier:
         following = self._order[(position + 1) % len(self._order)]()
         if following is None or following is module or id(following) in self._ahead:
             return
-        if not unit_sources([following]):
+        if not any(on_file_tier(following, name) for name in sources(following)):
             return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="streamwise-read-ahead")
