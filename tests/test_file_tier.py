@@ -69,6 +69,15 @@ def test_a_host_budget_leaves_units_in_the_file_and_computes_the_same(tmp_path, 
             file_tier.on_file_tier(m, "weight") and m.weight.dtype == torch.uint8 for m in tight.model.modules())
 
 
+def test_a_load_dtype_is_cast_at_each_fetch_of_a_weight_left_in_the_file(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    whole = streamwise.load_pretrained(path, policy, progress=False, dtype=torch.bfloat16).model
+    tight = streamwise.load_pretrained(path, policy, progress=False, dtype=torch.bfloat16,
+                                       max_memory={"cpu": 64 << 10}).model
+    assert file_tier.in_file(tight.lm_head) and tight.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(_logits_and_tokens(tight)[0], _logits_and_tokens(whole)[0])
+
+
 def test_a_weight_in_the_file_shows_model_code_its_dtype_and_shape(tmp_path):
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
@@ -76,6 +85,26 @@ def test_a_weight_in_the_file_shows_model_code_its_dtype_and_shape(tmp_path):
     assert file_tier.on_file_tier(head, "weight")
     assert head.weight.dtype == torch.float32 and head.weight.shape == (128, 64) and head.weight.is_meta
     assert isinstance(head.weight, torch.nn.Parameter)
+
+
+def test_moving_a_tree_keeps_its_file_tier_and_a_dtype_cast_applies_at_each_fetch(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    whole = streamwise.load_pretrained(path, policy, progress=False).model
+    expected, _ = _logits_and_tokens(whole)
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    in_file = [m for m in model.modules() if file_tier.in_file(m)]
+    assert in_file
+    model.to("cpu")  # torch's `_apply` on every module: a meta placeholder alone would fail to copy
+    model.to(torch.device("cpu"), non_blocking=True)
+    assert all(file_tier.in_file(m) for m in in_file)
+    assert torch.equal(_logits_and_tokens(model)[0], expected)
+    model.double()
+    whole.double()
+    assert model.lm_head.weight.dtype == torch.float64 and model.lm_head.weight.is_meta  # model code sees the cast
+    with torch.no_grad():
+        assert torch.equal(model(INPUTS).logits, whole(INPUTS).logits)
+    model.to("meta")  # nothing is read from the file to move a tree anywhere
+    assert all(file_tier.in_file(m) for m in in_file)
 
 
 def test_offload_moves_units_between_device_host_and_file_and_computes_the_same(tmp_path):

@@ -11,10 +11,13 @@ signal: nothing of the file is mapped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -107,6 +110,38 @@ def on_file_tier(module: nn.Module, name: str) -> bool:
     return tensor is not None and tensor.is_meta and name in sources(module)
 
 
+def in_file(module: nn.Module) -> bool:
+    """Whether some tensor of `module` (its own, not its children's) is on the file tier now."""
+    record = module.__dict__.get(protocol.SOURCES)
+    return record is not None and any(on_file_tier(module, name) for name in record.tensors)
+
+
+@contextmanager
+def kept_in_file(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """Around torch's `_apply(fn)` of `module` (`.to()`, `.half()`, a host's device move): the file-tier
+    placeholders of its subtree are set aside, so a device move neither reads a file nor fails on a meta tensor (a
+    fetch brings them to the compute device); a dtype cast `fn` makes becomes their model dtype, applied at each
+    fetch as a load's `dtype=` is."""
+    aside = []
+    for owner in module.modules():
+        record = owner.__dict__.get(protocol.SOURCES)
+        for name in (record.tensors if record is not None else ()):
+            if on_file_tier(owner, name):
+                held_in = owner._parameters if name in owner._parameters else owner._buffers
+                aside.append((owner, record, name, held_in, held_in[name]))
+                held_in[name] = None  # `_apply` passes over a None
+    try:
+        yield
+    finally:
+        for owner, record, name, held_in, placeholder in aside:
+            source = record.tensors[name]
+            dtype = fn(torch.empty(0, dtype=source.dtype)).dtype  # what the cast makes of a tensor of its dtype
+            if dtype != source.dtype:
+                record.tensors[name] = source = dataclasses.replace(source, dtype=dtype)
+                placeholder = source.placeholder(placeholder)
+            held_in[name] = placeholder
+
+
 def held(module: nn.Module, name: str) -> Tensor | None:
     """The tensor `name` of `module` as a fetch copies it: the one it holds, or, on the file tier, its bytes read
     from the file (`FileTier.read`)."""
@@ -195,15 +230,15 @@ class FileTier:
         total = sum(source.range.nbytes for _, source in found)
         slab = self._slab(total)
         by_file: dict[int, tuple[object, list]] = {}
-        tensors, start = {}, 0
-        for name, source in found:
+        raws, start = [], 0
+        for _, source in found:
             raw = slab[start:start + source.range.nbytes]
             start += source.range.nbytes
             by_file.setdefault(id(source.range.file), (source.range.file, []))[1].append((source.range.offset, raw))
-            tensors[name] = source.as_model_tensor(raw)
+            raws.append(raw)
         for file, ranges in by_file.values():
             file.read_into(ranges)
-        return tensors
+        return {name: source.as_model_tensor(raw) for (name, source), raw in zip(found, raws, strict=True)}
 
     def _slab(self, nbytes: int) -> Tensor:
         """A uint8 buffer of at least `nbytes` no tensor views any more, kept for reuse."""

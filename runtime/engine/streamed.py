@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import protocol
 from .classes import derived_class
+from .file_tier import kept_in_file
 from .kinds import COMPUTE_KINDS
 from .relocating import relocating_class
 
@@ -47,6 +48,7 @@ def claimed_below(module: nn.Module) -> tuple[nn.Module, ...]:
 def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:
     """The class body of a streamed leaf of `cls` computing with `kind` (a compute kind or a resident's)."""
     input_name = _input_name(cls.forward)
+    original_apply = cls._apply
 
     def streamed(self: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         x, args = kind.split(self, input_name, args, kwargs)
@@ -58,9 +60,14 @@ def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:
         finally:
             kind.release(tree.fetcher, self, fetched)
 
+    def _apply(self: nn.Module, fn, *args, **kwargs):
+        with kept_in_file(self, fn):  # a unit's weights left in their file stay there through device moves
+            return original_apply(self, fn, *args, **kwargs)
+
     return {
         **protocol.LEAF_DEFAULTS,
         "forward": protocol.leaf_forward(kind.resident_forward(cls), streamed),
+        "_apply": _apply,
         "__doc__": f"{cls.__qualname__}, streamed by Streamwise (compute kind `{kind.name}`).",
         protocol.KIND: kind.name,
     }
