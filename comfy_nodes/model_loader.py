@@ -51,7 +51,8 @@ class StreamwiseModelLoader(io.ComfyNode):
                     "host_budget", default="auto", optional=True,
                     tooltip="Host memory the weights may take: `auto` (what this process can still allocate, "
                             "counting a container's memory limit, which ComfyUI's own free-RAM figure does not, less "
-                            "10% of the limit) or a size such as `12GiB`. A model that does not fit is refused "
+                            "10% of the limit) or a size such as `12GiB`. Streamed blocks past it stay in their "
+                            "file and are read at each step; a model whose fixed part does not fit is refused "
                             "before anything is read, with both figures, instead of ending in the OOM killer."),
             ],
             outputs=[
@@ -85,10 +86,10 @@ class StreamwiseModelLoader(io.ComfyNode):
         policy = chosen_policy(policy, dirs, auto=True)
         path = resolve_model(model, model_roots())
         progress = comfy.utils.ProgressBar(100)
-        tree, report, chosen = load_pretrained(  # core moves whole modules: every weight stays in memory
+        tree, report, chosen = load_pretrained(
             path, policy, dtype=DTYPES[dtype], policy_dirs=dirs, allow_stranded=allow_stranded,
             progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
-            max_memory={"cpu": host_budget}, file_tier=False,
+            max_memory={"cpu": host_budget},
         )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device(),

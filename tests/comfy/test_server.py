@@ -281,6 +281,17 @@ def test_the_loader_refuses_a_model_larger_than_its_host_budget_naming_both_figu
     assert "loading needs at least" in message and "the host budget is 4.0 KiB" in message, message
 
 
+def test_a_host_budget_below_the_model_leaves_blocks_in_their_file_and_generates_the_same(server):
+    """Core hosts a tree whose blocks past the budget stay in their file: the same text, the report says so."""
+    size = sum(path.stat().st_size for path in server.model.glob("*.safetensors"))
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["host_budget"] = f"{size // 2}B"
+    entry = server.run(graph)
+    assert entry["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 8)]
+    (report,) = entry["outputs"]["1"]["text"]
+    assert ", file " in report and ", file 0 B" not in report, report
+
+
 def user_policies(server) -> Path:
     folder = server.log.parent / "user" / "default" / "streamwise" / "policies"
     if not folder.is_dir():  # a core whose user folder sits elsewhere: the pack created it on first use

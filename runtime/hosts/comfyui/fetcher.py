@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...engine import ConversionError, protocol
+from ...engine import ConversionError, file_tier, protocol
+from ...engine.tree import cast_for_compute
 from ...plan.selectors import joined
 
 
@@ -46,6 +47,10 @@ class ComfyFetcher:
         weight, bias = module.weight, module.bias
         if weight is None and bias is None:  # a norm without affine parameters: nothing to fetch
             return None, None, None
+        if file_tier.in_file(module):  # core's cast reads the meta placeholder: read the file, then cast as core does
+            return (cast_for_compute(file_tier.held(module, "weight"), device, dtype, protocol.weight_functions(module)),
+                    cast_for_compute(file_tier.held(module, "bias"), device, dtype, protocol.bias_functions(module)),
+                    None)
         options: dict[str, Any] = {
             "dtype": dtype or (weight.dtype if weight is not None else None),
             "device": device,
@@ -62,8 +67,8 @@ class ComfyFetcher:
 
     def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
         """Raw storage through core's `cast_to`: `cast_bias_weight` would recast and patch it."""
-        return [None if (t := getattr(module, name)) is None else self._cast_to(t, None, device, non_blocking=True)
-                for name in names]
+        return [None if (t := file_tier.held(module, name)) is None
+                else self._cast_to(t, None, device, non_blocking=True) for name in names]
 
     def fetch_parameters(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
         """`fetch_raw`, each tensor with the loading patcher's patches for its key unless core merged them into the
@@ -74,7 +79,7 @@ class ComfyFetcher:
         prefix = self._paths[id(module)]
         fetched = []
         for name in names:
-            tensor, key = getattr(module, name), joined(prefix, name)
+            tensor, key = file_tier.held(module, name), joined(prefix, name)
             if tensor is not None and key in patches:
                 tensor = self._patch(key, patches)(self._cast_to(tensor, None, device, non_blocking=True, copy=True))
             elif tensor is not None:

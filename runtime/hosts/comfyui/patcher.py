@@ -6,6 +6,9 @@ Invariants:
 - a load tells the tree its compute device; an unload sends relocated tensors back;
 - a streamed container (a `generic` module whose children hold parameters) always fetches: core places only
   modules whose parameters are all their own;
+- a module with weights left in their file (a host budget at load) is never core's to place or patch: it is left
+  out of core's load list, fetches through the file tier's reads, and gets core's LoRA patches as weight functions
+  (as a module core streams does);
 - a patch core would merge into a quantized resident's raw storage is kept beside its weight functions instead,
   applied for as long as core counts the weight patched (`engine.protocol.weight_functions`).
 """
@@ -73,12 +76,6 @@ def _host(model: nn.Module, policy: Policy | str | None, allow_stranded: bool) -
     state = applied_state(model)
     if state is None:
         raise ConversionError("convert the model first (streamwise.apply) or pass policy=")
-    in_file = next((path for path, module in walk_modules(model) for name in file_tier.sources(module)
-                    if file_tier.on_file_tier(module, name)), None)
-    if in_file is not None:  # core moves whole modules with `.to()`: a placeholder has nothing to move
-        raise ConversionError(f"`{in_file or '<root>'}` holds weights left in their file (a host budget at load); "
-                              "ComfyUI core moves weights itself, so this host needs them in memory: load with "
-                              "file_tier=False or a larger max_memory")
     if policy is None and not allow_stranded:
         state.plan.refuse_stranded()  # converted elsewhere (`apply`, `load`), by a plan that may strand
     walk = walk_modules(model)
@@ -133,6 +130,12 @@ def patcher_class(base: type) -> type:
     return derived_class(patcher_class, (base,), f"Streamwise{base.__name__}", base, dict, mixins=(_TreeKeeping,))
 
 
+def _patched_at_fetch(module: nn.Module) -> bool:
+    """Whether core leaves `module`'s patches to this host: a streamed container, or a module reading its weights
+    from the file (neither is in core's load list), gets them as weight functions."""
+    return protocol.kind_of(module) is not None and (holds_parameters_below(module) or file_tier.in_file(module))
+
+
 class _TreeKeeping:
     """Keeps a Streamwise tree's compute device, relocated tensors and resident patches in step with core."""
 
@@ -145,15 +148,16 @@ class _TreeKeeping:
         return loaded
 
     def _patch_what_core_skips(self, tree, device) -> None:
-        """Core patches only modules whose parameters are all their own. Generic containers and what they claim get
-        the patches as they fetch (`ComfyFetcher.fetch_parameters`; their own weight and bias through their weight
+        """Core patches only modules whose parameters are all their own, and none with weights in their file (left
+        out of its load list). Generic containers, modules reading from the file, and what they claim get the
+        patches as they fetch (`ComfyFetcher.fetch_parameters`; their own weight and bias through their weight
         functions), relocated parameters the way core patches a weight it loads whole: merged on the device, with
         a backup that `unpatch_model` puts back."""
         tree.fetcher.patches = self.patches
         from comfy.model_patcher import LowVramPatch
 
         for path, module in walk_modules(self.model):
-            if protocol.kind_of(module) is not None and holds_parameters_below(module):
+            if _patched_at_fetch(module):
                 for attribute, name in ((protocol.WEIGHT_FUNCTIONS, "weight"), (protocol.BIAS_FUNCTIONS, "bias")):
                     key = joined(path, name)
                     setattr(module, attribute, [LowVramPatch(key, self.patches)] if key in self.patches else [])
@@ -161,6 +165,12 @@ class _TreeKeeping:
                 key = joined(path, name)
                 if name in module._parameters and key in self.patches and key not in self.backup:
                     self.patch_weight_to_device(key, device_to=device)
+
+    def _load_list(self, *args, **kwargs):
+        """Core's list of modules to place, less those with weights in their file: core would move them with `.to()`
+        and zero-fill a meta weight it loads whole; they stay fetching, read from the file at each forward. Each
+        entry ends with (name, module, parameter names) on every core."""
+        return [entry for entry in super()._load_list(*args, **kwargs) if not file_tier.in_file(entry[-2])]
 
     def partially_unload(self, device_to, *args, **kwargs):
         freed = super().partially_unload(device_to, *args, **kwargs)
@@ -180,7 +190,7 @@ class _TreeKeeping:
             applied_state(self.model).tree.fetcher.patches = None
             for module in self.model.modules():
                 module.__dict__.pop(protocol.MERGED_PATCH, None)
-                if protocol.kind_of(module) is not None and holds_parameters_below(module):
+                if _patched_at_fetch(module):
                     module.weight_function, module.bias_function = [], []
         if device_to is not None:
             offload_relocated(self.model, device_to)
