@@ -115,17 +115,19 @@ class Tiers:
 
 
 def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, *,
-          file_tier: bool = True) -> Tiers:
+          file_tier: bool = True, slabs: int = FileTier.SLABS, doing: str = "loading") -> Tiers:
     """What stays in memory and what in the file, the fewest bytes in the file that fit `budget` after `must_hold`:
     two staging buffers (read-ahead), else one; each sized for the largest unit left in the file, so every size of
     that unit is tried (a large embedding kept in memory can leave far more of the rest there). A host that cannot
-    read from files (`file_tier=False`) keeps all in memory. Nothing fits: a CheckpointError saying what is needed,
-    what the budget is and which budget to set."""
+    read from files (`file_tier=False`) keeps all in memory; `slabs` is the most staging buffers there may be (a
+    tree placed anew keeps the ones it has). Nothing fits: a CheckpointError saying what `doing` needs, what the
+    budget is and which budget to set."""
     fixed = sum(_nbytes(value) for value in must_hold)
     movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
     caps = sorted({unit.bytes for unit in movable}, reverse=True) or [0]
-    for slabs in range(FileTier.SLABS, 0, -1):
-        fitting = [tiers for cap in caps if _fits(tiers := _placed(fixed, units, movable, budget, slabs, cap), budget)]
+    for buffers in range(slabs, 0, -1):
+        fitting = [tiers for cap in caps
+                   if _fits(tiers := _placed(fixed, units, movable, budget, buffers, cap), budget)]
         if fitting:
             return min(fitting, key=lambda tiers: tiers.file_bytes)
     kept = sum(unit.bytes for unit in units) - sum(unit.bytes for unit in movable)
@@ -133,7 +135,7 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
                 else "of units whose values were transformed on load")
     staging = caps[0]
     raise CheckpointError([
-        f"{path}: loading needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
+        f"{path}: {doing} needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
         f"{budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed ones "
         f"too), {human(kept)} {kept_why}, and {human(staging)} for a staging buffer of the largest unit left in the "
         "file. Free memory or raise the memory limit, raise the host budget, or use a policy that streams more of "

@@ -202,8 +202,7 @@ def revert(model: nn.Module) -> None:
             raise ConversionError(
                 "the tree holds quantized residents, whose float weights are gone; reload the model instead"
             )
-        in_file = next((path for path, m in model.named_modules()
-                        if any(file_tier.on_file_tier(m, name) for name in file_tier.sources(m))), None)
+        in_file = next((path for path, m in model.named_modules() if file_tier.in_file(m)), None)
         if in_file is not None:  # unconverted, nothing would read it back
             raise ConversionError(f"`{in_file or '<root>'}` holds weights left in their file (the file tier); read "
                                   "them back first (offload with a host budget that holds them) or reload the model")

@@ -128,12 +128,12 @@ def kept_in_file(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> Iterator[
         for name in (record.tensors if record is not None else ()):
             if on_file_tier(owner, name):
                 held_in = owner._parameters if name in owner._parameters else owner._buffers
-                aside.append((owner, record, name, held_in, held_in[name]))
+                aside.append((record, name, held_in, held_in[name]))
                 held_in[name] = None  # `_apply` passes over a None
     try:
         yield
     finally:
-        for owner, record, name, held_in, placeholder in aside:
+        for record, name, held_in, placeholder in aside:
             source = record.tensors[name]
             dtype = fn(torch.empty(0, dtype=source.dtype)).dtype  # what the cast makes of a tensor of its dtype
             if dtype != source.dtype:
@@ -218,7 +218,7 @@ class FileTier:
         following = self._order[(position + 1) % len(self._order)]()
         if following is None or following is module or id(following) in self._ahead:
             return
-        if not any(on_file_tier(following, name) for name in sources(following)):
+        if not in_file(following):
             return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="streamwise-read-ahead")

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
+from ..checkpoint import tiers
+from ..checkpoint.errors import CheckpointError
 from ..engine import ConversionError, applied_state, apply_policy, file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileTier
@@ -100,7 +102,7 @@ def offload(
     budget = _budget(budget, device)
 
     def failed(exc: Exception) -> OffloadError | None:  # the errors that say what failed pass as they are
-        if isinstance(exc, (ConversionError, PolicyError)):
+        if isinstance(exc, (ConversionError, PolicyError, OffloadError)):
             return None
         return OffloadError(f"placing the tree on {device} failed ({exc!r}); the tree was restored unchanged")
 
@@ -116,7 +118,7 @@ def offload(
         placed = _residency(leaves, budget)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
-            room = max(0, host_budget - _outside_units(model, leaves) - staging)
+            room = max(0, host_budget - sum(_nbytes(t) for t in _outside_tensors(model, leaves)) - staging)
             if budget is None or budget > room:
                 budget = room
                 placed = _residency(leaves, budget)
@@ -249,35 +251,38 @@ def _slabs(tree) -> int:
 
 def _file_tier(model: nn.Module, placed: list[tuple[list[nn.Module], int, bool]], host_budget: int | None,
                device: torch.device, leaves: list[nn.Module], slabs: int) -> set[int]:
-    """The ids of the streamed leaves whose units stay in their file: host memory holds, in order, what lives on the
-    CPU outside streamed units, the resident units where the device is the CPU (its budget is part of the host's),
-    then streamed units while they fit `host_budget` with the staging buffers; the rest, where every tensor of the
-    unit can be read back from its file, stays there."""
+    """The ids of the streamed leaves whose units stay in their file, as a load places them (`tiers.place`): host
+    memory holds what lives on the CPU outside streamed units and the resident units where the device is the CPU
+    (its budget is part of the host's); of the streamed units that can be read back from their file, those that do
+    not fit beside the staging buffers stay there."""
     if host_budget is None:
         return set()
-    on_cpu = device.type == "cpu"
-    host = _outside_units(model, leaves) if on_cpu else 0
-    readable = [all(name in file_tier.sources(owner) for leaf in group for owner in _owners(leaf)
-                    for name, t in owner._parameters.items() if t is not None) for group, _, _ in placed]
-    reserve = slabs * max((size for (_, size, _), can in zip(placed, readable, strict=True) if can),
-                                   default=0)
-    in_file = set()
-    for (group, size, resident), can in zip(placed, readable, strict=True):
+    held = {id(t): t for t in _outside_tensors(model, leaves)} if device.type == "cpu" else {}
+    units = []
+    for index, (group, _, resident) in enumerate(placed):
+        tensors = [(owner, name, t) for leaf in group for owner in _owners(leaf)
+                   for name, t in owner._parameters.items() if t is not None]
         if resident:
-            host += size if on_cpu else 0
-        elif not can or host + size + reserve <= host_budget:
-            host += size
-        else:
-            in_file.update(id(leaf) for leaf in group)
-    return in_file
+            held.update((id(t), t) for _, _, t in tensors if device.type == "cpu")
+            continue
+        values = {id(t): (f"{index}.{position}", file_tier.sources(owner).get(name, t))
+                  for position, (owner, name, t) in enumerate(tensors)}  # tied tensors once
+        if values:  # a leaf without parameters (a norm without affine ones) has nothing to place
+            units.append(tiers.Unit(str(index), list(values.values())))
+    budget = tiers.HostBudget(host_budget, f"{human(host_budget)}, the tree's (max_memory['cpu'] at its load)")
+    try:
+        placing = tiers.place("offload", held.values(), units, budget, slabs=slabs, doing="placing the tree")
+    except CheckpointError as exc:
+        raise OffloadError(str(exc)) from None
+    return {id(leaf) for unit in units if unit.values[0][0] in placing.in_file
+            for leaf in placed[int(unit.path)][0]}
 
 
-def _outside_units(model: nn.Module, leaves: list[nn.Module]) -> int:
-    """Bytes of the tensors outside every streamed unit: they live on the compute device whatever the budgets."""
+def _outside_tensors(model: nn.Module, leaves: list[nn.Module]) -> list[Tensor]:
+    """The tensors outside every streamed unit, each once: they live on the compute device whatever the budgets."""
     units = {id(owner) for leaf in leaves for owner in _owners(leaf)}
-    tensors = {id(t): t for m in model.modules() if id(m) not in units
-               for t in (*m._parameters.values(), *m._buffers.values()) if t is not None and not t.is_meta}
-    return sum(_nbytes(t) for t in tensors.values())
+    return list({id(t): t for m in model.modules() if id(m) not in units
+                 for t in (*m._parameters.values(), *m._buffers.values()) if t is not None and not t.is_meta}.values())
 
 
 def _owners(leaf: nn.Module) -> list[nn.Module]:
