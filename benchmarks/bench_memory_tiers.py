@@ -13,6 +13,9 @@ round once with the checkpoint in the page cache (warm: read once before) and on
   timed; in cold rounds the checkpoint is evicted again and a third, cold steady forward timed.
 - `raw-read`: the whole checkpoint read sequentially with `readinto` into one reused 64 MiB buffer.
 - `raw-read-half`: the same, for as many bytes as the half-budget load left on the file tier.
+- `raw-copy`: the whole checkpoint read into fresh anonymous memory of its own, 64 MiB chunks over as many threads as
+  a load reads with: the floor of any private copy (the page faults of fresh memory included), which the host tier
+  needs for its guarantee and transformers' memory map does not pay.
 
 Each child reports the time from its spawn to the end of its imports, to its load, to its first forward (and the
 CPU seconds of the load, steadier than wall time on a shared machine), the steady forward with `--tokens` and with
@@ -42,6 +45,7 @@ import argparse
 import datetime
 import json
 import math
+import mmap
 import os
 import platform
 import resource
@@ -62,7 +66,8 @@ MARK = "BENCH-RESULT "  # the line a child prints its JSON on
 FULL = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
 QUICK = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
 LOAD_MODES = ("transformers", "streamwise", "streamwise-half")
-MODES = (*LOAD_MODES, "raw-read", "raw-read-half")
+MODES = (*LOAD_MODES, "raw-read", "raw-read-half", "raw-copy")
+READERS = 4  # a load's reader threads at most (`runtime/checkpoint/tiers.READERS`)
 FIRST_FORWARD_GOAL, FILE_TIER_GOAL, ANON_SLACK = 1.0, 1.5, 0.10
 
 
@@ -244,13 +249,16 @@ def raw_read(files: list[Path], limit: int | None) -> int:
 def child(args: argparse.Namespace) -> None:
     mode, folder, spawn = args.child, Path(args.folder), args.spawn_time
     result: dict = {"mode": mode, "sources": source_hashes()}
-    if mode.startswith("raw-read"):
+    if mode.startswith("raw-"):
         imported = time.time()
         base = status()
         sampler = Sampler()
         sampler.start()
         start, cpu = time.perf_counter(), cpu_seconds()
-        nbytes = raw_read(weight_files(folder), args.file_bytes if mode == "raw-read-half" else None)
+        if mode == "raw-copy":
+            nbytes = raw_copy(weight_files(folder))
+        else:
+            nbytes = raw_read(weight_files(folder), args.file_bytes if mode == "raw-read-half" else None)
         seconds = time.perf_counter() - start
         result.update(import_s=imported - spawn, read_s=seconds, read_bytes=nbytes, read_GBps=nbytes / seconds / 1e9,
                       read_cpu_s=cpu_seconds() - cpu)
@@ -307,6 +315,30 @@ def child(args: argparse.Namespace) -> None:
                   peak_anon_above_baseline=peak["RssAnon"] - base["RssAnon"],
                   peak_rss_above_baseline=peak["VmRSS"] - base["VmRSS"])
     print(MARK + json.dumps(result), flush=True)
+
+
+def raw_copy(files: list[Path]) -> int:
+    """Read every file into fresh anonymous memory (kept until the end, as a load keeps it), `BUFFER`-byte chunks
+    over min(READERS, CPUs) threads; the bytes read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    copies, chunks = [], []
+    for path in files:
+        size = path.stat().st_size
+        memory = mmap.mmap(-1, size)  # untouched: every page is faulted in by the read, as in a load's buffers
+        copies.append(memory)
+        chunks += [(path, memory, start, min(BUFFER, size - start)) for start in range(0, size, BUFFER)]
+
+    def read(chunk) -> int:
+        path, memory, start, count = chunk
+        view, done = memoryview(memory)[start:start + count], 0
+        with open(path, "rb", buffering=0) as handle:
+            while done < count:
+                done += os.preadv(handle.fileno(), [view[done:]], start + done)
+        return done
+
+    with ThreadPoolExecutor(min(READERS, os.cpu_count() or 1)) as pool:
+        return sum(pool.map(read, chunks))
 
 
 # --- the parent: rounds ------------------------------------------------------------------------------------------
@@ -415,8 +447,11 @@ def goals(summary: dict, runs: list[dict], largest: int) -> list[dict]:
         for key, what in (("first_forward_from_spawn_s", "from spawn"), ("first_forward_s", "after imports")):
             ours, theirs = median(f"streamwise/{state}", key), median(f"transformers/{state}", key)
             ratio = ours / theirs if ours and theirs else None
+            copy, load = median(f"raw-copy/{state}", "read_s"), median(f"streamwise/{state}", "load_s")
             verdict(f"first forward {state} ({what}) / transformers", ratio, FIRST_FORWARD_GOAL,
-                    f"streamwise {ours and round(ours, 3)} s vs transformers {theirs and round(theirs, 3)} s")
+                    f"streamwise {ours and round(ours, 3)} s vs transformers {theirs and round(theirs, 3)} s "
+                    f"(load after imports {load and round(load, 3)} s, of which a private copy of the checkpoint "
+                    f"takes at least {copy and round(copy, 3)} s)")
     for state, key, what in (("warm", "steady_forward_s", ""), ("cold", "cold_steady_forward_s", ""),
                              ("warm", "steady_forward_1tok_s", " (1 token)"),
                              ("cold", "cold_steady_forward_1tok_s", " (1 token)")):

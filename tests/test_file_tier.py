@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
@@ -225,6 +226,32 @@ def test_a_staging_buffer_is_reused_only_once_nothing_holds_what_was_read_into_i
     for _, module in leaves[1:]:
         file_tier.held(module, "weight")
     assert torch.equal(kept, whole.get_submodule(leaves[0][0]).weight)
+
+
+def test_reads_run_ahead_of_the_forward_as_far_as_the_staging_pool_allows(tmp_path, monkeypatch):
+    """After the first forward (the order learnt), the units that follow are read on the reader thread, several
+    at once where they fit the pool, and the pool never holds more than `slabs` times the largest unit."""
+    path, policy = _saved(tmp_path, "safetensors")
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    tier = streamwise.runtime.engine.applied_state(model).tree.file_tier
+    largest = max(file_tier._unit_bytes(m) for m in model.modules())
+    _logits_and_tokens(model)  # learns the order
+    threads, ahead = [], []
+    read_into = type(next(s for m in model.modules() for s in file_tier.sources(m).values()).range.file).read_into
+
+    def recorded(self, ranges, **options):
+        threads.append(threading.current_thread().name)
+        return read_into(self, ranges, **options)
+
+    monkeypatch.setattr(type(next(s for m in model.modules() for s in file_tier.sources(m).values()).range.file),
+                        "read_into", recorded)
+    original_read = tier.read
+    monkeypatch.setattr(tier, "read", lambda module: (original_read(module), ahead.append(len(tier._ahead)))[0])
+    with torch.no_grad():
+        model(INPUTS)
+    assert threads and sum(name.startswith("streamwise-read-ahead") for name in threads) >= len(threads) - 1
+    assert max(ahead) >= 2, ahead
+    assert tier.staging_bytes <= tier.slabs * largest
 
 
 CHILD = textwrap.dedent('''

@@ -163,19 +163,21 @@ def _use_count(tensor: Tensor) -> int:
 class FileTier:
     """A tree's reads of its file-tier tensors: staging buffers and read-ahead.
 
-    Staging buffers are reused only once no tensor views them any more (torch's storage use count), so a weight
-    that model code or autograd keeps past its forward keeps its values; otherwise a fresh buffer is taken.
+    Staging is a pool of `slabs` arenas the size of the largest unit read (what the load's tiers counted). While a
+    unit computes, the units that followed it in the last forward are read, in order, into the arenas' free ends,
+    so a forward of many small units keeps the disk busy. An arena starts over only once no tensor views it any more
+    (torch's storage use count): a weight that model code or autograd keeps past its forward keeps its values, and a
+    read that finds the pool full takes a fresh buffer outside it.
     """
 
     SLABS = 2
-    """Staging buffers kept: the unit computing and the unit read ahead (the one before them is released by the
-    time the next read starts; a buffer still held gets a fresh one instead, and is not counted here). One where
-    memory is too short for two: then nothing is read ahead."""
+    """Staging, in multiples of the largest unit read from the file: the unit computing, and room to read ahead. One
+    where memory is too short for two: then nothing is read ahead."""
 
     def __init__(self, slabs: int = SLABS) -> None:
         self.slabs = slabs
         self.read_ahead = slabs > 1
-        self._slabs: list[tuple[Tensor, int]] = []  # (buffer, its storage's use count when nothing views it)
+        self._pool: list[_Arena] = []
         self._largest = 0
         self._order: list[weakref.ref] = []
         self._position: dict[int, int] = {}
@@ -184,15 +186,23 @@ class FileTier:
         self._lock = threading.Lock()
         self._reader: ThreadPoolExecutor | None = None
 
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes the pool holds now (at most `slabs` times the largest unit read)."""
+        return sum(arena.buffer.numel() for arena in self._pool)
+
     def read(self, module: nn.Module) -> dict[str, Tensor]:
-        """`module`'s file-tier tensors, read now or taken from the read ahead; then the next unit's read starts."""
+        """`module`'s file-tier tensors, read now or taken from the read ahead; then the next units' reads start."""
         key = id(module)
         if self._current is not None and self._current[0] == key:
             return self._current[1]
         self._current = None  # the unit before is done: its buffer is free for what is read next
         future = self._ahead.pop(key, None)
-        tensors = future.result() if future is not None else self._read_unit(module)
-        del future  # holds the result too
+        if future is not None:
+            tensors = future.result()
+            del future  # holds the result too
+        else:
+            tensors = self._read_unit(module, self._buffer(_unit_bytes(module), pooled=False))
         self._current = (key, tensors)
         self._follow(module)
         return tensors
@@ -207,7 +217,7 @@ class FileTier:
         self._position.clear()
 
     def _follow(self, module: nn.Module) -> None:
-        """Learn the forward order; start reading the unit after `module` in it."""
+        """Learn the forward order; start reading the units after `module` in it while the pool has room."""
         key = id(module)
         position = self._position.get(key)
         if position is None:
@@ -215,24 +225,25 @@ class FileTier:
             self._order.append(weakref.ref(module))
         if not self.read_ahead or torch.compiler.is_compiling():
             return
-        following = self._order[(position + 1) % len(self._order)]()
-        if following is None or following is module or id(following) in self._ahead:
-            return
-        if not in_file(following):
-            return
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="streamwise-read-ahead")
-            weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
-        self._ahead[id(following)] = self._reader.submit(self._read_unit, following)
+        for step in range(1, len(self._order)):
+            following = self._order[(position + step) % len(self._order)]()
+            if following is None or id(following) in self._ahead or not in_file(following):
+                continue
+            buffer = self._buffer(_unit_bytes(following), pooled=True)
+            if buffer is None:  # the pool is full: the read ahead goes on at the next fetch
+                return
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="streamwise-read-ahead")
+                weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
+            self._ahead[id(following)] = self._reader.submit(self._read_unit, following, buffer)
 
-    def _read_unit(self, module: nn.Module) -> dict[str, Tensor]:
+    @staticmethod
+    def _read_unit(module: nn.Module, buffer: Tensor) -> dict[str, Tensor]:
         found = [(name, source) for name, source in sources(module).items() if on_file_tier(module, name)]
-        total = sum(source.range.nbytes for _, source in found)
-        slab = self._slab(total)
         by_file: dict[int, tuple[object, list]] = {}
         raws, start = [], 0
         for _, source in found:
-            raw = slab[start:start + source.range.nbytes]
+            raw = buffer[start:start + source.range.nbytes]
             start += source.range.nbytes
             by_file.setdefault(id(source.range.file), (source.range.file, []))[1].append((source.range.offset, raw))
             raws.append(raw)
@@ -240,18 +251,38 @@ class FileTier:
             file.read_into(ranges)
         return {name: source.as_model_tensor(raw) for (name, source), raw in zip(found, raws, strict=True)}
 
-    def _slab(self, nbytes: int) -> Tensor:
-        """A uint8 buffer of at least `nbytes` no tensor views any more, kept for reuse."""
+    def _buffer(self, nbytes: int, *, pooled: bool) -> Tensor | None:
+        """A uint8 buffer of `nbytes` no tensor views: the free end of an arena of the pool (an arena whose views
+        are all gone starts over), else a new arena where the pool has room; else, unless `pooled`, a fresh buffer
+        outside the pool."""
         with self._lock:
-            for slab, idle in self._slabs:
-                if slab.numel() >= nbytes and _use_count(slab) == idle:
-                    return slab[:nbytes]
-            self._largest = max(self._largest, nbytes, 1)  # every buffer fits every unit seen: no resizing churn
-            fresh = torch.empty(self._largest, dtype=torch.uint8)
-            kept = (fresh, _use_count(fresh))  # the count while only this list holds it
-            if len(self._slabs) < self.slabs:
-                self._slabs.append(kept)
-            else:  # every kept buffer is in use: replace the smallest, the others' users keep theirs
-                smallest = min(range(len(self._slabs)), key=lambda i: self._slabs[i][0].numel())
-                self._slabs[smallest] = kept
-            return fresh[:nbytes]
+            self._largest = max(self._largest, nbytes, 1)
+            for arena in self._pool:
+                if _use_count(arena.buffer) == arena.idle:
+                    arena.used = 0
+            self._pool = [arena for arena in self._pool  # an idle arena smaller than the largest unit fragments
+                          if arena.used or arena.buffer.numel() >= self._largest]
+            for arena in self._pool:
+                if arena.buffer.numel() - arena.used >= nbytes:
+                    arena.used += nbytes
+                    return arena.buffer[arena.used - nbytes:arena.used]
+            if len(self._pool) < self.slabs:
+                fresh = torch.empty(self._largest, dtype=torch.uint8)
+                self._pool.append(_Arena(fresh, _use_count(fresh), nbytes))  # the count while only the pool holds it
+                return fresh[:nbytes]
+            return None if pooled else torch.empty(nbytes, dtype=torch.uint8)
+
+
+@dataclass
+class _Arena:
+    """A staging buffer units are read into one after another; it starts over once nothing views it."""
+
+    buffer: Tensor
+    idle: int
+    """Its storage's use count while only the pool holds it."""
+    used: int
+
+
+def _unit_bytes(module: nn.Module) -> int:
+    """Bytes a read of `module`'s file-tier tensors takes (as stored in the file)."""
+    return sum(source.range.nbytes for name, source in sources(module).items() if on_file_tier(module, name))
