@@ -325,7 +325,8 @@ def raw_copy(files: list[Path]) -> int:
     copies, chunks = [], []
     for path in files:
         size = path.stat().st_size
-        memory = mmap.mmap(-1, size)  # untouched: every page is faulted in by the read, as in a load's buffers
+        # private and untouched, as a load's buffers are: every page is faulted in by the read
+        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         copies.append(memory)
         chunks += [(path, memory, start, min(BUFFER, size - start)) for start in range(0, size, BUFFER)]
 

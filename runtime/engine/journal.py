@@ -114,7 +114,7 @@ class Journal:
         self._undo.append(lambda: slots.pop(name, None) if previous is ABSENT else slots.__setitem__(name, previous))
         slots[name] = value
 
-    def move(self, module: nn.Module, name: str, device: torch.device, *, pin: bool = False) -> None:
+    def move(self, module: nn.Module, name: str, device: torch.device) -> None:
         """`move_in_place`, undone by moving back: a parameter to its device and pinning (the same object, never a
         second copy held meanwhile), a buffer by putting the one it replaced back."""
         if name in module._parameters:
@@ -123,7 +123,14 @@ class Journal:
             self._undo.append(lambda: move_in_place(module, name, was, pin=pinned))
         else:
             self.set_tensor(module, name, module._buffers[name])
-        move_in_place(module, name, device, pin=pin)
+        move_in_place(module, name, device)
+
+    def set_data(self, parameter: nn.Parameter, value: Tensor) -> None:
+        """Give `parameter` the values and storage of `value` (the same Parameter object: every alias of it stays
+        valid), undone by giving its own back."""
+        previous = parameter.data
+        self._undo.append(lambda: setattr(parameter, "data", previous))
+        parameter.data = value
 
     def keep(self, target: object, names: Iterable[str]) -> None:
         """Restore `target`'s instance attributes `names` on failure: they are about to change."""

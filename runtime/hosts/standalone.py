@@ -1,7 +1,7 @@
 """`offload(model, policy, device=..., budget=...)`: low-VRAM inference without ComfyUI.
 
-Streamed leaves keep their weights on the offload device (pinned CPU memory when CUDA is
-present). As many leaves as fit the budget, in registration order (forward order for transformers
+Streamed leaves keep their weights on the offload device (on CUDA, one pinned region of exactly
+their bytes: per-tensor pins round up to powers of two). As many leaves as fit the budget, in registration order (forward order for transformers
 models; leaves sharing a tied weight decide together), become resident on the compute device and
 run the original forward; the others fetch their weights per forward. The budget counts streamed
 leaves only (a generic container with the descendants it claims): relocated and unplanned tensors
@@ -123,14 +123,15 @@ def offload(
                 budget = room
                 placed = _residency(leaves, budget)
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
+        host_tier = []
         for group, size, resident in placed:
             for leaf in group:
                 for owner in _owners(leaf):
                     if id(leaf) in in_file:
                         file_tier.leave_in_file(journal, owner)
                     else:
-                        _place(journal, owner, device if resident else offload_device,
-                               pin=streamer.non_blocking and not resident)
+                        _place(journal, owner, device if resident else offload_device)
+                        host_tier += [] if resident else [owner]
                 journal.keep(leaf, (protocol.FETCH_FLAG,))
                 protocol.set_fetching(leaf, not resident)
             if resident:
@@ -140,10 +141,12 @@ def offload(
                 file_bytes += size if id(group[0]) in in_file else 0
         if state.tree.file_tier is not None:
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
+        if streamer.non_blocking:
+            _pin_together(journal, host_tier)
         converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
         for module in model.modules():
             if id(module) not in converted and not protocol.relocated_names(module):
-                _place(journal, module, device, pin=False)
+                _place(journal, module, device)
         journal.set_attributes(state.tree, {"compute_device": device, "fetcher": streamer})
         from ..compile import is_armed, lazy_compile
 
@@ -305,9 +308,9 @@ def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
     return groups
 
 
-def _place(journal: Journal, module: nn.Module, device: torch.device, *, pin: bool) -> None:
-    """Move a module's direct parameters and buffers in place (pinned on the CPU when `pin`); those it relocates
-    (a generic streamed module's buffers) follow the compute device on their own."""
+def _place(journal: Journal, module: nn.Module, device: torch.device) -> None:
+    """Move a module's direct parameters and buffers in place; those it relocates (a generic streamed module's
+    buffers) follow the compute device on their own."""
     relocated = protocol.relocated_names(module)
     for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
         if tensor is None or name in relocated:
@@ -315,8 +318,45 @@ def _place(journal: Journal, module: nn.Module, device: torch.device, *, pin: bo
         if file_tier.on_file_tier(module, name):  # back from the file: read, then placed as any other
             journal.set_tensor(module, name, file_tier.read_back(module, name))
             tensor = module._parameters[name]
-        if tensor.device != device or (pin and not tensor.is_pinned()):
-            journal.move(module, name, device, pin=pin)
+        if tensor.device != device:
+            journal.move(module, name, device)
+
+
+PIN_ALIGNMENT = 512
+"""Bytes each tensor's start in the pinned region is aligned to (what CUDA copies run fastest from)."""
+
+
+def _pin_together(journal: Journal, owners: list[nn.Module]) -> None:
+    """Pin the host tier as one region of the bytes it holds, each tensor a view of it (a Parameter stays the same
+    object). Torch's pinned allocator rounds each allocation up to a power of two, so pinning per tensor can take
+    up to twice the host budget; tensors pinned already (a region of an earlier placing) stay where they are."""
+    slots = [(owner, name, tensor) for owner in owners
+             for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
+             if tensor is not None and not tensor.is_meta and name not in protocol.relocated_names(owner)
+             and tensor.device.type == "cpu" and not tensor.is_pinned()]
+    offsets, total = {}, 0
+    for _, _, tensor in slots:
+        if id(tensor) not in offsets:
+            offsets[id(tensor)] = total
+            total += -(-_nbytes(tensor) // PIN_ALIGNMENT) * PIN_ALIGNMENT
+    if not total:
+        return
+    region, views = _pinned_region(total), {}
+    for owner, name, tensor in slots:
+        view = views.get(id(tensor))
+        if view is None:
+            start = offsets[id(tensor)]
+            view = views[id(tensor)] = region[start:start + _nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+        if isinstance(tensor, nn.Parameter):
+            if tensor.data_ptr() != view.data_ptr():  # a tied Parameter takes its view once
+                journal.set_data(tensor, view)
+        else:
+            journal.set_tensor(owner, name, view)
+
+
+def _pinned_region(nbytes: int) -> Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _nbytes(tensor: Tensor) -> int:

@@ -1,0 +1,54 @@
+"""The host tier of a CUDA placing is pinned as one region of exactly its bytes (torch's pinned allocator rounds
+each allocation up to a power of two). No GPU here: the region is a plain buffer, the carving and undo are real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamwise
+from streamwise.runtime.engine.journal import Journal
+from streamwise.runtime.hosts import standalone
+
+from helpers import tiny_qwen2
+
+
+@pytest.fixture
+def regions(monkeypatch):
+    made = []
+
+    def region(nbytes):
+        made.append(torch.zeros(nbytes, dtype=torch.uint8))
+        return made[-1]
+
+    monkeypatch.setattr(standalone, "_pinned_region", region)
+    return made
+
+
+def test_the_host_tier_is_one_region_of_its_bytes_and_a_failure_gives_each_tensor_back(regions):
+    torch.manual_seed(0)
+    model = tiny_qwen2(tie_word_embeddings=True)
+    streamwise.apply_policy(model, "decoder-llm")
+    owners = [m for m in model.modules() if m.__dict__.get("_sw_tree") is not None and m._parameters]
+    before = {id(p): (p, p.detach().clone(), p.data_ptr()) for m in owners for p in m._parameters.values()
+              if p is not None}
+    journal = Journal()
+    with pytest.raises(KeyboardInterrupt), journal.atomic(lambda exc: None):
+        standalone._pin_together(journal, owners)
+        (region,) = regions
+        total = sum(t.numel() * t.element_size() for t, _, _ in before.values())
+        assert total <= region.numel() <= total + standalone.PIN_ALIGNMENT * len(before)  # exact, less alignment
+        for parameter, values, _ in before.values():  # the same objects, now views of the region, same values
+            assert parameter.untyped_storage().data_ptr() == region.data_ptr() and torch.equal(parameter, values)
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one view
+        raise KeyboardInterrupt  # a failure later in the placing
+    for parameter, values, pointer in before.values():
+        assert parameter.data_ptr() == pointer and torch.equal(parameter, values)
+
+
+def test_nothing_is_pinned_again_and_an_empty_host_tier_takes_no_region(regions, monkeypatch):
+    model = tiny_qwen2()
+    streamwise.apply_policy(model, "decoder-llm")
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # all pinned already (an earlier placing)
+    standalone._pin_together(Journal(), list(model.modules()))
+    assert regions == []
