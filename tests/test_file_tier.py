@@ -108,6 +108,23 @@ def test_moving_a_tree_keeps_its_file_tier_and_a_dtype_cast_applies_at_each_fetc
     assert all(file_tier.in_file(m) for m in in_file)
 
 
+def test_a_move_that_fails_leaves_every_weight_in_its_file_as_it_was(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    expected, _ = _logits_and_tokens(model)
+    placeholders = {(id(m), name): id(t) for m in model.modules() for name, t in m._parameters.items()
+                    if file_tier.on_file_tier(m, name)}
+
+    def unmovable(tensor):
+        raise RuntimeError("no such device")
+
+    with pytest.raises(RuntimeError, match="no such device"):
+        model._apply(unmovable)  # what `model.to(device)` calls, failing as a missing device does
+    assert placeholders and {(id(m), name): id(t) for m in model.modules() for name, t in m._parameters.items()
+                             if file_tier.on_file_tier(m, name)} == placeholders
+    assert torch.equal(_logits_and_tokens(model)[0], expected)
+
+
 def test_offload_moves_units_between_device_host_and_file_and_computes_the_same(tmp_path):
     path, policy = _saved(tmp_path, "safetensors")
     expected, _ = _logits_and_tokens(streamwise.load_pretrained(path, policy, progress=False).model)

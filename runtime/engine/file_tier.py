@@ -135,7 +135,10 @@ def kept_in_file(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> Iterator[
     finally:
         for record, name, held_in, placeholder in aside:
             source = record.tensors[name]
-            dtype = fn(torch.empty(0, dtype=source.dtype)).dtype  # what the cast makes of a tensor of its dtype
+            try:
+                dtype = fn(torch.empty(0, dtype=source.dtype)).dtype  # what the cast makes of a tensor of its dtype
+            except Exception:  # `fn` failed (the move itself raises it): every placeholder goes back as it was
+                dtype = source.dtype
             if dtype != source.dtype:
                 record.tensors[name] = source = dataclasses.replace(source, dtype=dtype)
                 placeholder = source.placeholder(placeholder)
