@@ -8,12 +8,10 @@ fails the test with its exit code instead of ending the run.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.engine import ConversionError, file_tier
 
-from helpers import REPO, gguf_policy, tiny_qwen2
+from helpers import REPO, MemoryCgroup, gguf_policy, memory_cgroup, tiny_qwen2
 
 INPUTS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
 
@@ -318,10 +316,10 @@ def _saved_model(folder: Path, hidden: int, layers: int) -> int:
     return (folder / "model.safetensors").stat().st_size
 
 
-def _child(folder: Path, budget: str, cgroup: Path | None = None) -> dict:
+def _child(folder: Path, budget: str, cgroup: MemoryCgroup | None = None) -> dict:
     command = [sys.executable, "-c", CHILD, str(folder), budget]
-    if cgroup is not None:  # join the cgroup before the interpreter starts
-        command = ["sh", "-c", f'echo $$ > "{cgroup}/cgroup.procs" && exec "$@"', "sh", *command]
+    if cgroup is not None:
+        command = cgroup.command(command)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO / "tests")
     assert result.returncode == 0, f"exit code {result.returncode} (-9: killed by the kernel): {result.stderr[-3000:]}"
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -339,46 +337,15 @@ def test_the_anonymous_memory_of_a_load_stays_within_the_host_budget(tmp_path):
     assert expected["grown"] >= size  # the measure sees a whole model held in memory
 
 
-def _memory_cgroup() -> tuple[Path, str] | None:
-    """A writable memory cgroup this process may create children in (v2, else v1), or None."""
-    try:
-        own = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in own:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
-            parent = Path("/sys/fs/cgroup") / path.lstrip("/")
-            if "memory" in (parent / "cgroup.subtree_control").read_text(errors="replace").split():
-                return parent, "memory.max"
-        elif "memory" in controllers.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes"
-    return None
-
-
 def test_a_checkpoint_larger_than_the_memory_limit_runs_under_it(tmp_path):
     """Under a memory cgroup below the checkpoint's size, the default host budget (read from the cgroup) leaves
     what does not fit in the file, and the tokens are those of an unlimited run."""
-    found = _memory_cgroup()
-    if found is None or not os.access(found[0], os.W_OK):
-        pytest.skip("this machine delegates no writable memory cgroup (cgroup v1 or v2) to the tests")
-    parent, limit_file = found
-    imports = _child(tmp_path, "imports")["anon"]
-    size = _saved_model(tmp_path, 1024, 12)  # ~740 MB
-    limit = imports + 256 * 2**20  # below the checkpoint: it cannot be held whole
-    assert limit < size
-    expected = _child(tmp_path, str(size * 4))
-    cgroup = parent / f"streamwise-test-{uuid.uuid4().hex[:8]}"
-    try:
-        cgroup.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot create a memory cgroup under {parent}: {exc.strerror}")
-    try:
-        (cgroup / limit_file).write_text(str(limit))
-        swap = cgroup / "memory.memsw.limit_in_bytes"
-        if swap.exists():
-            swap.write_text(str(limit))
+    with memory_cgroup() as cgroup:
+        imports = _child(tmp_path, "imports")["anon"]
+        size = _saved_model(tmp_path, 1024, 12)  # ~740 MB
+        limit = imports + 256 * 2**20  # below the checkpoint: it cannot be held whole
+        assert limit < size
+        expected = _child(tmp_path, str(size * 4))
+        cgroup.limit(limit)
         limited = _child(tmp_path, "auto", cgroup)
         assert limited["tokens"] == expected["tokens"] and limited["file"] > size // 2, limited
-    finally:
-        cgroup.rmdir()
