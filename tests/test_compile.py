@@ -98,6 +98,26 @@ def test_a_streaming_tree_still_compiles_into_one_graph():
     assert (stats.graphs, stats.graph_breaks) == (1, 0)
 
 
+def test_a_tree_reading_its_blocks_from_the_file_compiles_and_computes_the_same(tmp_path):
+    """A compiled block cannot read a file: each read from the file tier runs eagerly at a graph break (traced, the
+    tier's bookkeeping made a block compute with another unit's weights)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 32)
+    expected = run(model, x)
+    save_file({key: value.contiguous() for key, value in model.state_dict().items()}, tmp_path / "net.safetensors")
+    fresh = Net()
+    report = streamwise.load(fresh, tmp_path / "net.safetensors", POLICY, max_memory={"cpu": 40_000},
+                             progress=False)
+    assert report.tiers.file_units >= 12
+    streamwise.lazy_compile(fresh, POLICY, backend="aot_eager")
+    for _ in range(3):
+        assert torch.allclose(run(fresh, x), expected, atol=1e-5)
+    stats = compile_stats(fresh)
+    assert stats.graphs >= 1 and stats.fallbacks == []
+
+
 @pytest.mark.parametrize("fmt", ["int8", "convrot_int8"])
 def test_int8_residents_compile(fmt):
     model = Net()

@@ -121,9 +121,12 @@ def _unbound_forward(unit: nn.Module, own: Any):
 
 
 def _inline_fetchers(module: nn.Module, settings: CompileSettings) -> None:
-    """A fetcher that prefetches on a side stream keeps Python bookkeeping a graph cannot hold."""
+    """A fetcher that prefetches on a side stream keeps Python bookkeeping a graph cannot hold; reads from the file
+    tier run outside the graphs."""
     state = applied_state(module)
     if state is not None:
         state.tree.fetcher.inline_for_compile()
+        if state.tree.file_tier is not None:
+            state.tree.file_tier.read_outside_graphs()
         if settings.verbose:
             log.info("compiled blocks fetch their weights inline (no side-stream prefetch)")

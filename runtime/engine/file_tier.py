@@ -188,6 +188,7 @@ class FileTier:
         self._current: tuple[int, dict[str, Tensor]] | None = None
         self._lock = threading.Lock()
         self._reader: ThreadPoolExecutor | None = None
+        self._outside_graphs = False
 
     @property
     def staging_bytes(self) -> int:
@@ -209,6 +210,14 @@ class FileTier:
         self._current = (key, tensors)
         self._follow(module)
         return tensors
+
+    def read_outside_graphs(self) -> None:
+        """From now on a compiled block breaks its graph at each read from the file, which runs eagerly and hands
+        the graph its tensors: a graph can neither read a file nor keep this tier's bookkeeping (traced, it computed
+        with another unit's weights)."""
+        if not self._outside_graphs:
+            self._outside_graphs = True
+            self.read = torch.compiler.disable(self.read)
 
     def forget(self) -> None:
         """Drop what was read ahead and the order learnt (the tree was placed anew)."""

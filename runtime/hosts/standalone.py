@@ -1,13 +1,13 @@
 """`offload(model, policy, device=..., budget=...)`: low-VRAM inference without ComfyUI.
 
-Streamed leaves keep their weights on the offload device (on CUDA, one pinned region of exactly
-their bytes: per-tensor pins round up to powers of two). As many leaves as fit the budget, in registration order (forward order for transformers
-models; leaves sharing a tied weight decide together), become resident on the compute device and
-run the original forward; the others fetch their weights per forward. The budget counts streamed
-leaves only (a generic container with the descendants it claims): relocated and unplanned tensors
-always live on the compute device. On CUDA the
-next streamed leaf's weights are copied on a side stream while the current one computes. With
-offload and compute device both CPU everything still runs, through the same code paths.
+Streamed leaves keep their weights on the offload device (on CUDA, one pinned region of exactly their
+bytes: per-tensor pins round up to powers of two). As many leaves as fit the budget, in registration
+order (forward order for transformers models; leaves sharing a tied weight decide together), become
+resident on the compute device and run the original forward; the others fetch their weights per
+forward. The budget counts streamed leaves only (a generic container with the descendants it
+claims): relocated and unplanned tensors always live on the compute device. On CUDA the next
+streamed leaf's weights are copied on a side stream while the current one computes. With offload
+and compute device both CPU everything still runs, through the same code paths.
 
 The arguments are checked before anything changes, and placing is atomic: on any failure (Ctrl-C
 included) every tensor is moved back and the tree is as it was (converted only if it was before).
