@@ -106,6 +106,30 @@ def test_moving_a_tree_keeps_its_file_tier_and_a_dtype_cast_applies_at_each_fetc
     assert all(file_tier.in_file(m) for m in in_file)
 
 
+def test_two_threads_computing_with_one_tree_read_the_same_numbers(tmp_path):
+    """The staging a thread's unit was read into stays its own while another thread's forward reads other units."""
+    path, policy = _saved(tmp_path, "safetensors")
+    expected, _ = _logits_and_tokens(streamwise.load_pretrained(path, policy, progress=False).model)
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    results, errors = [], []
+
+    def forwards():
+        try:
+            for _ in range(8):
+                with torch.no_grad():
+                    results.append(model(INPUTS).logits)
+        except Exception as exc:  # reported below, with the other threads
+            errors.append(exc)
+
+    threads = [threading.Thread(target=forwards) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(results) == 24
+    assert all(torch.equal(logits, expected) for logits in results)
+
+
 def test_a_move_that_fails_leaves_every_weight_in_its_file_as_it_was(tmp_path):
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model

@@ -197,9 +197,9 @@ class FileTier:
 
     def read(self, module: nn.Module) -> dict[str, Tensor]:
         """`module`'s file-tier tensors, read now or taken from the read ahead; then the next units' reads start."""
-        key = id(module)
-        if self._current is not None and self._current[0] == key:
-            return self._current[1]
+        key, current = id(module), self._current  # once: another thread's forward may replace it meanwhile
+        if current is not None and current[0] == key:
+            return current[1]
         self._current = None  # the unit before is done: its buffer is free for what is read next
         future = self._ahead.pop(key, None)
         if future is not None:
