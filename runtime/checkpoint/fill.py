@@ -116,8 +116,8 @@ def load(
     tensors before anything is read (`Plan.refuse_stranded`): what the ComfyUI loader asks. `max_memory` is the host
     budget (`tiers.host_budget`: by default what this process can spare): streamed units past it stay in the file and
     are read at each forward (`engine.file_tier`); the tree keeps the budget and where each tensor can be read back
-    from, for a later `offload`. `file_tier=False` keeps everything in memory (a host that moves tensors itself, as
-    ComfyUI core does, cannot hold placeholders): what does not fit the budget is then refused before anything is read.
+    from, for a later `offload`. `file_tier=False` keeps everything in memory (for code that reads weights directly,
+    outside a fetch): what does not fit the budget is then refused before anything is read.
     """
 
     def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
