@@ -248,6 +248,14 @@ def test_revert_refuses_a_tree_whose_weights_are_in_their_file(tmp_path):
     assert streamwise.runtime.engine.applied_state(model) is not None  # still converted, still computing
 
 
+def test_without_the_file_tier_everything_is_in_memory_or_the_load_is_refused(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    with pytest.raises(CheckpointError, match="of streamed units this host keeps in memory"):
+        streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}, file_tier=False)
+    loaded = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": "64MiB"}, file_tier=False)
+    assert loaded.report.tiers.file_bytes == 0 and not any(file_tier.in_file(m) for m in loaded.model.modules())
+
+
 def test_a_bad_host_budget_is_a_clear_error(tmp_path):
     path, policy = _saved(tmp_path, "safetensors")
     with pytest.raises(CheckpointError, match=r"max_memory\['cpu'\]='lots'"):
