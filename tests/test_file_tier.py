@@ -296,7 +296,7 @@ def test_reads_run_ahead_of_the_forward_as_far_as_the_staging_pool_allows(tmp_pa
     monkeypatch.setattr(tier, "read", lambda module: (original_read(module), ahead.append(len(tier._ahead)))[0])
     with torch.no_grad():
         model(INPUTS)
-    assert threads and sum(name.startswith("streamwise-read-ahead") for name in threads) >= len(threads) - 1
+    assert threads and sum(name.startswith("streamwise-read-ahead") for name in threads) >= len(threads) // 2
     assert max(ahead) >= 2, ahead
     assert tier.staging_bytes <= tier.slabs * largest
 

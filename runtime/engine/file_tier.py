@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -184,10 +184,10 @@ class FileTier:
         self._largest = 0
         self._order: list[weakref.ref] = []
         self._position: dict[int, int] = {}
-        self._ahead: dict[int, Future] = {}
+        self._ahead: dict[int, _Pending] = {}
         self._current: tuple[int, dict[str, Tensor]] | None = None
         self._lock = threading.Lock()
-        self._reader: ThreadPoolExecutor | None = None
+        self._reader: queue.SimpleQueue | None = None
         self._outside_graphs = False
 
     @property
@@ -201,12 +201,16 @@ class FileTier:
         if current is not None and current[0] == key:
             return current[1]
         self._current = None  # the unit before is done: its buffer is free for what is read next
-        future = self._ahead.pop(key, None)
-        if future is not None:
-            tensors = future.result()
-            del future  # holds the result too
+        pending = self._ahead.pop(key, None)
+        if pending is not None:
+            tensors = pending.taken()
         else:
-            tensors = self._read_unit(module, self._buffer(_unit_bytes(module), pooled=False))
+            buffer = self._buffer(_unit_bytes(module), pooled=True)
+            if buffer is None:  # what was read ahead, out of this order, holds the staging: give it back first
+                self._drop_read_ahead()
+                buffer = self._buffer(_unit_bytes(module), pooled=False)
+            tensors = self._read_unit(module, buffer)
+            del buffer
         self._current = (key, tensors)
         self._follow(module)
         return tensors
@@ -221,9 +225,7 @@ class FileTier:
 
     def forget(self) -> None:
         """Drop what was read ahead and the order learnt (the tree was placed anew)."""
-        for future in self._ahead.values():
-            future.cancel()
-        self._ahead.clear()
+        self._drop_read_ahead()
         self._current = None
         self._order.clear()
         self._position.clear()
@@ -245,9 +247,20 @@ class FileTier:
             if buffer is None:  # the pool is full: the read ahead goes on at the next fetch
                 return
             if self._reader is None:
-                self._reader = ThreadPoolExecutor(1, thread_name_prefix="streamwise-read-ahead")
-                weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
-            self._ahead[id(following)] = self._reader.submit(self._read_unit, following, buffer)
+                self._reader = queue.SimpleQueue()
+                threading.Thread(target=_read_ahead, args=(self._reader,), name="streamwise-read-ahead",
+                                 daemon=True).start()
+                weakref.finalize(self, self._reader.put, None)  # the thread ends with the tier
+            pending = self._ahead[id(following)] = _Pending(following, buffer)
+            self._reader.put(pending)
+            del buffer, pending
+
+    def _drop_read_ahead(self) -> None:
+        """Wait for the reads ahead under way and let their staging go (nothing else holds it)."""
+        ahead, self._ahead = self._ahead, {}
+        for pending in ahead.values():
+            pending.done.wait()
+        ahead.clear()
 
     @staticmethod
     def _read_unit(module: nn.Module, buffer: Tensor) -> dict[str, Tensor]:
@@ -283,6 +296,39 @@ class FileTier:
                 self._pool.append(_Arena(fresh, _use_count(fresh), nbytes))  # the count while only the pool holds it
                 return fresh[:nbytes]
             return None if pooled else torch.empty(nbytes, dtype=torch.uint8)
+
+
+class _Pending:
+    """A unit being read ahead. What it holds (the module, the buffer, the tensors read) is let go as soon as it is
+    used, so an arena is free exactly when nothing computes with what was read into it."""
+
+    def __init__(self, module: nn.Module, buffer: Tensor) -> None:
+        self.module: nn.Module | None = module
+        self.buffer: Tensor | None = buffer
+        self.tensors: dict[str, Tensor] | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def taken(self) -> dict[str, Tensor]:
+        """The tensors read (or the read's error), waiting for the read; this object keeps nothing of them."""
+        self.done.wait()
+        tensors, error, self.tensors, self.error = self.tensors, self.error, None, None
+        if error is not None:
+            raise error
+        return tensors
+
+
+def _read_ahead(reads: queue.SimpleQueue) -> None:
+    """The reader thread: reads each unit put in `reads` until a None comes."""
+    while (pending := reads.get()) is not None:
+        try:
+            pending.tensors = FileTier._read_unit(pending.module, pending.buffer)
+        except BaseException as exc:  # the forward that takes the unit raises it
+            pending.error = exc
+        finally:
+            pending.module = pending.buffer = None
+            pending.done.set()
+        del pending
 
 
 @dataclass
