@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -132,12 +133,19 @@ def server(comfy_root, tmp_path_factory):
     paths = base / "extra_model_paths.yaml"  # custom_nodes too: a core without --base-directory still finds the pack
     paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n  LLM: models/LLM\n"
                      "  custom_nodes: custom_nodes\n")
+    with launched(root, base, paths) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def launched(root: Path, base: Path, paths: Path, preexec_fn=None):
+    """A core's server on a free loopback port, its folders under `base`, answering; stopped, whole group, after."""
     port = free_port()
     command = [sys.executable, str(LAUNCHER), str(root), "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                "--extra-model-paths-config", str(paths), *core_arguments(root, base)]
     with open(base / "server.log", "w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=os.environ.copy(), start_new_session=True)
+                                   env=os.environ.copy(), start_new_session=True, preexec_fn=preexec_fn)
     started = Server(process, port, base)
     try:
         deadline = time.monotonic() + 300

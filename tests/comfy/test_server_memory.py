@@ -5,13 +5,9 @@ not fit in the file, and Generate Text gives transformers' text; the server is n
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
 from pathlib import Path
 
 import torch
@@ -54,38 +50,15 @@ def test_a_model_larger_than_the_memory_left_generates_under_the_limit(comfy_roo
         paths = base / "extra_model_paths.yaml"
         paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n"
                          "  custom_nodes: custom_nodes\n")
-        port = server_module.free_port()
-        command = [sys.executable, str(server_module.LAUNCHER), str(comfy_root), "--cpu", "--listen", "127.0.0.1",
-                   "--port", str(port), "--extra-model-paths-config", str(paths),
-                   *server_module.core_arguments(comfy_root, base)]
-        with open(base / "server.log", "w") as sink:
-            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=os.environ.copy(), start_new_session=True, preexec_fn=cgroup.enter)
-        server = server_module.Server(process, port, base)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                assert process.poll() is None, f"the server exited with {process.returncode}\n{server.tail()}"
-                assert time.monotonic() < deadline, f"the server did not answer within 300 s\n{server.tail()}"
-                try:
-                    server.request("/system_stats")
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    time.sleep(0.5)
+        with server_module.launched(comfy_root, base, paths, preexec_fn=cgroup.enter) as server:
             limit = cgroup.usage() + size // 4  # the idle server, and a quarter of the model
             cgroup.limit(limit)
             graph = server_module.workflow("streamwise_generate_text")
             graph["1"]["inputs"]["model"] = "streamwise/larger-qwen2"
             entry = server.wait(server.queue(graph), timeout=300)
-            assert process.poll() is None, f"the server was killed ({process.returncode})\n{server.tail()}"
+            killed = server.process.poll()
+            assert killed is None, f"the server was killed ({killed})\n{server.tail()}"
             assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
             assert entry["outputs"]["2"]["text"] == [expected]
             (report,) = entry["outputs"]["1"]["text"]
             assert ", file " in report, report  # most of it stayed in the file
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()

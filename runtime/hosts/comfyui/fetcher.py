@@ -47,8 +47,8 @@ class ComfyFetcher:
         weight, bias = module.weight, module.bias
         if weight is None and bias is None:  # a norm without affine parameters: nothing to fetch
             return None, None, None
-        if file_tier.in_file(module):  # core's cast would read the meta placeholder: read the file, then cast
-            weight, bias = file_tier.held(module, "weight"), file_tier.held(module, "bias")
+        if (weight is not None and weight.is_meta) or (bias is not None and bias.is_meta):  # in the file: read it,
+            weight, bias = file_tier.held(module, "weight"), file_tier.held(module, "bias")  # then cast as core does
             return (cast_for_compute(weight, device, dtype, protocol.weight_functions(module)),
                     cast_for_compute(bias, device, dtype, protocol.bias_functions(module)), None)
         options: dict[str, Any] = {
