@@ -77,13 +77,66 @@ def test_a_load_dtype_is_cast_at_each_fetch_of_a_weight_left_in_the_file(tmp_pat
     assert torch.equal(_logits_and_tokens(tight)[0], _logits_and_tokens(whole)[0])
 
 
-def test_a_weight_in_the_file_shows_model_code_its_dtype_and_shape(tmp_path):
+def test_a_weight_in_the_file_shows_model_code_its_dtype_shape_and_host_device(tmp_path):
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
     head = model.lm_head
     assert file_tier.on_file_tier(head, "weight")
-    assert head.weight.dtype == torch.float32 and head.weight.shape == (128, 64) and head.weight.is_meta
-    assert isinstance(head.weight, torch.nn.Parameter)
+    assert head.weight.dtype == torch.float32 and head.weight.shape == (128, 64) and head.weight.ndim == 2
+    assert head.weight.device == torch.device("cpu") and not head.weight.is_meta  # `x.to(weight.device)` works
+    assert isinstance(head.weight, torch.nn.Parameter) and isinstance(head.state_dict()["weight"], torch.Tensor)
+
+
+def test_model_code_reading_a_weight_in_the_file_directly_gets_its_values(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    whole = streamwise.load_pretrained(path, policy, progress=False).model.lm_head.weight.detach()
+    head = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model.lm_head
+    x = torch.randn(3, 64)
+    reads = {  # what modeling code does with a weight outside its own module's forward
+        "F.linear": (lambda w: torch.nn.functional.linear(x, w)),
+        ".T": (lambda w: w.T @ torch.ones(128)),
+        ".to(dtype)": (lambda w: w.to(torch.bfloat16)),
+        ".float()[0]": (lambda w: w.float()[0]),
+        "x.to(w.dtype) @ w.t()": (lambda w: x.to(w.dtype) @ w.t()),
+        "sum": (lambda w: w.sum(dim=0)),
+    }
+    for name, read in reads.items():
+        got = read(head.weight)
+        assert type(got) is torch.Tensor and torch.equal(got, read(whole)), name
+    assert file_tier.on_file_tier(head, "weight")  # a direct read leaves it in the file
+
+
+def test_a_write_into_a_weight_in_the_file_is_refused_naming_it(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    head = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model.lm_head
+    written = r"`mul_` writes into its argument `self`, which is in the file tier \(.*model\.safetensors, at byte"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=written):
+        head.weight.mul_(2)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="would be lost"):
+        head.load_state_dict({"weight": torch.zeros(128, 64)})
+    assert file_tier.on_file_tier(head, "weight")
+
+
+def test_the_plan_of_a_loaded_tree_says_what_is_in_its_file(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    whole = streamwise.load_pretrained(path, policy, progress=False)
+    tight = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10})
+    held = [m for m in tight.model.modules() if file_tier.in_file(m)]
+    stored = sum(source.range.nbytes for m in held for source in file_tier.sources(m).values())
+    chosen = streamwise.load_policy(streamwise.runtime.engine.applied_state(tight.model).plan.policy)
+    plan = streamwise.resolve(chosen, tight.model)
+    assert plan.summary()["in_file"] == {"bytes": stored, "modules": len(held)}
+    assert f"in the file {streamwise.runtime.sizes.human(stored):>25}  ({len(held)} modules" in str(plan)
+    assert "in_file" not in streamwise.resolve(chosen, whole.model).summary()
+
+
+def test_a_state_dict_with_weights_in_the_file_saves_their_values(tmp_path):
+    path, policy = _saved(tmp_path, "safetensors")
+    whole = streamwise.load_pretrained(path, policy, progress=False).model.state_dict()
+    tight = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    torch.save(tight.state_dict(), tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    assert saved.keys() == whole.keys() and all(torch.equal(saved[k], whole[k]) for k in whole)
 
 
 def test_moving_a_tree_keeps_its_file_tier_and_a_dtype_cast_applies_at_each_fetch(tmp_path):
@@ -93,13 +146,13 @@ def test_moving_a_tree_keeps_its_file_tier_and_a_dtype_cast_applies_at_each_fetc
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
     in_file = [m for m in model.modules() if file_tier.in_file(m)]
     assert in_file
-    model.to("cpu")  # torch's `_apply` on every module: a meta placeholder alone would fail to copy
+    model.to("cpu")  # torch's `_apply` on every module: a placeholder alone would be read to be copied
     model.to(torch.device("cpu"), non_blocking=True)
     assert all(file_tier.in_file(m) for m in in_file)
     assert torch.equal(_logits_and_tokens(model)[0], expected)
     model.double()
     whole.double()
-    assert model.lm_head.weight.dtype == torch.float64 and model.lm_head.weight.is_meta  # model code sees the cast
+    assert model.lm_head.weight.dtype == torch.float64 and file_tier.on_file_tier(model.lm_head, "weight")
     with torch.no_grad():
         assert torch.equal(model(INPUTS).logits, whole(INPUTS).logits)
     model.to("meta")  # nothing is read from the file to move a tree anywhere

@@ -293,7 +293,7 @@ def _probed(plan: Plan, entry: ModulePlan, module: nn.Module) -> bool:
     """Probe `module` (its kind is not proven for its class): raise if the kind computes otherwise; whether the
     probe could run (the weights hold data)."""
     weight = module._parameters.get("weight")
-    if weight is None or weight.is_meta:
+    if weight is None or not file_tier.in_memory(weight):
         return False
     problem = probe(COMPUTE_KINDS[entry.stream], module)
     if problem is not None:

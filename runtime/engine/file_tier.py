@@ -1,10 +1,11 @@
 """The file tier: weights that stay in their checkpoint file until their unit is fetched.
 
-A tensor on the file tier is a `meta` tensor of its dtype and shape (model code reading `.dtype` or `.shape` sees
-the real ones), with a `FileSource` recorded on its module (`protocol.SOURCES`) saying where its bytes are. A fetch
-reads them, through the checkpoint's checked reads (handed in as `FileSource.range`: this stage imports no reader),
-into a staging buffer the tree reuses once nothing holds it any more. While one unit computes, a reader thread reads
-the unit that came next in the last forward, so a forward whose weights come from the file runs near the disk's
+A tensor on the file tier is a `FileTensor`: a stand-in (`stand_in`) of its dtype and shape on the host, so model
+code reading `.dtype` or `.shape` sees the real ones and a direct read (`F.linear(x, m.weight)`) reads its values from
+the file; its `FileSource` is also recorded on its module (`protocol.SOURCES`). A fetch reads a unit's tensors
+through the checkpoint's checked reads (handed in as `FileSource.range`: this stage imports no reader) into a staging
+buffer the tree reuses once nothing holds it any more. While one unit computes, a reader thread reads the unit that
+came next in the last forward, so a forward whose weights come from the file runs near the disk's
 read rate. A file changed under the model is the reader's `CheckpointError` at the fetch that reads it, never a
 signal: nothing of the file is mapped.
 """
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from . import protocol
+from .stand_in import StandIn
 
 if TYPE_CHECKING:  # the journal moves tensors through `tree`, which reads through this module
     from .journal import Journal
@@ -61,13 +63,44 @@ class FileSource:
         values = raw.view(self.range.dtype).reshape(self.range.shape)
         return values if values.dtype == self.dtype else values.to(self.dtype)
 
+    def read(self) -> Tensor:
+        """The model's tensor, read from the file into memory of its own."""
+        raw = torch.empty(self.range.nbytes, dtype=torch.uint8)
+        self.range.file.read_into([(self.range.offset, raw)])
+        return self.as_model_tensor(raw)
+
     def placeholder(self, like: Tensor) -> Tensor:
-        """What the module holds in place of `like` while it is on the file tier: a meta tensor of its dtype and
-        shape, a Parameter where `like` is one."""
-        tensor = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        """What the module holds in place of `like` while it is on the file tier: its `FileTensor`, a Parameter
+        where `like` is one."""
+        tensor = FileTensor(self)
         if isinstance(like, nn.Parameter):
             return nn.Parameter(tensor, requires_grad=like.requires_grad)
         return tensor
+
+
+class FileTensor(StandIn):
+    """A tensor on the file tier as model code sees it: its model dtype and shape, on the host."""
+
+    @staticmethod
+    def __new__(cls, source: FileSource):
+        tensor = StandIn.__new__(cls, source.shape, source.dtype, "cpu")
+        tensor.source = source
+        return tensor
+
+    def values(self, device: torch.device | None) -> Tensor:
+        value = self.source.read()  # the checked read: a changed file is a CheckpointError naming it
+        return value if device is None else value.to(device)
+
+    def alias(self) -> FileTensor:
+        return FileTensor(self.source)
+
+    def describe(self) -> str:
+        return f"in the file tier ({self.source.range.file.path}, at byte {self.source.range.offset})"
+
+
+def in_memory(tensor: Tensor) -> bool:
+    """Whether `tensor` holds values in memory: neither on the file tier nor on `meta`."""
+    return not tensor.is_meta and not isinstance(tensor, FileTensor)
 
 
 @dataclass(frozen=True)
@@ -82,9 +115,7 @@ class Sources:
 def read_back(module: nn.Module, name: str) -> Tensor:
     """The value of a file-tier tensor, read into memory of its own (a Parameter where its placeholder is one)."""
     source, placeholder = sources(module)[name], module._parameters[name]
-    raw = torch.empty(source.range.nbytes, dtype=torch.uint8)
-    source.range.file.read_into([(source.range.offset, raw)])
-    value = source.as_model_tensor(raw)
+    value = source.read()
     if isinstance(placeholder, nn.Parameter):
         return nn.Parameter(value, requires_grad=placeholder.requires_grad)
     return value
@@ -94,7 +125,7 @@ def leave_in_file(journal: Journal, module: nn.Module) -> None:
     """Put a module's tensors back in their file: each becomes its meta placeholder (those there already stay)."""
     for name, source in sources(module).items():
         tensor = module._parameters.get(name)
-        if tensor is not None and not tensor.is_meta:
+        if tensor is not None and not isinstance(tensor, FileTensor):
             source.range.file.verify()  # a file changed since the load could not give the same values back
             journal.set_tensor(module, name, source.placeholder(tensor))
 
@@ -107,7 +138,7 @@ def sources(module: nn.Module) -> dict[str, FileSource]:
 
 def on_file_tier(module: nn.Module, name: str) -> bool:
     tensor = module._parameters.get(name, module._buffers.get(name))
-    return tensor is not None and tensor.is_meta and name in sources(module)
+    return isinstance(tensor, FileTensor) and name in sources(module)
 
 
 def in_file(module: nn.Module) -> bool:
@@ -149,11 +180,11 @@ def held(module: nn.Module, name: str) -> Tensor | None:
     """The tensor `name` of `module` as a fetch copies it: the one it holds, or, on the file tier, its bytes read
     from the file (`FileTier.read`)."""
     tensor = getattr(module, name, None)
-    if tensor is None or not tensor.is_meta:
+    if not isinstance(tensor, FileTensor):
         return tensor
     record = module.__dict__.get(protocol.SOURCES)
     if record is None or name not in record.tensors:
-        return tensor  # a meta tensor nothing can read: the op says so
+        return tensor.values(None)  # not the tree's (a tensor assigned from another tree): read on its own
     return record.tier.read(module)[name]
 
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from . import protocol
+from . import file_tier, protocol
 from .kinds import ComputeKind
 
 #: How far the kind may be from the class's own forward, in units of the computing dtype's epsilon, relative to the
@@ -37,7 +37,7 @@ MAGNITUDES = (1.0, 1e-3)
 def probe(kind: ComputeKind, module: nn.Module) -> str | None:
     """What is wrong with computing `module` as `kind` (None: the same numbers, or nothing to probe on)."""
     weight = module._parameters.get("weight")
-    if kind.probe is None or weight is None or weight.is_meta or not weight.is_floating_point():
+    if kind.probe is None or weight is None or not file_tier.in_memory(weight) or not weight.is_floating_point():
         return None
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     generator = torch.Generator(device=weight.device).manual_seed(0)

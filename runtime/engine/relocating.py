@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import protocol
+from . import file_tier, protocol
 from .classes import derived_class
 from .tree import move_in_place
 
@@ -42,5 +42,5 @@ def offload_relocated(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         for name in protocol.relocated_names(module):
             value = module._parameters.get(name, module._buffers.get(name))
-            if value is not None and value.device != device and not value.is_meta:  # meta holds no data to move
+            if value is not None and value.device != device and file_tier.in_memory(value):  # nothing to move
                 move_in_place(module, name, device)

@@ -285,7 +285,8 @@ def _outside_tensors(model: nn.Module, leaves: list[nn.Module]) -> list[Tensor]:
     """The tensors outside every streamed unit, each once: they live on the compute device whatever the budgets."""
     units = {id(owner) for leaf in leaves for owner in _owners(leaf)}
     return list({id(t): t for m in model.modules() if id(m) not in units
-                 for t in (*m._parameters.values(), *m._buffers.values()) if t is not None and not t.is_meta}.values())
+                 for t in (*m._parameters.values(), *m._buffers.values())
+                 if t is not None and file_tier.in_memory(t)}.values())
 
 
 def _owners(leaf: nn.Module) -> list[nn.Module]:
@@ -332,7 +333,7 @@ def _pin_together(journal: Journal, owners: list[nn.Module]) -> None:
     up to twice the host budget; tensors pinned already (a region of an earlier placing) stay where they are."""
     slots = [(owner, name, tensor) for owner in owners
              for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
-             if tensor is not None and not tensor.is_meta and name not in protocol.relocated_names(owner)
+             if tensor is not None and file_tier.in_memory(tensor) and name not in protocol.relocated_names(owner)
              and tensor.device.type == "cpu" and not tensor.is_pinned()]
     offsets, total = {}, 0
     for _, _, tensor in slots:

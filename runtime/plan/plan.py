@@ -49,11 +49,14 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class Coverage:
-    """Bytes of parameters and buffers by role, and every tensor no rule handles."""
+    """Bytes of parameters and buffers by role, every tensor no rule handles, and what of a loaded tree is on its
+    file tier now (bytes as stored in the file, and the modules holding them)."""
 
     bytes: dict[str, int]
     stranded: tuple[TensorRef, ...]
     tied: tuple[tuple[str, ...], ...] = ()
+    file_bytes: int = 0
+    file_modules: int = 0
 
     @property
     def complete(self) -> bool:
@@ -122,6 +125,8 @@ class Plan:
             "bytes": dict(self.coverage.bytes),
             "stranded": [f"{t.name} ({t.kind}, {t.bytes} bytes)" for t in self.coverage.stranded],
             "tied": [list(group) for group in self.coverage.tied],
+            **({"in_file": {"bytes": self.coverage.file_bytes, "modules": self.coverage.file_modules}}
+               if self.coverage.file_modules else {}),  # a loaded tree's file tier
             "rule_matches": dict(sorted(self.rule_matches.items())),
             "diagnostics": [f"{d.severity}[{d.code}]: {d.message}" for d in self.diagnostics],
         }
@@ -141,6 +146,9 @@ class Plan:
         lines.append("coverage:")
         lines += [f"  {role:<24} {human(size):>12}" for role, size in summary["bytes"].items()]
         lines.append(f"  {'covered':<24} {self.coverage.percent:>12}")
+        if self.coverage.file_modules:
+            lines.append(f"  {'in the file':<24} {human(self.coverage.file_bytes):>12}  "
+                         f"({self.coverage.file_modules} modules read at each fetch; the rest in memory)")
         if rules:
             lines.append("rules:")
             lines += [f"  {rule:<40} {count:>6} modules" for rule, count in summary["rule_matches"].items()]

@@ -23,8 +23,9 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ...schemas.vocabulary import AUTO_KIND, LINEAR_ONLY_QUANT_FORMATS
-from ..engine import protocol
+from ..engine import file_tier, protocol
 from ..engine.class_facts import class_fact
+from ..engine.file_tier import FileTensor
 from ..engine.kinds import COMPUTE_KINDS, FETCHED, GENERIC, Fit, fit
 from ..engine.streamed import holds_parameters_below
 from ..policy.diagnostics import Diagnostic, Note, did_you_mean
@@ -303,7 +304,8 @@ def _kind_fits(path: str, module: nn.Module, roles: _Roles, kind: Fit | None):
             help="select the class by its qualified name to hold it to this kind (a probe checks it on real "
                  'weights), or use `kind = "auto"`',
         ), path)
-    elif not kind.proven and (weight := module._parameters.get("weight")) is not None and weight.is_meta:
+    elif (not kind.proven and (weight := module._parameters.get("weight")) is not None
+          and not file_tier.in_memory(weight)):
         # it stands, but say so where no probe can run yet (`policy-validate --model`, on meta)
         return roles, (Diagnostic(
             "unproven-kind", f"stream rule `{rule.id}` computes `{ModuleRef.of(path, module).name}` as "
@@ -456,7 +458,7 @@ class _CoverageCounter:
     """
 
     def __init__(self) -> None:
-        self.streamed = self.relocated = self.stranded_bytes = 0
+        self.streamed = self.relocated = self.stranded_bytes = self.file_bytes = self.file_modules = 0
         self.stranded: list[TensorRef] = []
         self._first: dict[int, str] = {}  # by tensor id: the path of the module it was first seen in
         self._aliases: dict[int, list[tuple[str, str]]] = {}  # by tensor id: where else it was seen
@@ -467,7 +469,7 @@ class _CoverageCounter:
         first = self._first
         relocated = roles.relocate is not None
         every = streams is ALL
-        streamed = moved = stranded = 0
+        streamed = moved = stranded = in_file = 0
         parameters, buffers = module._parameters, module._buffers
         # per slot: what the fetch brings (buffers never come through it), whether all of it follows the device
         slots = ((parameters, "parameter", streams, relocated), (buffers, "buffer", None, relocated or every))
@@ -480,6 +482,8 @@ class _CoverageCounter:
                     self._seen_again(key, path, name, tensors, tensor)
                     continue
                 first[key] = path
+                if isinstance(tensor, FileTensor):
+                    in_file += tensor.source.range.nbytes
                 if follows:
                     moved += tensor.nbytes
                 elif fetched is ALL or fetched is not None and name in fetched:
@@ -490,6 +494,9 @@ class _CoverageCounter:
         self.streamed += streamed
         self.relocated += moved
         self.stranded_bytes += stranded
+        if in_file:
+            self.file_bytes += in_file
+            self.file_modules += 1
         if not (relocated or every):
             return ()
         sources = (parameters, buffers) if relocated else (buffers,)
@@ -510,7 +517,7 @@ class _CoverageCounter:
                           *(joined(*where) for where in self._aliases[key]))
                          for key in self._first if key in self._aliases)
         counted = {"streamed": self.streamed, "relocated": self.relocated, "stranded": self.stranded_bytes}
-        return Coverage(counted, tuple(self.stranded), tied)
+        return Coverage(counted, tuple(self.stranded), tied, self.file_bytes, self.file_modules)
 
 
 def _name_of(module: nn.Module, key: int) -> str:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ...engine import ConversionError, file_tier, protocol
+from ...engine.file_tier import FileTensor
 from ...engine.tree import cast_for_compute
 from ...plan.selectors import joined
 
@@ -47,7 +48,7 @@ class ComfyFetcher:
         weight, bias = module.weight, module.bias
         if weight is None and bias is None:  # a norm without affine parameters: nothing to fetch
             return None, None, None
-        if (weight is not None and weight.is_meta) or (bias is not None and bias.is_meta):  # in the file: read it,
+        if isinstance(weight, FileTensor) or isinstance(bias, FileTensor):  # in the file: read it,
             weight, bias = file_tier.held(module, "weight"), file_tier.held(module, "bias")  # then cast as core does
             return (cast_for_compute(weight, device, dtype, protocol.weight_functions(module)),
                     cast_for_compute(bias, device, dtype, protocol.bias_functions(module)), None)

@@ -167,9 +167,9 @@ class _TreeKeeping:
                     self.patch_weight_to_device(key, device_to=device)
 
     def _load_list(self, *args, **kwargs):
-        """Core's list of modules to place, less those with weights in their file: core would move them with `.to()`
-        and zero-fill a meta weight it loads whole; they stay fetching, read from the file at each forward. Each
-        entry ends with (name, module, parameter names) on every core."""
+        """Core's list of modules to place, less those with weights in their file: core would load them whole
+        (a copy read from the file, counted as loaded) or merge patches into them; they stay fetching, read from the
+        file at each forward. Each entry ends with (name, module, parameter names) on every core."""
         return [entry for entry in super()._load_list(*args, **kwargs) if not file_tier.in_file(entry[-2])]
 
     def partially_unload(self, device_to, *args, **kwargs):
