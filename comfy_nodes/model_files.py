@@ -1,9 +1,9 @@
 """Which models a picker offers: only what `load_pretrained` can load, so weights with a `config.json` beside them
-(transformers' or diffusers'), or a loose `.gguf` written by llama.cpp's converter (its metadata describes the model; a
-loose `.safetensors`, or a `.gguf` Streamwise wrote, has nothing to build a skeleton from). A folder with a
-`config.json` is offered whole when it holds weights the loader picks by itself (`weight_files`: its shard index, its
-one `.safetensors` or the variants of one, else its one `.gguf`) and file by file (`folder/model.gguf`), shards
-excepted: they are parts of the folder's weights. Symlinked folders are followed, each real folder once per root, so
+(transformers' or diffusers'), or a loose `.gguf` that describes its model: written by llama.cpp's converter, or by
+`streamwise quantize` carrying the model's config.json (a loose `.safetensors` has nothing to build a skeleton
+from). A folder with a `config.json` is offered whole when it holds weights the loader picks by itself
+(`weight_files`: its shard index, its one `.safetensors` or the variants of one, else its one `.gguf`) and file by
+file (`folder/model.gguf`), shards excepted: they are parts of the folder's weights. Symlinked folders are followed, each real folder once per root, so
 a cycle ends. Labels resolve back only to what was listed. No ComfyUI import: unit-tested without a core.
 """
 
@@ -15,6 +15,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ..runtime.checkpoint import carried_files
 from ..runtime.checkpoint.weight_files import SHARD_INDEX as SHARD_INDEX  # re-exported: the tests name it here
 from ..runtime.checkpoint.weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
 
@@ -93,7 +94,7 @@ def _folders(root: Path) -> Iterator[tuple[str, Path, set[str]]]:
 def _offered(relative: str, here: Path, files: set[str]) -> Iterator[tuple[str, Path]]:
     if "config.json" not in files:
         for name in sorted(files):
-            if name.endswith(".gguf") and gguf_architecture(here / name) not in (None, "streamwise"):
+            if name.endswith(".gguf") and _describes_its_model(here / name):
                 yield relative + name, here / name
         return
     weights = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
@@ -131,22 +132,35 @@ def _shards(folder: Path, indexes: list[str]) -> set[str] | None:
     return shards
 
 
-def gguf_architecture(path: Path) -> str | None:
-    """A GGUF's `general.architecture`, read from the first of its metadata (gguf's writer puts it first): a listing
-    must not parse whole headers, whose tokenizer arrays take seconds. None: not a GGUF, or not said early."""
+def _describes_its_model(path: Path) -> bool:
+    """Whether a loose GGUF says what model to build: an architecture llama.cpp names, or Streamwise's carrying a
+    config.json (`carried_files`)."""
+    leading = _leading_strings(path)
+    architecture = leading.get("general.architecture")
+    if architecture != carried_files.ARCHITECTURE:
+        return architecture is not None
+    return "config.json" in leading.get(carried_files.LISTED, "").split(",")
+
+
+def _leading_strings(path: Path) -> dict[str, str]:
+    """The short string values at the start of a GGUF's metadata (gguf's writer puts the architecture first, and
+    Streamwise the names of the files it carries next), up to the first of another type or a long one: a listing
+    must not parse whole headers, whose tokenizer arrays take seconds. Empty: not a GGUF."""
+    found: dict[str, str] = {}
     try:
         with open(path, "rb") as file:
             magic, _version, _tensors, pairs = struct.unpack("<4sIQQ", file.read(24))
             for _ in range(min(pairs, _EARLY_KEYS) if magic == b"GGUF" else 0):
                 key = _string(file)
                 if key is None or struct.unpack("<I", file.read(4))[0] != _GGUF_STRING:
-                    return None  # an architecture comes among the leading strings
+                    break
                 value = _string(file)
-                if value is None or key == "general.architecture":
-                    return value
+                if value is None:
+                    break
+                found[key] = value
     except (OSError, struct.error):
         pass
-    return None
+    return found
 
 
 def _string(file) -> str | None:

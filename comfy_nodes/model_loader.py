@@ -40,7 +40,8 @@ class StreamwiseModelLoader(io.ComfyNode):
                     tooltip="From ComfyUI's model folders streamwise, text_encoders and LLM (models/streamwise, "
                             "models/text_encoders, models/clip, models/LLM and extra_model_paths.yaml): each folder "
                             "with a config.json, whole or as one of its .safetensors/.gguf files, and each .gguf that "
-                            "describes its model in its metadata (llama.cpp's layout).",
+                            "describes its model in its metadata (llama.cpp's layout, or `streamwise quantize`'s "
+                            "carrying config.json).",
                 ),
                 policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
                 io.Combo.Input("dtype", options=list(DTYPES), default="auto",

@@ -26,9 +26,9 @@ def write_policy(folder: Path, name: str, body: str = "", *, version: int = 1) -
     return path
 
 
-def gguf_policy(folder: Path, gguf_type: str) -> Path:
-    """A policy extending decoder-llm whose Linear layers are GGUF residents written as `gguf_type`."""
-    return write_policy(folder, gguf_type.lower(), 'extends = "decoder-llm"\n\n[[quant.rule]]\nid = "linears"\n'
+def gguf_policy(folder: Path, gguf_type: str, extends: str = "decoder-llm") -> Path:
+    """A policy extending `extends` whose Linear layers are GGUF residents written as `gguf_type`."""
+    return write_policy(folder, gguf_type.lower(), f'extends = "{extends}"\n\n[[quant.rule]]\nid = "linears"\n'
                         f'select = {{ class = "Linear" }}\nformat = "gguf"\ngguf_type = "{gguf_type}"\n')
 
 
@@ -59,6 +59,22 @@ def tiny_qwen2(**overrides):
                   num_key_value_heads=2, vocab_size=128)
     config.update(overrides)
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).eval()
+
+
+def tiny_tokenizer(vocabulary: int = 128):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    # One word for every id of a tiny model's vocabulary (tiny_qwen2's 128), so that any generated id decodes to text.
+    trainer = trainers.WordLevelTrainer(vocab_size=vocabulary, special_tokens=["[UNK]", "[PAD]", "[EOS]"])
+    words = "a cat sat on the mat the quick brown fox jumps over lazy dog".split()
+    filler = [f"w{i}" for i in range(vocabulary - 3 - len(set(words)))]
+    tokenizer.train_from_iterator([" ".join(words), " ".join(filler)], trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]",
+    )
 
 
 def tiny_acoustic_tokenizer():

@@ -67,11 +67,13 @@ def test_loose_weights_and_folders_that_cannot_load_are_not_offered(tmp_path):
     ]
 
 
-def gguf_of(path, architecture):
+def gguf_of(path, architecture, *strings):
     """A header-only GGUF as gguf's writer (llama.cpp's converter) makes it: the architecture first."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in strings:
+        writer.add_string(key, value)
     writer.add_name("tiny")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -80,14 +82,16 @@ def gguf_of(path, architecture):
 
 def test_a_loose_gguf_is_offered_when_its_metadata_names_a_model(tmp_path):
     gguf_of(tmp_path / "llama.Q4_0.gguf", "llama")  # llama.cpp's layout: it builds its own skeleton
-    gguf_of(tmp_path / "mine.gguf", "streamwise")  # Streamwise's own files need the config they were written from
+    gguf_of(tmp_path / "old.gguf", "streamwise")  # a Streamwise file carrying no config.json: nothing to build
+    gguf_of(tmp_path / "tokenizer-only.gguf", "streamwise", ("streamwise.policy", "p"),
+            ("streamwise.files", "tokenizer.json"))
+    gguf_of(tmp_path / "mine.gguf", "streamwise", ("streamwise.policy", "p"),  # as `streamwise quantize` writes
+            ("streamwise.files", "config.json,tokenizer.json"), ("streamwise.file.config.json", "{}" + " " * 4096))
     (tmp_path / "nested").mkdir()
     gguf_of(tmp_path / "nested" / "qwen3.gguf", "qwen3")
     (tmp_path / "huge-key.gguf").write_bytes(b"GGUF" + bytes(4) + bytes(8) + (1).to_bytes(8, "little")
                                              + (2**62).to_bytes(8, "little"))  # bounded: never read
-    assert model_files.gguf_architecture(tmp_path / "llama.Q4_0.gguf") == "llama"
-    assert model_files.gguf_architecture(tmp_path / "huge-key.gguf") is None
-    assert labels(tmp_path) == ["k/llama.Q4_0.gguf", "k/nested/qwen3.gguf"]
+    assert labels(tmp_path) == ["k/llama.Q4_0.gguf", "k/mine.gguf", "k/nested/qwen3.gguf"]
 
 
 def test_a_root_beside_its_own_config_json_offers_its_files_only(tmp_path):

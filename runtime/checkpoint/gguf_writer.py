@@ -4,7 +4,8 @@
   the caller gives) with the gguf package's own quantizers (every type it quantizes: `GGUF_WRITE_TYPES`);
 - every other tensor keeps its type (the quantized blocks of a GGUF source too), and each weight matrix left in
   float is reported with why (no rule, excluded, another format, too few weights, rows not filling blocks);
-- tensor names stay the model's state-dict keys, so `streamwise.load` reads the file back into the same tree.
+- tensor names stay the model's state-dict keys, so `streamwise.load` reads the file back into the same tree;
+- the model's config.json and tokenizer files go into the metadata (`carried_files`), so the file stands alone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from ...schemas import Policy
 from ...schemas.vocabulary import GGUF_WRITE_TYPES
 from ..plan import plan_for
 from ..quant.gguf_dequant import dequantize
+from . import carried_files
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
+from .skeleton import config_folder
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class QuantizeReport:
     bytes_out: int
     float_layers: dict[str, str] = field(default_factory=dict)
     """Weight matrices written in float -> why no quantized type applies."""
+    carried: tuple[str, ...] = ()
+    """The model's files the GGUF carries (`carried_files`): with config.json it loads alone."""
 
 
 def quantize_to_gguf(
@@ -52,14 +57,18 @@ def quantize_to_gguf(
     destination = Path(destination)
     checkpoint = open_checkpoint(source)
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
+    files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
+             else carried_files.collect(config_folder(Path(source))))
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
     os.close(handle)
     types: dict[str, int] = {}
     left: dict[str, str] = {}  # weight -> why it stays float
     bytes_in = 0
     try:
-        writer = gguf.GGUFWriter(partial, arch="streamwise")
+        writer = gguf.GGUFWriter(partial, arch=carried_files.ARCHITECTURE)
         writer.add_string("streamwise.policy", policy.name)
+        for key, value in carried_files.metadata(files):
+            writer.add_string(key, value)
         try:
             for name, stored in sorted(checkpoint.tensors.items()):
                 wanted = chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None
@@ -86,6 +95,7 @@ def quantize_to_gguf(
     return QuantizeReport(
         os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in,
         os.path.getsize(destination), {name: why or unselected[name.rpartition(".")[0]] for name, why in left.items()},
+        tuple(files),
     )
 
 

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import carried_files
 from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 from .scoped import ContextPatch
 
-STREAMWISE_ARCHITECTURE = "streamwise"  # what `streamwise quantize` writes: tensor names are state-dict keys
 _FULL_PROBE_LIMIT = 1 << 26  # a row-index probe of a whole 2-D tensor, at most this many elements
 
 
@@ -54,7 +54,7 @@ def _unsupported(path: str, architecture: str | None, detail: str = "") -> Check
 
 def is_llama_cpp_layout(checkpoint: Checkpoint, model: nn.Module) -> bool:
     """A GGUF not written by Streamwise whose tensor names are none of the model's own keys."""
-    if checkpoint.kind != "gguf" or checkpoint.architecture in (None, STREAMWISE_ARCHITECTURE):
+    if checkpoint.kind != "gguf" or checkpoint.architecture in (None, carried_files.ARCHITECTURE):
         return False
     return not set(checkpoint.tensors) & set(model.state_dict(keep_vars=True))
 

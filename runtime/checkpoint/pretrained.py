@@ -2,7 +2,8 @@
 
 The steps a user would otherwise wire by hand, in the order that keeps memory flat: build the skeleton from the
 config beside the weights (`skeleton`: transformers' or diffusers'), or, for a GGUF with no config.json beside it,
-from the GGUF's own metadata (`llama_cpp.gguf_config`), pick the policy by name or by its `[match]` table
+from the GGUF's own metadata (the files a Streamwise GGUF carries, `carried_files`; a llama.cpp file's description,
+`llama_cpp.gguf_config`), pick the policy by name or by its `[match]` table
 (`plan.auto`), and fill the skeleton from the file (`fill`).
 """
 
@@ -22,6 +23,7 @@ from torch import nn
 from ...schemas import Policy
 from ..engine import applied_state
 from ..plan.auto import choose_policy
+from . import carried_files
 from .build_dtype import BUILD_DTYPES
 from .fill import LoadReport, load
 from .llama_cpp import gguf_config
@@ -68,14 +70,19 @@ def load_pretrained(
     folder = config_folder(path)
     dtype = dtype or _file_dtype(checkpoint)
     if checkpoint.kind == "gguf" and not (folder / "config.json").is_file():
-        config = gguf_config(checkpoint.path)  # a CheckpointError naming the architecture when it cannot be mapped
         try:
-            with skeleton():
-                model, built = auto_model(config, dtype, model_class)
+            if checkpoint.architecture == carried_files.ARCHITECTURE:
+                with carried_files.unpacked(_carried_model(checkpoint)) as carried:
+                    (model, built), kind = built_skeleton(carried, dtype, model_class), model_type(carried)
+            else:
+                config = gguf_config(checkpoint.path)  # a CheckpointError naming an architecture it cannot map
+                with skeleton():
+                    model, built = auto_model(config, dtype, model_class)
+                model.eval()
+                kind = config.model_type
         except ModelSpecError as exc:  # the model the file's own metadata describes cannot be built: the file's fault
             raise CheckpointError([f"{checkpoint.path}: {exc}"]) from None
-        model.eval()
-        source, kind = checkpoint.path, config.model_type
+        source = checkpoint.path
     else:
         model, built = built_skeleton(folder, dtype, model_class)
         source, kind = str(folder), model_type(folder)
@@ -89,18 +96,42 @@ def load_pretrained(
     return Pretrained(model, report, chosen)
 
 
+def _carried_model(checkpoint: Checkpoint) -> dict[str, bytes]:
+    """The model's files a Streamwise GGUF carries; a CheckpointError saying what to do where they hold no
+    config.json."""
+    files = carried_files.carried(checkpoint.metadata, checkpoint.path)
+    if "config.json" not in files:
+        raise CheckpointError([
+            f"{checkpoint.path}: a GGUF Streamwise wrote without its model's config.json (an older version of "
+            "`streamwise quantize`, or a source folder without one), so nothing describes the model to build: put "
+            "the model's config.json (and tokenizer files) beside it, or write it again from the model's folder: "
+            f"`streamwise quantize MODEL_FOLDER {checkpoint.path}`"])
+    return files
+
+
 def load_tokenizer(source: str | os.PathLike):
-    """The tokenizer of a tree's recorded `source`: a model folder's own files, or the one a `.gguf` carries in
-    its metadata (transformers rebuilds it: `AutoTokenizer.from_pretrained(folder, gguf_file=...)`)."""
+    """The tokenizer of a tree's recorded `source`: a model folder's own files; for a `.gguf`, the tokenizer files it
+    carries (a Streamwise GGUF), else the one in its llama.cpp metadata (transformers rebuilds it:
+    `AutoTokenizer.from_pretrained(folder, gguf_file=...)`)."""
     import transformers
 
     source = Path(source)
     if source.suffix == ".gguf" and not source.is_dir():
-        with open_checkpoint(source).header_copy() as copy:  # the checked header, never the file itself
+        checkpoint = open_checkpoint(source)
+        if checkpoint.architecture == carried_files.ARCHITECTURE:
+            with carried_files.unpacked(carried_files.carried(checkpoint.metadata, checkpoint.path)) as carried:
+                return _folder_tokenizer(carried)
+        with checkpoint.header_copy() as copy:  # the checked header, never the file itself
             return transformers.AutoTokenizer.from_pretrained(os.path.dirname(copy), gguf_file=os.path.basename(copy),
                                                               local_files_only=True, trust_remote_code=False)
-    refuse_remote_code(source, "tokenizer_config.json", "AutoTokenizer")
-    return transformers.AutoTokenizer.from_pretrained(str(source), local_files_only=True, trust_remote_code=False)
+    return _folder_tokenizer(source)
+
+
+def _folder_tokenizer(folder: Path):
+    import transformers
+
+    refuse_remote_code(folder, "tokenizer_config.json", "AutoTokenizer")
+    return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
 def _file_dtype(checkpoint: Checkpoint) -> torch.dtype:

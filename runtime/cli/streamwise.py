@@ -77,6 +77,7 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     types = ", ".join(f"{name} x{count}" for name, count in report.types.items())
     print(f"wrote {report.file}: {report.tensors} tensors ({types}), {human(report.bytes_in)} -> "
           f"{human(report.bytes_out)}")
+    print(_standing(report.carried))
     if report.float_layers:
         listed = list(report.float_layers.items())
         print(f"warning: {len(listed)} weight matrices stay float:", file=sys.stderr)
@@ -88,6 +89,17 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 _LISTED = 20
+
+
+def _standing(carried: tuple[str, ...]) -> str:
+    """Whether the written file loads alone, for people: what it carries, and where it is listed."""
+    if "config.json" not in carried:
+        return ("it carries no config.json (the source folder has none): it loads with the model's config.json "
+                "beside it")
+    tokenizer = [name for name in carried if name not in ("config.json", "generation_config.json")]
+    said = f"and its tokenizer ({', '.join(tokenizer)})" if tokenizer else "and no tokenizer (the folder has none)"
+    return (f"it carries config.json {said}: it loads alone (`load_pretrained(file)`; the ComfyUI loader lists it "
+            "anywhere under models/streamwise, models/LLM or models/text_encoders)")
 
 if __name__ == "__main__":
     sys.exit(main())

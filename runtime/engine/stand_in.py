@@ -59,8 +59,9 @@ class StandIn(Tensor):
         for argument, value in _written(func, args, kwargs):
             if isinstance(value, StandIn):
                 raise RuntimeError(
-                    f"`{func.overloadpacket.__name__}` writes into its argument `{argument}`, which is {value.describe()}: a write "
-                    "would be lost; load the weights into memory first (a budget that holds them)")
+                    f"`{func.overloadpacket.__name__}` writes into its argument `{argument}`, which is "
+                    f"{value.describe()}: a write would be lost; load the weights into memory first (a budget that "
+                    "holds them)")
         device = next((t.device for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, Tensor) and not isinstance(t, StandIn)), None)
         args, kwargs = tree_map(lambda t: t.values(device) if isinstance(t, StandIn) else t, (args, kwargs))

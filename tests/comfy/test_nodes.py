@@ -15,23 +15,7 @@ from streamwise.runtime.generation import generation_config
 from streamwise.schemas import Policy
 
 from comfy_harness import load_custom_node
-from helpers import REPO, tiny_qwen2
-
-
-def tiny_tokenizer():
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    # One word for every id of tiny_qwen2's 128-token vocabulary, so that any generated id decodes to text.
-    trainer = trainers.WordLevelTrainer(vocab_size=128, special_tokens=["[UNK]", "[PAD]", "[EOS]"])
-    words = "a cat sat on the mat the quick brown fox jumps over lazy dog".split()
-    filler = [f"w{i}" for i in range(125 - len(set(words)))]
-    tokenizer.train_from_iterator([" ".join(words), " ".join(filler)], trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]",
-    )
+from helpers import REPO, tiny_qwen2, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
