@@ -4,7 +4,8 @@
 from). A folder with a `config.json` is offered whole when it holds weights the loader picks by itself
 (`weight_files`: its shard index, its one `.safetensors` or the variants of one, else its one `.gguf`) and file by
 file (`folder/model.gguf`), shards excepted: they are parts of the folder's weights. Symlinked folders are
-followed, each real folder once per root, so a cycle ends. Labels resolve back only to what was listed. No ComfyUI import: unit-tested without a core.
+followed, each real folder once per root, so a cycle ends. Labels resolve back only to what was listed. No ComfyUI
+import: unit-tested without a core.
 """
 
 from __future__ import annotations
