@@ -142,6 +142,22 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
         mappings["StreamwiseGenerateText"].execute(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
 
 
+def test_a_loose_gguf_streamwise_wrote_is_listed_and_generates_alone(nodes):
+    from streamwise.comfy_nodes.folders import model_roots
+    from streamwise.comfy_nodes.model_files import list_models
+    from streamwise.runtime.cli.streamwise import main
+
+    mappings, root = nodes
+    assert main(["quantize", str(root / "tiny-qwen2"), str(root / "tiny-qwen2.Q8_0.gguf"), "--policy",
+                 "decoder-llm"]) == 0
+    assert "streamwise/tiny-qwen2.Q8_0.gguf" in list_models(model_roots())  # nothing beside it
+    patcher, report = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2.Q8_0.gguf", "auto",
+                                                                "auto").args
+    assert "tiny-qwen2.Q8_0.gguf" in report
+    (text,) = mappings["StreamwiseGenerateText"].execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args
+    assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)
+
+
 def test_a_diffusers_model_folder_is_listed_and_loads_through_the_loader(nodes):
     pytest.importorskip("diffusers")
     from helpers import tiny_diffusers
