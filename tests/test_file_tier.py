@@ -64,8 +64,8 @@ def test_a_host_budget_leaves_units_in_the_file_and_computes_the_same(tmp_path, 
     logits, tokens = _logits_and_tokens(tight.model)
     assert tokens == expected_tokens and torch.equal(logits, expected_logits)
     if form == "gguf":  # quantized blocks stay in the file raw, and stream as they are stored
-        assert tight.report.quantized and any(
-            file_tier.on_file_tier(m, "weight") and m.weight.dtype == torch.uint8 for m in tight.model.modules())
+        assert tight.report.quantized and any(file_tier.on_file_tier(m, "weight") and m._parameters["weight"].dtype
+                                              == torch.uint8 for m in tight.model.modules())
 
 
 def test_a_load_dtype_is_cast_at_each_fetch_of_a_weight_left_in_the_file(tmp_path):

@@ -48,7 +48,7 @@ def test_llama_cpp_gguf_alone_loads_quantized_and_matches(tmp_path, tokenizer_pa
     assert report.residents == {"gguf": len(linears)}  # every Linear weight stays in its blocks
     assert set(report.quantized) == {f"{n}.weight" for n in linears}
     assert set(report.quantized.values()) == {qtype.name}
-    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+    assert model.model.layers[0].self_attn.q_proj._parameters["weight"].dtype == torch.uint8  # its blocks
     assert list(report.dequantized_tensors) == ["model.embed_tokens.weight"]  # an Embedding computes in float
     why = report.dequantized_tensors["model.embed_tokens.weight"]
     assert "Q8_0" in why and "Embedding" in why and ("lm_head.weight" in why) == bool(tied)

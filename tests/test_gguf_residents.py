@@ -45,7 +45,8 @@ def resident_from_file(tmp_path, qtype: Q) -> tuple[nn.Module, torch.Tensor, tor
 def test_a_resident_streams_its_raw_blocks_and_computes_with_the_reference_weight(tmp_path, qtype):
     model, weight, raw = resident_from_file(tmp_path, qtype)
     layer = model.proj
-    assert layer.weight.dtype == torch.uint8 and torch.equal(layer.weight.reshape(raw.shape), raw)
+    stored = layer._parameters["weight"]
+    assert stored.dtype == torch.uint8 and torch.equal(stored.reshape(raw.shape), raw)
     x = torch.randn(3, IN_FEATURES, generator=torch.Generator().manual_seed(7))
     expected = nn.functional.linear(x, weight, layer.bias)
     assert identical(model(x), expected)
@@ -55,7 +56,7 @@ def test_a_resident_streams_its_raw_blocks_and_computes_with_the_reference_weigh
     original_fetch = fetcher.fetch_raw
 
     def fetch_raw(module, names, device):
-        fetched.extend(getattr(module, name).dtype for name in names if getattr(module, name) is not None)
+        fetched.extend(module._parameters[name].dtype for name in names if module._parameters.get(name) is not None)
         return original_fetch(module, names, device)
 
     fetcher.fetch_raw = fetch_raw

@@ -140,7 +140,7 @@ def test_gguf_written_by_streamwise_quantize_loads_as_residents(saved, tmp_path,
     report = streamwise.load(resident, target, policy)
     assert report.residents == {"gguf": 15}
     assert report.bytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(target).tensors)  # raw blocks counted too
-    assert resident.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+    assert resident.model.layers[0].self_attn.q_proj._parameters["weight"].dtype == torch.uint8
     assert report.quantized == {f"{n}.weight": "Q8_0" for n, m in resident.named_modules()
                                 if isinstance(m, torch.nn.Linear)}
     assert streamwise.load(skeleton_model(), target, "decoder-llm").residents == {"gguf": 15}  # its own gguf rule
@@ -413,7 +413,8 @@ def test_half_precision_gguf_weights_load_back_as_residents(saved, tmp_path, ggu
     model = skeleton_model()
     assert streamwise.load(model, target, policy).residents == {"gguf": 15}
     layer = model.model.layers[0].self_attn.q_proj
-    assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == 2 * 64 * 64  # the file's 16-bit storage
+    stored = layer._parameters["weight"]
+    assert stored.dtype == torch.uint8 and stored.numel() == 2 * 64 * 64  # the file's 16-bit storage
     half = getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[gguf_type])
     assert torch.equal(layer(torch.ones(1, 64)), torch.nn.functional.linear(
         torch.ones(1, 64), original.model.layers[0].self_attn.q_proj.weight.to(half).float(), layer.bias))

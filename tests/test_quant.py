@@ -96,7 +96,8 @@ def two_layers() -> nn.Sequential:
 def test_residents_stream_their_raw_storage_and_match_resident_compute(fmt, group_size, storage):
     model = quantized(two_layers(), fmt, group_size)
     first = model[0]
-    assert first.weight.dtype == storage and first.weight_comfy_model_dtype == storage
+    assert first._parameters["weight"].dtype == storage and first.weight_comfy_model_dtype == storage
+    assert first.weight.dtype == torch.float32 and first.weight.shape == (32, 64)  # what model code sees
     assert first.weight_scale.dtype == torch.float32
     x = torch.randn(5, 64)
     resident = model(x)
@@ -105,7 +106,7 @@ def test_residents_stream_their_raw_storage_and_match_resident_compute(fmt, grou
     original_fetch = fetcher.fetch_raw
 
     def fetch_raw(module, names, device):
-        fetched.append([getattr(module, n).dtype for n in names if getattr(module, n) is not None])
+        fetched.append([module._parameters[n].dtype for n in names if module._parameters.get(n) is not None])
         return original_fetch(module, names, device)
 
     fetcher.fetch_raw = fetch_raw
@@ -120,7 +121,7 @@ def test_weight_functions_apply_to_the_dequantized_weight(fmt, group_size):
     layer = model[0]
     from streamwise.runtime.quant.formats import FORMATS
 
-    stored = {name: getattr(layer, name) for name in FORMATS[fmt].stored}
+    stored = {name: layer._parameters[name] for name in FORMATS[fmt].stored}
     dequantized = FORMATS[fmt].dequantize(layer, stored, torch.float32)
     delta = torch.randn_like(dequantized) * 0.01
     layer.weight_function = [lambda w: w + delta]
@@ -166,7 +167,7 @@ def test_small_layers_stay_float_below_min_weights():
     rule = {"id": "q", "select": {"class": "Linear"}, "format": "int8", "min_weights": 1000}
     model = two_layers()  # 64x32 = 2048 weights, then 32x16 = 512
     streamwise.apply(streamwise.resolve(make_policy(**POLICY, quant={"rule": [rule]}), model), model)
-    assert model[0].weight.dtype == torch.int8 and model[1].weight.dtype == torch.float32
+    assert [m._parameters["weight"].dtype for m in model] == [torch.int8, torch.float32]
 
 
 def test_int8_on_the_cpu_handles_in_features_the_packed_kernel_cannot():
@@ -219,8 +220,8 @@ def test_residents_never_keep_misaligned_storage():
     misaligned.copy_(q)
     layer = nn.Linear(64, 16)
     make_resident(layer, "int8", {"weight": misaligned, "weight_scale": scale}, {"_sw_group_size": None})
-    assert layer.weight.data_ptr() % 64 == 0
-    assert torch.equal(layer.weight, q)
+    assert layer._parameters["weight"].data_ptr() % 64 == 0
+    assert torch.equal(layer._parameters["weight"], q)
     layer(torch.randn(2, 64))
 
 
@@ -228,7 +229,7 @@ def dequantized_weight(layer: nn.Module) -> torch.Tensor:
     from streamwise.runtime.engine import protocol
 
     handler = protocol.quant_handler(layer)
-    return handler.dequantize(layer, {name: getattr(layer, name) for name in handler.stored}, torch.float32)
+    return handler.dequantize(layer, {name: layer._parameters[name] for name in handler.stored}, torch.float32)
 
 
 @pytest.mark.parametrize("fmt, group_size", [("int8", None), ("convrot_int8", 16), ("convrot_int4", 16)])
@@ -275,9 +276,9 @@ def test_a_float_gguf_resident_gives_in_place_weight_functions_a_copy():
     stored = layer.weight.detach().clone().view(torch.uint8).reshape(-1)
     attributes = {"gguf_qtype": gguf.GGMLQuantizationType.F32, "gguf_shape": (4, 8)}
     make_resident(layer, "gguf", {"weight": stored}, attributes)
-    before = layer.weight.detach().clone()
+    before = layer._parameters["weight"].detach().clone()
     layer.weight_function = [lambda w: w.add_(1)]
     x = torch.randn(2, 8)
     with torch.no_grad():
         assert torch.equal(layer(x), layer(x))
-    assert torch.equal(layer.weight, before)
+    assert torch.equal(layer._parameters["weight"], before)

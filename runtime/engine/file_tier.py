@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from . import protocol
-from .stand_in import StandIn
+from .stand_in import StandIn, applied_dtype
 
 if TYPE_CHECKING:  # the journal moves tensors through `tree`, which reads through this module
     from .journal import Journal
@@ -166,10 +166,7 @@ def kept_in_file(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> Iterator[
     finally:
         for record, name, held_in, placeholder in aside:
             source = record.tensors[name]
-            try:
-                dtype = fn(torch.empty(0, dtype=source.dtype)).dtype  # what the cast makes of a tensor of its dtype
-            except Exception:  # `fn` failed (the move itself raises it): every placeholder goes back as it was
-                dtype = source.dtype
+            dtype = applied_dtype(fn, source.dtype)
             if dtype != source.dtype:
                 record.tensors[name] = source = dataclasses.replace(source, dtype=dtype)
                 placeholder = source.placeholder(placeholder)
@@ -179,8 +176,8 @@ def kept_in_file(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> Iterator[
 def held(module: nn.Module, name: str) -> Tensor | None:
     """The tensor `name` of `module` as a fetch copies it: the one it holds, or, on the file tier, its bytes read
     from the file (`FileTier.read`)."""
-    tensor = getattr(module, name, None)
-    if not isinstance(tensor, FileTensor):
+    tensor = module._parameters[name] if name in module._parameters else getattr(module, name, None)
+    if not isinstance(tensor, FileTensor):  # the parameter itself (a resident's `weight` attribute stands for it)
         return tensor
     record = module.__dict__.get(protocol.SOURCES)
     if record is None or name not in record.tensors:
@@ -220,6 +217,11 @@ class FileTier:
         self._lock = threading.Lock()
         self._reader: queue.SimpleQueue | None = None
         self._outside_graphs = False
+
+    def __reduce__(self):
+        """A copied or unpickled tree reads its file through staging of its own (the bookkeeping, the reader thread
+        and the lock here are this tree's)."""
+        return FileTier, (self.slabs,)
 
     @property
     def staging_bytes(self) -> int:

@@ -36,6 +36,7 @@ TREE = "_sw_tree"  # on converted instances: the tree's StreamTree
 RELOCATED = "_sw_relocated"  # on relocating instances: the names of the tensors that follow the compute device
 CLAIMED = "_sw_claimed"  # on generic containers: the descendants whose parameters it fetches with its own
 SOURCES = "_sw_sources"  # on modules loaded from a file: where each tensor can be read back from (`file_tier`)
+COMPUTE_DTYPE = "_sw_compute_dtype"  # on residents: the dtype of the float weight their storage quantizes
 
 #: A streamed leaf's class attributes: resident, unpatched. Immutable, so a stray in-place append fails instead of
 #: patching every leaf of the class (core assigns an instance list before it extends one).

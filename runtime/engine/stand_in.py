@@ -74,3 +74,12 @@ def _written(func, args: tuple, kwargs: dict):
         if argument.alias_info is not None and argument.alias_info.is_write:
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             yield argument.name, value
+
+
+def applied_dtype(fn, dtype: torch.dtype) -> torch.dtype:
+    """What torch's `_apply(fn)` (`.half()`, `.to(torch.bfloat16)`, a device move) makes of a tensor of `dtype`: the
+    dtype a stand-in follows, its values being made on demand. `dtype` itself where `fn` fails."""
+    try:
+        return fn(torch.empty(0, dtype=dtype)).dtype
+    except Exception:  # the move itself raises it
+        return dtype

@@ -43,6 +43,8 @@ def quant_format(name: str):
 
 class QuantFormat(ABC):
     stored: ClassVar[tuple[str, ...]] = ("weight",)
+    attributes: ClassVar[tuple[str, ...]] = ()
+    """The module attributes `dequantize` and `linear` read besides the stored tensors."""
     compile_safe: ClassVar[bool] = True
     quantizes_on_load: ClassVar[bool] = True
 
@@ -68,6 +70,7 @@ class _ScaledIntegers(QuantFormat):
     """Integer weights beside fp32 scales, worked by three kernels of one module (int8.py, int4.py)."""
 
     stored = ("weight", "weight_scale")
+    attributes = ("_sw_group_size",)
     kernels: ClassVar[tuple[Callable, Callable, Callable]]  # quantize, dequantize, linear
 
     def quantize(self, weight, group_size):
@@ -96,6 +99,7 @@ class ConvRotInt4(_ScaledIntegers):
 @quant_format("gguf")
 class GGUF(QuantFormat):
     quantizes_on_load = False
+    attributes = ("gguf_qtype", "gguf_shape")
 
     def dequantize(self, module, stored, dtype):
         qtype = gguf.GGMLQuantizationType(module.gguf_qtype)

@@ -4,11 +4,14 @@ A resident is a streamed leaf (`engine.streamed`) whose leaf kind computes throu
 - its stored tensors always travel in their raw dtype: fetched raw, never cast, and pinned to that dtype where
   newer ComfyUI cores read it;
 - weight functions (LoRA) apply to the dequantized weight, also when the resident is fully loaded (the ComfyUI
-  host keeps a patch it would have merged beside them, see `engine.protocol.weight_functions`).
+  host keeps a patch it would have merged beside them, see `engine.protocol.weight_functions`);
+- model code reading `module.weight` sees the float weight it stands for (`quantized_weight`): the compute dtype
+  (`protocol.COMPUTE_DTYPE`, following casts of the model) and the logical shape; the storage stays the parameter.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -16,9 +19,11 @@ from ..engine import protocol
 from ..engine.classes import derived_class
 from ..engine.journal import Journal
 from ..engine.kinds import ComputeKind
+from ..engine.stand_in import applied_dtype
 from ..engine.streamed import leaf_namespace
 from ..engine.tree import StreamTree, cast_for_compute
 from .formats import FORMATS, QuantFormat
+from .quantized_weight import presented_weight
 
 _ALIGNMENT = 64
 
@@ -34,7 +39,7 @@ class ResidentKind:
 
     def resident_forward(self, cls: type[nn.Module]):
         def forward(module: nn.Module, input: Tensor) -> Tensor:  # named as nn.Linear's, for calls by keyword
-            return self.compute(module, input, [getattr(module, name) for name in self.names])
+            return self.compute(module, input, [module._parameters.get(name) for name in self.names])
 
         return forward
 
@@ -65,8 +70,18 @@ def resident_class(cls: type[nn.Module], format_name: str) -> type[nn.Module]:
     handler = FORMATS[format_name]
 
     def namespace() -> dict[str, object]:
+        leaf = leaf_namespace(original, ResidentKind(handler))
+        leaf_apply = leaf["_apply"]
+
+        def _apply(module: nn.Module, fn, *args, **kwargs):
+            applied = leaf_apply(module, fn, *args, **kwargs)  # the storage: moved, never cast (it is no float)
+            module.__dict__[protocol.COMPUTE_DTYPE] = applied_dtype(fn, module.__dict__[protocol.COMPUTE_DTYPE])
+            return applied
+
         return {
-            **leaf_namespace(original, ResidentKind(handler)),
+            **leaf,
+            "_apply": _apply,
+            "weight": property(presented_weight, doc="The float weight the storage stands for (`QuantizedWeight`)."),
             "__doc__": f"{original.__qualname__} holding its weight as `{format_name}` (Streamwise resident).",
             protocol.HANDLER: handler,
         }
@@ -86,6 +101,7 @@ def make_resident(
     """Turn a Linear (plain or streamed) into a resident holding `stored` as parameters: all of it or, on any
     failure, none (with a caller's `journal`, what the caller journaled is undone too, as `apply` does)."""
     journal = journal or Journal()
+    replaced = module._parameters.get("weight")
     with journal.atomic(lambda exc: None):
         aligned = {}
         for name, tensor in stored.items():
@@ -94,6 +110,15 @@ def make_resident(
         leaf = {k: v for k, v in protocol.leaf_attributes(module, tree).items() if k not in module.__dict__}
         if tree is None:
             leaf.pop(protocol.TREE, None)
-        attributes = {**leaf, **protocol.stored_dtype_attributes(aligned), **attributes}
+        attributes = {**leaf, **protocol.stored_dtype_attributes(aligned),
+                      protocol.COMPUTE_DTYPE: _compute_dtype(module, replaced), **attributes}
         journal.swap_class(module, resident_class(type(module), format_name), attributes, "resident",
                            clears=tuple(protocol.LEAF_DEFAULTS))
+
+
+def _compute_dtype(module: nn.Module, replaced: Tensor | None) -> torch.dtype:
+    """The dtype model code sees a resident's weight in: that of the float weight it replaces (a skeleton's, for a
+    load), or, made anew from a resident, the one it had."""
+    if replaced is not None and replaced.is_floating_point():
+        return replaced.dtype
+    return module.__dict__.get(protocol.COMPUTE_DTYPE, torch.float32)

@@ -1,0 +1,170 @@
+"""A quantized resident's `weight` as model code sees it: the float weight it stands for.
+
+Modules whose forward reads their child Linear's weight directly (its dtype, shape, `.T`, `.to(dtype)`,
+`F.linear(x, weight)`), as transformers' modeling code does, compute within the format's error of the float module
+under every quant format; writes are refused; device moves, `deepcopy`, `state_dict` and pickling keep the raw
+storage; a cast of the model changes the dtype the weight shows, never the storage; a compiled block reading the
+weight's dtype breaks no graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import streamwise
+from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
+from streamwise.runtime.quant.quantized_weight import QuantizedWeight
+
+from helpers import gguf_policy, make_policy, stream_rule
+
+IN, OUT = 256, 64  # every format's blocks fit: GGUF's 32 and 256, INT4's groups
+ENVELOPE = {"int8": 0.999, "convrot_int8": 0.999, "convrot_int4": 0.99, "gguf": 0.999}
+"""Cosine similarity with the float module's output each format stays within (Q8_0 for GGUF)."""
+
+
+class DirectReads(nn.Module):
+    """A block whose forward reads `proj.weight` in each way transformers' modeling code does."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.proj, self.read = nn.Linear(IN, OUT, bias=False), read
+
+    def forward(self, x):
+        weight = self.proj.weight
+        if self.read == "T5 guard":  # cast to the weight's dtype unless int8 (transformers' T5DenseActDense)
+            if isinstance(weight, torch.Tensor) and x.dtype != weight.dtype and weight.dtype != torch.int8:
+                x = x.to(weight.dtype)
+            return self.proj(x)
+        if self.read == "F.linear":  # MoE routers
+            return F.linear(x.to(weight.dtype), weight)
+        if self.read == ".T":  # FalconLinear, tied heads
+            return x @ weight.T
+        if self.read == ".to(dtype)":
+            return x @ weight.to(torch.float64).t().float()
+        if self.read == ".float() and shape":
+            return (x @ weight.float().t()).reshape(-1, weight.shape[0])
+        raise KeyError(self.read)
+
+
+READS = ["T5 guard", "F.linear", ".T", ".to(dtype)", ".float() and shape"]
+
+
+def _quantized(module: nn.Module, fmt: str, tmp_path) -> nn.Module:
+    """`module` with its Linear made a resident of `fmt`: by a policy in memory, or for GGUF through the file
+    `streamwise quantize` writes (Q8_0), loaded back."""
+    if fmt != "gguf":
+        rule = {"id": "q", "select": {"class": "Linear"}, "format": fmt}
+        if fmt.startswith("convrot"):
+            rule["group_size"] = 64
+        policy = make_policy(stream={"rule": [stream_rule("l", "linear", **{"class": "Linear"})]},
+                             quant={"rule": [rule]})
+        streamwise.apply(streamwise.resolve(policy, module), module)
+        return module
+    from safetensors.torch import save_file
+
+    save_file(module.state_dict(), tmp_path / "float.safetensors")
+    policy = gguf_policy(tmp_path, "Q8_0", "any-module")
+    quantize_to_gguf(tmp_path / "float.safetensors", tmp_path / "q.gguf", policy, module)
+    with streamwise.skeleton():
+        loaded = DirectReads(module.read)
+    streamwise.load(loaded, tmp_path / "q.gguf", policy)
+    return loaded
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+@pytest.mark.parametrize("read", READS)
+@pytest.mark.parametrize("fmt", list(ENVELOPE))
+def test_model_code_reading_a_quantized_weight_computes_within_the_formats_error(tmp_path, fmt, read):
+    torch.manual_seed(0)
+    float_module = DirectReads(read).eval()
+    x = torch.randn(4, IN)
+    with torch.no_grad():
+        expected = float_module(x)
+    module = _quantized(copy.deepcopy(float_module), fmt, tmp_path)
+    stored = module.proj._parameters["weight"]
+    assert stored.dtype in (torch.int8, torch.uint8) and isinstance(module.proj.weight, QuantizedWeight)
+    assert module.proj.weight.dtype == torch.float32 and module.proj.weight.shape == (OUT, IN)
+    assert module.proj.weight.size(1) == IN and module.proj.weight.ndim == 2
+    with torch.no_grad():
+        got = module(x)
+    assert got.dtype == expected.dtype and _cosine(got, expected) >= ENVELOPE[fmt], (fmt, read)
+    assert module.proj._parameters["weight"] is stored  # a read never replaces the storage
+
+
+@pytest.mark.parametrize("fmt", list(ENVELOPE))
+def test_a_write_into_a_quantized_weight_is_refused(tmp_path, fmt):
+    module = _quantized(DirectReads("F.linear"), fmt, tmp_path)
+    stored = module.proj._parameters["weight"].clone()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=f"`add_` writes into .* a `{fmt}` quantized weight"):
+        module.proj.weight.add_(1)
+    assert torch.equal(module.proj._parameters["weight"], stored)
+
+
+@pytest.mark.parametrize("fmt", list(ENVELOPE))
+def test_moves_copies_and_state_dicts_keep_the_raw_storage(tmp_path, fmt):
+    module = _quantized(DirectReads("T5 guard"), fmt, tmp_path)
+    x = torch.randn(2, IN)
+    with torch.no_grad():
+        expected = module(x)
+    stored = {k: v.clone() for k, v in module.state_dict().items()}
+    assert stored["proj.weight"].dtype in (torch.int8, torch.uint8)  # the storage, as the file and core see it
+
+    module.to("cpu")  # torch's `_apply`: the storage moves as it is
+    duplicate = copy.deepcopy(module)
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    unpickled = torch.load(buffer, weights_only=False)
+    for other in (module, duplicate, unpickled):
+        assert other.state_dict().keys() == stored.keys()
+        assert all(torch.equal(other.state_dict()[k], v) for k, v in stored.items())
+        assert isinstance(other.proj.weight, QuantizedWeight)
+        with torch.no_grad():
+            assert torch.equal(other(x), expected)
+
+
+def test_a_cast_of_the_model_changes_the_dtype_its_weights_show_not_their_storage(tmp_path):
+    module = _quantized(DirectReads("T5 guard"), "int8", tmp_path)
+    module.to(torch.bfloat16)
+    assert module.proj.weight.dtype == torch.bfloat16 and module.proj._parameters["weight"].dtype == torch.int8
+    with torch.no_grad():
+        assert module(torch.randn(2, IN)).dtype == torch.bfloat16  # the guard cast its input to bfloat16
+    module.float()
+    assert module.proj.weight.dtype == torch.float32
+
+
+def test_a_compiled_block_reading_a_quantized_weights_dtype_breaks_no_graph(tmp_path):
+    module = _quantized(DirectReads("T5 guard"), "int8", tmp_path)
+    x = torch.randn(2, IN)
+    with torch.no_grad():
+        expected = module(x)
+        explained = torch._dynamo.explain(module)(x)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert torch.allclose(torch.compile(module, fullgraph=True)(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_gguf_t5_computes_within_q8_0_error_of_the_float_model(tmp_path):
+    """T5's feed-forward casts its activations to `wo.weight.dtype`: the raw uint8 storage made it garbage."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=1, eos_token_id=2)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "t5")
+    quantize_to_gguf(tmp_path / "t5" / "model.safetensors", tmp_path / "t5" / "model.Q8_0.gguf",
+                     gguf_policy(tmp_path, "Q8_0", "transformers"), model)
+    loaded = streamwise.load_pretrained(tmp_path / "t5" / "model.Q8_0.gguf", progress=False)
+    assert loaded.report.quantized and set(loaded.report.quantized.values()) == {gguf.GGMLQuantizationType.Q8_0.name}
+    inputs = dict(input_ids=torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]), decoder_input_ids=torch.tensor([[0, 7, 3]]))
+    with torch.no_grad():
+        assert _cosine(loaded.model(**inputs).logits, model(**inputs).logits) >= ENVELOPE["gguf"]
