@@ -119,6 +119,11 @@ def test_moves_copies_and_state_dicts_keep_the_raw_storage(tmp_path, fmt):
         expected = module(x)
     stored = {k: v.clone() for k, v in module.state_dict().items()}
     assert stored["proj.weight"].dtype in (torch.int8, torch.uint8)  # the storage, as the file and core see it
+    storage = sum(t.nbytes for t in module.proj._parameters.values() if t is not None)
+    assert module.proj.weight.nbytes == storage - getattr(module.proj.bias, "nbytes", 0) < OUT * IN * 4
+    plan = streamwise.resolve(make_policy(stream={"rule": [stream_rule("l", "linear", **{"class": "Linear"})]}),
+                              module)
+    assert sum(plan.coverage.bytes.values()) == storage  # budgets and coverage count the storage
 
     module.to("cpu")  # torch's `_apply`: the storage moves as it is
     duplicate = copy.deepcopy(module)

@@ -88,7 +88,7 @@ class CheckedFile:
         with open(descriptor, "rb", buffering=0) as handle:
             self._check(os.fstat(descriptor))
             for offset, out in ranges:
-                nbytes = out.numel() * out.element_size()
+                nbytes = out.nbytes
                 if nbytes == 0:
                     continue
                 handle.seek(offset)
@@ -101,7 +101,7 @@ class CheckedFile:
             self._check(os.fstat(descriptor))
             if drop_cache and _FADVISE is not None:
                 for offset, out in ranges:
-                    _FADVISE(descriptor, offset, out.numel() * out.element_size(), os.POSIX_FADV_DONTNEED)
+                    _FADVISE(descriptor, offset, out.nbytes, os.POSIX_FADV_DONTNEED)
 
     def _open(self) -> int:
         """A fresh read-only descriptor on the path. Where the platform has `O_NONBLOCK`, a FIFO put in the file's

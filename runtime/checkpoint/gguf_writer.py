@@ -167,7 +167,7 @@ def _convert(
     type; then it is dequantized and encoded afresh.
     """
     raw = stored.read()
-    size = raw.numel() * raw.element_size()
+    size = raw.nbytes
     if stored.qtype is None:
         return (*_encode(name, raw, gguf_type), size)
     if gguf_type is None or gguf_type == stored.qtype.name:

@@ -198,8 +198,8 @@ class _Atoms:
                 self.movable[owner] = self.movable.get(owner, True) and follows
                 if id(tensor) not in self._seen:
                     self._seen.add(id(tensor))
-                    total += tensor.numel() * tensor.element_size()
-                    self.sizes[owner] = self.sizes.get(owner, 0) + tensor.numel() * tensor.element_size()
+                    total += tensor.nbytes
+                    self.sizes[owner] = self.sizes.get(owner, 0) + tensor.nbytes
                 if tensors is module._parameters:
                     self._owners.setdefault(id(tensor), []).append(owner)
         for name, child in module._modules.items():
@@ -307,7 +307,7 @@ def dispatch(
                         continue
                     if id(tensor) not in seen:
                         seen.add(id(tensor))
-                        placed_bytes[device] += tensor.numel() * tensor.element_size()
+                        placed_bytes[device] += tensor.nbytes
                     if name in relocated or device == DISK:
                         continue
                     if file_tier.on_file_tier(module, name):  # back from the file, then placed as any other

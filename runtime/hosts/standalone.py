@@ -118,7 +118,7 @@ def offload(
         placed = _residency(leaves, budget)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
-            room = max(0, host_budget - sum(_nbytes(t) for t in _outside_tensors(model, leaves)) - staging)
+            room = max(0, host_budget - sum(t.nbytes for t in _outside_tensors(model, leaves)) - staging)
             if budget is None or budget > room:
                 budget = room
                 placed = _residency(leaves, budget)
@@ -228,7 +228,7 @@ def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[n
     skipping groups that no longer fit (`budget=None`: everything resident)."""
     placed, used = [], 0
     for group in _tied_groups(leaves):
-        size = sum(_nbytes(t) for t in {id(p): p for leaf in group for owner in _owners(leaf)
+        size = sum(t.nbytes for t in {id(p): p for leaf in group for owner in _owners(leaf)
                                         for p in owner._parameters.values() if p is not None}.values())
         resident = budget is None or used + size <= budget
         used += size if resident else 0
@@ -339,7 +339,7 @@ def _pin_together(journal: Journal, owners: list[nn.Module]) -> None:
     for _, _, tensor in slots:
         if id(tensor) not in offsets:
             offsets[id(tensor)] = total
-            total += -(-_nbytes(tensor) // PIN_ALIGNMENT) * PIN_ALIGNMENT
+            total += -(-tensor.nbytes // PIN_ALIGNMENT) * PIN_ALIGNMENT
     if not total:
         return
     region, views = _pinned_region(total), {}
@@ -347,7 +347,7 @@ def _pin_together(journal: Journal, owners: list[nn.Module]) -> None:
         view = views.get(id(tensor))
         if view is None:
             start = offsets[id(tensor)]
-            view = views[id(tensor)] = region[start:start + _nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
+            view = views[id(tensor)] = region[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
         if isinstance(tensor, nn.Parameter):
             if tensor.data_ptr() != view.data_ptr():  # a tied Parameter takes its view once
@@ -359,9 +359,6 @@ def _pin_together(journal: Journal, owners: list[nn.Module]) -> None:
 def _pinned_region(nbytes: int) -> Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-
-def _nbytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class _Streamer(TorchFetcher):
@@ -432,4 +429,5 @@ def _copy(module: nn.Module, device: torch.device) -> tuple[Tensor | None, Tenso
 
 def _versions(module: nn.Module) -> tuple[int, ...]:
     """In-place update counters of a leaf's weight and bias: a prefetched copy is stale once they move."""
-    return tuple(t._version for t in (module.weight, getattr(module, "bias", None)) if t is not None)
+    held = module._parameters
+    return tuple(t._version for t in (held.get("weight"), held.get("bias")) if t is not None)

@@ -44,7 +44,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
     tensor = torch.empty(shape, dtype=dtype, device=device)
     if torch.compiler.is_compiling() or tensor.device.type != "cpu":
         return tensor
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = tensor.nbytes
     advise = _advise_huge() if nbytes >= 2 * HUGE_PAGE else None
     if advise is not None:
         start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE

@@ -47,6 +47,11 @@ class QuantizedWeight(StandIn):
                    tuple((name, _frozen(getattr(module, name))) for name in handler.attributes),
                    (module.out_features, module.in_features), module.__dict__[protocol.COMPUTE_DTYPE])
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes it takes: its storage's (as comfy-kitchen's `QuantizedTensor` counts), never the float size."""
+        return sum(tensor.nbytes for tensor in self.stored.values())
+
     def values(self, device: torch.device | None) -> Tensor:
         stored = {name: t if device is None else t.to(device) for name, t in self.stored.items()}
         return FORMATS[self.format_name].dequantize(SimpleNamespace(**dict(self.attributes)), stored, self.dtype)

@@ -38,7 +38,7 @@ def quantized_qwen(fmt: str, tmp_path) -> torch.nn.Module:
 def dequantized(module) -> torch.Tensor:
 
     handler = protocol.quant_handler(module)
-    return handler.dequantize(module, {name: getattr(module, name) for name in handler.stored}, torch.float32)
+    return handler.dequantize(module, {name: module._parameters[name] for name in handler.stored}, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "int8", "convrot_int8"])
@@ -53,7 +53,7 @@ def test_lora_on_residents_equals_patching_the_dequantized_weight(comfy_nodes, t
         unpatched = model(ids).logits
     patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU)
     assert patcher.add_patches({KEY: ("diff", (diff,))}, 1.0) == [KEY]
-    stored = model.get_parameter(KEY)
+    stored = model.state_dict(keep_vars=True)[KEY]  # the storage (`weight` shows the float weight)
     patcher.load(CPU, lowvram_model_memory=budget, full_load=budget > 10**6)
     seen = []
     hook = layer.register_forward_hook(lambda module, args, output: seen.append((args[0], output)))
@@ -63,7 +63,7 @@ def test_lora_on_residents_equals_patching_the_dequantized_weight(comfy_nodes, t
     (x, output), = seen
     assert torch.allclose(output, torch.nn.functional.linear(x, merged, layer.bias), atol=1e-5)
     assert not torch.allclose(patched, unpatched, atol=1e-4)
-    assert model.get_parameter(KEY) is stored and not stored.is_floating_point()  # raw storage untouched
+    assert model.state_dict(keep_vars=True)[KEY] is stored and not stored.is_floating_point()  # untouched
     patcher.detach()
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, unpatched, atol=1e-6)  # the patch leaves with the unload
@@ -74,7 +74,7 @@ def test_partial_load_on_meta_moves_residents_in_their_storage_dtype(comfy_nodes
     model = quantized_qwen(fmt, tmp_path)
     patcher = streamwise.model_patcher(model, load_device=META, offload_device=CPU)
     patcher.load(META, lowvram_model_memory=60_000)
-    dtypes = {m.weight.dtype for m in model.modules() if protocol.is_resident(m)}
+    dtypes = {m._parameters["weight"].dtype for m in model.modules() if protocol.is_resident(m)}
     assert dtypes == {torch.uint8 if fmt == "gguf" else torch.int8}
     assert model(torch.randint(0, 128, (1, 6)).to(META)).logits.is_meta
 
@@ -111,3 +111,17 @@ def test_lora_on_residents_applies_once_through_load_and_unload_cycles(comfy_nod
     assert times_applied() == 1
     patcher.detach()
     assert times_applied() == 0
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "int8", "convrot_int8"])
+def test_core_counts_a_quantized_model_by_its_storage_while_model_code_sees_float(comfy_nodes, tmp_path, fmt):
+    """Core sizes tensors it does not know as shape x dtype: it must only ever meet the storage."""
+    model = quantized_qwen(fmt, tmp_path)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU)
+    storage = sum(t.nbytes for t in model.state_dict().values())
+    assert patcher.model_size() == storage < sum(t.numel() * 4 for t in tiny_qwen2().state_dict().values())
+    layer = model.get_submodule(KEY.rsplit(".", 1)[0])
+    assert layer.weight.dtype == torch.float32 and layer.weight.shape == (64, 128)
+    assert not layer._parameters["weight"].is_floating_point()
+    patcher.load(CPU, full_load=True)
+    assert patcher.model_size() == storage and not layer._parameters["weight"].is_floating_point()
