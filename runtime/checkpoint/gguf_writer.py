@@ -26,6 +26,7 @@ from ...schemas.vocabulary import GGUF_WRITE_TYPES
 from ..plan import plan_for
 from ..quant.gguf_dequant import dequantize
 from . import carried_files
+from .conversion import under_model_keys
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 from .skeleton import config_folder
 
@@ -55,7 +56,7 @@ def quantize_to_gguf(
     policy, plan = plan_for(policy, model)
     chosen = {entry.path: gguf_type or entry.gguf_type for entry in plan.modules if entry.gguf_type}
     destination = Path(destination)
-    checkpoint = open_checkpoint(source)
+    checkpoint = under_model_keys(open_checkpoint(source), model)  # named as the model names them
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
     files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
              else carried_files.collect(config_folder(Path(source))))

@@ -1,0 +1,135 @@
+"""The quantized zoo's cases: a real model class at a small size whose Linear widths are multiples of 256 (so every
+format's blocks fit and layers really are quantized), quantized by one format the way users do it, compared with
+the float model.
+
+Routes: `int8`, `convrot_int8`, `convrot_int4` by a policy's quant rule in memory; GGUF types through the file
+(`save_pretrained` -> `streamwise quantize` -> `load_pretrained`). A case passes when the output is within the
+format's envelope of the float model (cosine similarity, `ENVELOPE`) and budget 0 computes exactly what the
+resident model computes. `tests/test_quantized_zoo.py` runs a sample; `benchmarks/quantized_zoo.py` every class.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORMATS = ("int8", "convrot_int8", "convrot_int4", "Q8_0", "Q4_0")
+ENVELOPE = {"int8": 0.999, "convrot_int8": 0.999, "Q8_0": 0.999, "convrot_int4": 0.95, "Q4_0": 0.95}
+"""Cosine similarity of the output with the float model's, per format: 8-bit 0.999; 4-bit 0.95, because randomly
+initialized weights (no structure, no outliers) carry 4-bit noise of ~8% per layer that compounds through the stack
+(measured 0.971-0.9998 over the sample). A silent wrong number, such as GGUF T5's activations cast to the blocks'
+uint8, is far outside either."""
+
+
+def _transformers(class_name: str, config: dict, inputs: Callable[[], dict]):
+    def build():
+        import transformers
+
+        cls = getattr(transformers, class_name)
+        torch.manual_seed(0)
+        return cls(cls.config_class(**config)).eval(), inputs()
+
+    return build
+
+
+_TEXT = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _IDS() -> dict:
+    return dict(input_ids=torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+
+
+CASES: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
+    "Qwen2ForCausalLM": _transformers("Qwen2ForCausalLM", {**_TEXT, "num_key_value_heads": 2}, _IDS),
+    "LlamaForCausalLM": _transformers("LlamaForCausalLM", {**_TEXT, "num_key_value_heads": 2}, _IDS),
+    "T5ForConditionalGeneration": _transformers(
+        "T5ForConditionalGeneration",
+        dict(vocab_size=512, d_model=256, d_kv=64, d_ff=512, num_layers=2, num_heads=4, decoder_start_token_id=0),
+        lambda: dict(input_ids=torch.tensor([[3, 1, 4, 1, 5, 9]]), decoder_input_ids=torch.tensor([[0, 7, 3]]))),
+    "BertModel": _transformers("BertModel", _TEXT, _IDS),
+    "ViTModel": _transformers(
+        "ViTModel", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         image_size=32, patch_size=8),
+        lambda: dict(pixel_values=torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)))),
+    "WhisperForConditionalGeneration": _transformers(
+        "WhisperForConditionalGeneration",
+        dict(vocab_size=512, d_model=256, encoder_ffn_dim=512, decoder_ffn_dim=512, encoder_layers=2,
+             decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, num_mel_bins=16,
+             max_source_positions=16, max_target_positions=32, decoder_start_token_id=1, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2),
+        lambda: dict(input_features=torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)),
+                     decoder_input_ids=torch.tensor([[1, 5, 7]]))),
+}
+
+
+def _flux():
+    import diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=4,
+        joint_attention_dim=256, pooled_projection_dim=256, axes_dims_rope=(16, 24, 24))
+    generator = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(1, 16, 64, generator=generator),
+                  encoder_hidden_states=torch.randn(1, 8, 256, generator=generator),
+                  pooled_projections=torch.randn(1, 256, generator=generator), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3))
+    return model.eval(), inputs
+
+
+CASES["FluxTransformer2DModel"] = _flux
+
+
+def output(model: nn.Module, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs)
+    for name in ("logits", "last_hidden_state", "sample"):
+        if getattr(out, name, None) is not None:
+            return getattr(out, name)
+    return out[0]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def run_case(name: str, fmt: str, workdir: Path) -> dict:
+    """One class under one format: its figures, and `within` (envelope and budget 0 both hold)."""
+    import streamwise
+    from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
+    from streamwise.runtime.engine import protocol
+    from streamwise.runtime.plan.auto import select_policy
+
+    from helpers import gguf_policy, make_policy
+
+    float_model, inputs = CASES[name]()
+    expected = output(float_model, inputs)
+    config = getattr(float_model, "config", None)
+    base = select_policy(float_model, model_type=getattr(config, "model_type", None)).policy
+    if fmt in ENVELOPE and fmt.startswith(("int8", "convrot")):
+        rule = {"id": "zoo", "select": {"class": "Linear"}, "format": fmt,
+                **({"group_size": 64} if fmt.startswith("convrot") else {})}
+        policy = base.model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
+        model = copy.deepcopy(float_model)
+        streamwise.apply(streamwise.resolve(policy, model), model)
+    else:
+        folder = workdir / name
+        float_model.save_pretrained(folder)
+        policy = gguf_policy(workdir, fmt, base.name)
+        quantize_to_gguf(next(folder.glob("*.safetensors")), folder / f"model.{fmt}.gguf", policy, float_model)
+        model = streamwise.load_pretrained(folder / f"model.{fmt}.gguf", policy, progress=False).model
+    residents = [m for m in model.modules() if protocol.is_resident(m)]
+    float_bytes = sum(t.nbytes for t in float_model.state_dict().values())
+    quantized = sum(m.in_features * m.out_features * 4 for m in residents)  # their float32 weights' bytes
+    got = output(model, inputs)
+    similarity = cosine(got, expected)
+    streamwise.offload(model, policy, device="cpu", budget=0)
+    identical = torch.equal(output(model, inputs), got)
+    return dict(case=name, format=fmt, residents=len(residents), quantized_share=quantized / float_bytes,
+                cosine=similarity, budget0_identical=identical,
+                within=bool(residents) and similarity >= ENVELOPE[fmt] and identical)
