@@ -1,0 +1,163 @@
+"""The quantized zoo (#34): every transformers `*ForCausalLM` class, shrunk to widths of 256, under every quant
+format by the route users take, compared with the float model; plus the hand-built cases of `tests/quantized_zoo.py`
+(encoder-decoder, encoders, vision, speech, diffusers).
+
+    python benchmarks/quantized_zoo.py --out benchmarks/results/quantized_zoo-DATE [--limit N] [--timeout S]
+
+Each class runs its formats in a child process bounded by `--timeout` seconds a case, each result one JSON line
+appended to `OUT.jsonl`, so a run that stops resumes at the next class; `OUT.md` is written from all lines at the
+end: per format, the classes tried, within the envelope, outside (with the cosine), errors (a refusal's message or
+a failure's), timeouts, and per case the share of weight bytes quantized. A class whose default config does not
+build or run at the small size (`no-build`: the library's own constraints) is listed, never hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+SMALL = {  # on the config and every sub-config holding the attribute: widths of 256, two layers
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim"), 256),
+    **dict.fromkeys(("intermediate_size", "d_ff", "ffn_dim", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim"), 512),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 256),
+    **dict.fromkeys(("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
+                     "decoder_attention_heads"), 4),
+    "num_key_value_heads": 2, "head_dim": 64, "d_kv": 64, "vocab_size": 512,
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4), "num_experts_per_tok": 2,
+}
+
+
+def causal_lm_names() -> list[str]:
+    import transformers
+
+    return sorted(name for name in dir(transformers) if name.endswith("ForCausalLM") and not name.startswith("Auto"))
+
+
+def small_causal_lm(name: str):
+    """The class at a small size, and one forward's inputs; raises where the library's config does not shrink."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, name)
+    config = cls.config_class()
+    for holder in [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]:
+        for key, value in SMALL.items():
+            if isinstance(getattr(holder, key, None), int):
+                setattr(holder, key, value)
+        if isinstance(getattr(holder, "layer_types", None), list):
+            holder.layer_types = holder.layer_types[:2]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    return model, dict(input_ids=torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+
+
+def _child(name: str, queue) -> None:
+    """Every format for one class, in one process (imports once); each result put as it comes."""
+    import quantized_zoo
+
+    if name not in quantized_zoo.CASES:
+        try:
+            quantized_zoo.output(*small_causal_lm(name))  # the float model itself must build and run small
+        except Exception as exc:
+            queue.put(dict(case=name, format="*", outcome="no-build", detail=f"{type(exc).__name__}: {exc}"[:200]))
+            return
+        quantized_zoo.CASES[name] = lambda: small_causal_lm(name)
+    for fmt in quantized_zoo.FORMATS:
+        try:
+            with tempfile.TemporaryDirectory() as workdir:
+                result = quantized_zoo.run_case(name, fmt, Path(workdir))
+            result["outcome"] = "within" if result.pop("within") else "outside"
+        except Exception as exc:  # a refusal with its message, or a failure: both recorded with what was said
+            result = dict(case=name, format=fmt, outcome="error", detail=f"{type(exc).__name__}: {exc}"[:300])
+        queue.put(result)
+
+
+def run(name: str, timeout: float) -> list[dict]:
+    """The results of `name` under every format, within `timeout` seconds for all of them."""
+    import quantized_zoo
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(name, queue))
+    child.start()
+    results, deadline = [], time.monotonic() + timeout
+    expected = len(quantized_zoo.FORMATS)
+    while len(results) < expected and time.monotonic() < deadline:
+        try:
+            results.append(queue.get(timeout=max(0.1, min(1.0, deadline - time.monotonic()))))
+        except Exception:  # nothing yet (queue.Empty), or the child is gone
+            if not child.is_alive() and queue.empty():
+                break
+        if results and results[-1]["outcome"] == "no-build":
+            break
+    child.kill() if child.is_alive() else child.join()
+    finished = {r["format"] for r in results}
+    if not (results and results[-1]["outcome"] == "no-build"):
+        results += [dict(case=name, format=fmt, outcome="timeout" if child.exitcode is None or child.exitcode < 0
+                         and time.monotonic() >= deadline else "error", detail=f"unfinished (exit {child.exitcode})")
+                    for fmt in quantized_zoo.FORMATS if fmt not in finished]
+    return results
+
+
+def report(lines: list[dict]) -> str:
+    import quantized_zoo
+
+    formats = quantized_zoo.FORMATS
+    out = ["# Quantized zoo", "", "Envelope (cosine with the float model): "
+           + ", ".join(f"{f} >= {quantized_zoo.ENVELOPE[f]}" for f in formats), "",
+           "| format | tried | within | outside | error | timeout |", "|---|---|---|---|---|---|"]
+    for fmt in formats:
+        counts = {k: sum(1 for r in lines if r["format"] == fmt and r["outcome"] == k)
+                  for k in ("within", "outside", "error", "timeout")}
+        out.append(f"| {fmt} | {sum(counts.values())} | {counts['within']} | {counts['outside']} | {counts['error']} "
+                   f"| {counts['timeout']} |")
+    no_build = sorted(r["case"] for r in lines if r["outcome"] == "no-build")
+    out += ["", f"Classes that do not build or run at the small size (the library's own constraints): "
+            f"{len(no_build)}: " + ", ".join(no_build)]
+    out += ["", "| case | format | outcome | cosine | quantized share | budget 0 = resident | detail |",
+            "|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in lines if r["outcome"] != "no-build"),
+                    key=lambda r: (r["outcome"] == "within", r["case"], r["format"])):
+        cos = f"{r['cosine']:.5f}" if "cosine" in r else "-"
+        share = f"{r['quantized_share']:.2f}" if "quantized_share" in r else "-"
+        out.append(f"| {r['case']} | {r['format']} | {r['outcome']} | {cos} | {share} | "
+                   f"{r.get('budget0_identical', '-')} | {r.get('detail', '')} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    import quantized_zoo
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="results base path (.jsonl and .md appended)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N causal LM classes")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds per case (a class: every format's)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    results = Path(args.out + ".jsonl")
+    done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    seen = {(r["case"], r["format"]) for r in done}
+    names = list(quantized_zoo.CASES) + causal_lm_names()[:args.limit]
+    for name in dict.fromkeys(names):
+        if any(case == name for case, _ in seen):
+            continue
+        for result in run(name, args.timeout * len(quantized_zoo.FORMATS)):
+            done.append(result)
+            with results.open("a") as handle:
+                handle.write(json.dumps(result) + "\n")
+            print(f"{name} {result['format']}: {result['outcome']} {result.get('cosine', '')}", flush=True)
+    Path(args.out + ".md").write_text(report(done))
+    print(f"wrote {args.out}.jsonl and {args.out}.md")
+
+
+if __name__ == "__main__":
+    main()
