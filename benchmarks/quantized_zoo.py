@@ -53,8 +53,9 @@ def small_causal_lm(name: str):
         for key, value in SMALL.items():
             if isinstance(getattr(holder, key, None), int):
                 setattr(holder, key, value)
-        if isinstance(getattr(holder, "layer_types", None), list):
-            holder.layer_types = holder.layer_types[:2]
+        for key, value in list(vars(holder).items()):  # per-layer lists (`layer_types`, `mlp_layer_types`)
+            if key.endswith("layer_types") and isinstance(value, list):
+                setattr(holder, key, value[:2])
     torch.manual_seed(0)
     model = cls(config).eval()
     return model, dict(input_ids=torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
