@@ -100,11 +100,14 @@ def run(name: str, timeout: float) -> list[dict]:
                 break
         if results and results[-1]["outcome"] == "no-build":
             break
-    child.kill() if child.is_alive() else child.join()
+    timed_out = child.is_alive()
+    if timed_out:
+        child.kill()
+    child.join()
     finished = {r["format"] for r in results}
     if not (results and results[-1]["outcome"] == "no-build"):
-        results += [dict(case=name, format=fmt, outcome="timeout" if child.exitcode is None or child.exitcode < 0
-                         and time.monotonic() >= deadline else "error", detail=f"unfinished (exit {child.exitcode})")
+        results += [dict(case=name, format=fmt, outcome="timeout" if timed_out else "error",
+                         detail=f"unfinished (exit {child.exitcode})")
                     for fmt in quantized_zoo.FORMATS if fmt not in finished]
     return results
 

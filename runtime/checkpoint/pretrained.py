@@ -73,7 +73,8 @@ def load_pretrained(
         try:
             if checkpoint.architecture == carried_files.ARCHITECTURE:
                 with carried_files.unpacked(_carried_model(checkpoint)) as carried:
-                    (model, built), kind = built_skeleton(carried, dtype, model_class), model_type(carried)
+                    model, built = built_skeleton(carried, dtype, model_class)
+                    kind = model_type(carried)
             else:
                 config = gguf_config(checkpoint.path)  # a CheckpointError naming an architecture it cannot map
                 with skeleton():

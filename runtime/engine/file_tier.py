@@ -97,6 +97,9 @@ class FileTensor(StandIn):
     def describe(self) -> str:
         return f"in the file tier ({self.source.range.file.path}, at byte {self.source.range.offset})"
 
+    def remedy(self) -> str:
+        return "load the weights into memory first (a host budget that holds them)"
+
 
 def in_memory(tensor: Tensor) -> bool:
     """Whether `tensor` holds values in memory: neither on the file tier nor on `meta`."""
@@ -122,7 +125,7 @@ def read_back(module: nn.Module, name: str) -> Tensor:
 
 
 def leave_in_file(journal: Journal, module: nn.Module) -> None:
-    """Put a module's tensors back in their file: each becomes its meta placeholder (those there already stay)."""
+    """Put a module's tensors back in their file: each becomes its `FileTensor` (those there already stay)."""
     for name, source in sources(module).items():
         tensor = module._parameters.get(name)
         if tensor is not None and not isinstance(tensor, FileTensor):

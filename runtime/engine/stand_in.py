@@ -43,6 +43,10 @@ class StandIn(Tensor):
         """What it stands in for, for messages."""
         raise NotImplementedError
 
+    def remedy(self) -> str:
+        """What to do instead of writing into it, for messages."""
+        raise NotImplementedError
+
     def __reduce_ex__(self, protocol: int):
         return self.values(None).__reduce_ex__(protocol)  # `torch.save(model.state_dict())` saves the values
 
@@ -60,8 +64,7 @@ class StandIn(Tensor):
             if isinstance(value, StandIn):
                 raise RuntimeError(
                     f"`{func.overloadpacket.__name__}` writes into its argument `{argument}`, which is "
-                    f"{value.describe()}: a write would be lost; load the weights into memory first (a budget that "
-                    "holds them)")
+                    f"{value.describe()}: a write would be lost; {value.remedy()}")
         device = next((t.device for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, Tensor) and not isinstance(t, StandIn)), None)
         args, kwargs = tree_map(lambda t: t.values(device) if isinstance(t, StandIn) else t, (args, kwargs))

@@ -42,7 +42,8 @@ class QuantizedWeight(StandIn):
 
     @classmethod
     def of(cls, module: nn.Module) -> QuantizedWeight:
-        handler = FORMATS[protocol.quant_handler(module).name]
+        """What `module` (a resident) shows as its `weight` now: the resident class's `weight` property."""
+        handler = protocol.quant_handler(module)
         return cls({name: module._parameters[name] for name in handler.stored}, handler.name,
                    tuple((name, _frozen(getattr(module, name))) for name in handler.attributes),
                    (module.out_features, module.in_features), module.__dict__[protocol.COMPUTE_DTYPE])
@@ -62,17 +63,15 @@ class QuantizedWeight(StandIn):
     def describe(self) -> str:
         return f"a `{self.format_name}` quantized weight (a Streamwise resident: its raw storage is the parameter)"
 
+    def remedy(self) -> str:
+        return "keep the layer float in the policy, or write its storage (`module._parameters`)"
+
     def __tensor_flatten__(self):
         return list(self.names), (self.format_name, self.attributes, tuple(self.shape), self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, Tensor], context: tuple, outer_size, outer_stride) -> QuantizedWeight:
         return QuantizedWeight(inner, *context)
-
-
-def presented_weight(module: nn.Module) -> QuantizedWeight:
-    """The `weight` property of a resident class."""
-    return QuantizedWeight.of(module)
 
 
 def _frozen(value: object) -> object:

@@ -23,7 +23,7 @@ from ..engine.stand_in import applied_dtype
 from ..engine.streamed import leaf_namespace
 from ..engine.tree import StreamTree, cast_for_compute
 from .formats import FORMATS, QuantFormat
-from .quantized_weight import presented_weight
+from .quantized_weight import QuantizedWeight
 
 _ALIGNMENT = 64
 
@@ -81,7 +81,7 @@ def resident_class(cls: type[nn.Module], format_name: str) -> type[nn.Module]:
         return {
             **leaf,
             "_apply": _apply,
-            "weight": property(presented_weight, doc="The float weight the storage stands for (`QuantizedWeight`)."),
+            "weight": property(QuantizedWeight.of, doc="The float weight the storage stands for (`QuantizedWeight`)."),
             "__doc__": f"{original.__qualname__} holding its weight as `{format_name}` (Streamwise resident).",
             protocol.HANDLER: handler,
         }
