@@ -300,6 +300,23 @@ def test_a_host_budget_below_the_model_leaves_blocks_in_their_file_and_generates
     assert ", file " in report and ", file 0 B" not in report, report
 
 
+def test_a_loose_gguf_streamwise_quantize_wrote_is_offered_and_generates_alone(server):
+    """The pack's own command writes a .gguf into models/LLM with nothing beside it; the loader offers it over HTTP and
+    Generate Text from it gives the float model's text (Q8_0 keeps this greedy decoding)."""
+    target = server.log.parent / "models" / "LLM" / "tiny-qwen2.streamwise.Q8_0.gguf"
+    command = [sys.executable, str(server.log.parent / "custom_nodes" / PACK), "quantize", str(server.model),
+               str(target), "--type", "Q8_0"]
+    written = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert written.returncode == 0 and "it loads alone" in written.stdout, written.stderr[-3000:]
+    loader = server.request("/object_info/StreamwiseModelLoader")["StreamwiseModelLoader"]
+    assert "LLM/tiny-qwen2.streamwise.Q8_0.gguf" in loader["input"]["required"]["model"][1]["options"]
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["model"] = "LLM/tiny-qwen2.streamwise.Q8_0.gguf"
+    entry = server.run(graph)
+    assert entry["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 8)]
+    assert "kept quantized" in entry["outputs"]["1"]["text"][0]
+
+
 def user_policies(server) -> Path:
     folder = server.log.parent / "user" / "default" / "streamwise" / "policies"
     if not folder.is_dir():  # a core whose user folder sits elsewhere: the pack created it on first use
