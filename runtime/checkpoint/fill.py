@@ -34,6 +34,7 @@ from ..engine.file_tier import FileSource, FileTier, Sources
 from ..engine.journal import Journal
 from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
+from ..quant import dequant_cache
 from ..quant.convrot import check_group_size
 from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
@@ -153,6 +154,8 @@ def load(
         apply(plan, model, journal=journal)
         tree = applied_state(model).tree
         journal.set_attributes(tree, {"file_tier": reads, "host_budget": tiers.budget})
+        if tiers.budget is not None:  # dequantized weights kept for reuse live in what the budget leaves
+            dequant_cache.DEQUANT_CACHE.limit(tiers.budget - tiers.host_bytes - tiers.staging_bytes)
         for unit in units:
             if any(key in tiers.in_file for key, _ in unit.values):
                 leaf = model.get_submodule(unit.path)

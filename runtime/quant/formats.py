@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..registry import Registry
+from . import dequant_cache
 from .gguf_dequant import STORED_FLOATS
 from .gguf_dequant import dequantize as gguf_dequantize
 from .int4 import dequantize_int4, int4_linear, quantize_int4
@@ -47,6 +48,8 @@ class QuantFormat(ABC):
     """The module attributes `dequantize` and `linear` read besides the stored tensors."""
     compile_safe: ClassVar[bool] = True
     quantizes_on_load: ClassVar[bool] = True
+    caches_dequantized: ClassVar[bool] = True
+    """Whether `linear` keeps weights a forward asks for again in the dequant cache (the default `linear` does)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -59,7 +62,12 @@ class QuantFormat(ABC):
         """The float weight, in the original basis."""
 
     def linear(self, module: nn.Module, x: Tensor, stored: dict[str, Tensor], bias: Tensor | None) -> Tensor:
-        return F.linear(x, self.dequantize(module, stored, x.dtype), None if bias is None else bias.to(x.dtype))
+        """Dequantize and multiply; a weight a forward asks for again comes from the process's dequant cache."""
+        size = module.out_features * module.in_features * x.dtype.itemsize
+        stored_now = [module._parameters[name] for name in self.stored]  # what a cached weight was made from
+        weight = dequant_cache.DEQUANT_CACHE.weight(module, stored_now, x.dtype, x.device, size,
+                                                    lambda: self.dequantize(module, stored, x.dtype))
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def dequantizes_to_a_view(self, module: nn.Module, dtype: torch.dtype) -> bool:
         """Whether `dequantize` returns the stored tensor itself, reinterpreted (decided without looking at data)."""
@@ -71,6 +79,7 @@ class _ScaledIntegers(QuantFormat):
 
     stored = ("weight", "weight_scale")
     attributes = ("_sw_group_size",)
+    caches_dequantized = False  # its kernels multiply from the integers
     kernels: ClassVar[tuple[Callable, Callable, Callable]]  # quantize, dequantize, linear
 
     def quantize(self, weight, group_size):
