@@ -1,14 +1,17 @@
-"""The quantized zoo (#34): every transformers `*ForCausalLM` class, shrunk to widths of 256, under every quant
-format by the route users take, compared with the float model; plus the hand-built cases of `tests/quantized_zoo.py`
-(encoder-decoder, encoders, vision, speech, diffusers).
+"""The quantized zoo (#34): every transformers `*ForCausalLM`, `*ForConditionalGeneration` and base-model class,
+shrunk to widths of 256, under every quant format by the route users take, compared with the float model; plus the
+hand-built cases of `tests/quantized_zoo.py` (encoder-decoder, encoders, vision, speech, diffusers).
 
-    python benchmarks/quantized_zoo.py --out benchmarks/results/quantized_zoo-DATE [--limit N] [--timeout S]
+    python benchmarks/quantized_zoo.py --out benchmarks/results/quantized_zoo-DATE [--families causal-lm ...]
+        [--limit N] [--timeout S]
 
 Each class runs its formats in a child process bounded by `--timeout` seconds a case, each result one JSON line
 appended to `OUT.jsonl`, so a run that stops resumes at the next class; `OUT.md` is written from all lines at the
 end: per format, the classes tried, within the envelope, outside (with the cosine), errors (a refusal's message or
-a failure's), timeouts, and per case the share of weight bytes quantized. A class whose default config does not
-build or run at the small size (`no-build`: the library's own constraints) is listed, never hidden.
+a failure's), timeouts, and per case the share of weight bytes quantized. Every class gets token ids (and decoder
+ids where its config is an encoder-decoder's); a class whose default config does not build, or does not run on those
+inputs, at the small size (`no-build`: the library's own constraints, or a model that needs images or audio) is
+listed, never hidden.
 """
 
 from __future__ import annotations
@@ -36,13 +39,31 @@ SMALL = {  # on the config and every sub-config holding the attribute: widths of
 }
 
 
-def causal_lm_names() -> list[str]:
+FAMILIES = ("causal-lm", "conditional-generation", "base-model")
+
+
+def class_names(family: str) -> list[str]:
+    """The transformers classes of `family`, by name."""
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    return sorted(name for name in dir(transformers) if name.endswith("ForCausalLM") and not name.startswith("Auto"))
+    if family == "base-model":
+        names = {name for value in MODEL_MAPPING_NAMES.values()
+                 for name in ((value,) if isinstance(value, str) else value)}
+    else:
+        suffix = "ForCausalLM" if family == "causal-lm" else "ForConditionalGeneration"
+        names = {name for name in dir(transformers) if name.endswith(suffix)}
+    return sorted(name for name in names if not name.startswith("Auto") and hasattr(transformers, name))
 
 
-def small_causal_lm(name: str):
+def sample(names: list[str], count: int | None) -> list[str]:
+    """`count` of `names`, evenly spaced (all without a count)."""
+    if count is None or count >= len(names):
+        return names
+    return [names[index * len(names) // count] for index in range(count)]
+
+
+def small_model(name: str):
     """The class at a small size, and one forward's inputs; raises where the library's config does not shrink."""
     import torch
     import transformers
@@ -58,7 +79,11 @@ def small_causal_lm(name: str):
                 setattr(holder, key, value[:2])
     torch.manual_seed(0)
     model = cls(config).eval()
-    return model, dict(input_ids=torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    inputs = dict(input_ids=ids)
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids[:, :4]
+    return model, inputs
 
 
 def _child(name: str, queue) -> None:
@@ -67,11 +92,11 @@ def _child(name: str, queue) -> None:
 
     if name not in quantized_zoo.CASES:
         try:
-            quantized_zoo.output(*small_causal_lm(name))  # the float model itself must build and run small
+            quantized_zoo.output(*small_model(name))  # the float model itself must build and run small
         except Exception as exc:
             queue.put(dict(case=name, format="*", outcome="no-build", detail=f"{type(exc).__name__}: {exc}"[:200]))
             return
-        quantized_zoo.CASES[name] = lambda: small_causal_lm(name)
+        quantized_zoo.CASES[name] = lambda: small_model(name)
     for fmt in quantized_zoo.FORMATS:
         try:
             with tempfile.TemporaryDirectory() as workdir:
@@ -143,14 +168,17 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="results base path (.jsonl and .md appended)")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N causal LM classes")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--limit", type=int, default=None,
+                        help="N classes of each family, evenly spaced in name order (a sample)")
     parser.add_argument("--timeout", type=float, default=60, help="seconds per case (a class: every format's)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = Path(args.out + ".jsonl")
     done = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     seen = {(r["case"], r["format"]) for r in done}
-    names = list(quantized_zoo.CASES) + causal_lm_names()[:args.limit]
+    names = [*quantized_zoo.CASES,
+             *(name for family in args.families for name in sample(class_names(family), args.limit))]
     for name in dict.fromkeys(names):
         if any(case == name for case, _ in seen):
             continue
