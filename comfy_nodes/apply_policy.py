@@ -26,7 +26,8 @@ class ApplyStreamwisePolicy(io.ComfyNode):
                 policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
                 allow_stranded_input(),
             ],
-            outputs=[io.Model.Output("model_out", display_name="model", tooltip="The same model, converted.")],
+            outputs=[io.Model.Output("model_out", display_name="model",
+                                     tooltip="The model, converted (the input stays as it was).")],
         )
 
     @classmethod
@@ -44,6 +45,6 @@ class ApplyStreamwisePolicy(io.ComfyNode):
                              f"{type(model).__name__}")
         choice = choose_policy(policy, tree, dirs=dirs)
         adopted = adopt(model, choice.policy, allow_stranded)
-        plan = applied_state(tree).plan
+        plan = applied_state(adopted.model).plan
         text = f"{choice.reason}; {plan.render(rules=False)}"
         return io.NodeOutput(adopted, ui=ui.PreviewText(text))

@@ -1,4 +1,4 @@
-"""Streamwise Generate Text: run a causal LM from the Streamwise loader, e.g. as a prompt enhancer."""
+"""Streamwise Generate Text: run a text model from the Streamwise loader, e.g. as a prompt enhancer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..runtime.checkpoint import load_tokenizer
-from ..runtime.generation import TokenSteps, generation_config
+from ..runtime.generation import TokenSteps, fit_prompt, generation_config, interrupt_at_blocks, new_tokens
 from .inputs import loaded_tree
 from .schema import schema
 
@@ -18,15 +18,19 @@ class StreamwiseGenerateText(io.ComfyNode):
             category="text", aliases=("llm", "text generation", "prompt", "gguf"),
             node_id="StreamwiseGenerateText",
             display_name="Streamwise Generate Text",
-            description="Generate text with a causal LM loaded by the Streamwise Model Loader (tokenizer: its "
-                        "folder), e.g. as a prompt enhancer; the text shows on the node.",
+            description="Generate text with a model loaded by the Streamwise Model Loader (a causal LM, an "
+                        "encoder-decoder such as T5, a vision-language model used for text; tokenizer: its folder), "
+                        "e.g. as a prompt enhancer; the text shows on the node.",
             is_output_node=True,
             inputs=[
                 io.Model.Input("model",
-                               tooltip="A causal LM from the Streamwise Model Loader (tokenizer: its folder)."),
-                io.String.Input("prompt", multiline=True, default="", tooltip="The text to continue."),
+                               tooltip="A text model from the Streamwise Model Loader (tokenizer: its folder)."),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="The text to continue (an encoder-decoder's input); bounded by the "
+                                        "model's context."),
                 io.Int.Input("max_new_tokens", default=128, min=1, max=8192,
-                             tooltip="The most tokens to generate; it stops earlier at end-of-text."),
+                             tooltip="The most tokens to generate; it stops earlier at end-of-text, and "
+                                     "within the model's context (clipped, with a note on the node)."),
                 io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True,
                              tooltip="Seeds sampling, so a run can be repeated; greedy ignores it."),
                 io.Boolean.Input("do_sample", default=True,
@@ -53,20 +57,19 @@ class StreamwiseGenerateText(io.ComfyNode):
             tokenizer = load_tokenizer(source)  # its folder's files, or the one a .gguf carries
         except (OSError, ValueError) as exc:
             raise ValueError(f"no tokenizer in {source}: {exc}") from None
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        if ids.shape[1] == 0:
-            raise ValueError("the prompt tokenizes to no tokens: write a prompt to continue")
+        fit = fit_prompt(prompt, tokenizer, tree, max_new_tokens)
         comfy.model_management.load_models_gpu([model])
-        ids = ids.to(model.load_device)
+        ids = fit.ids.to(model.load_device)
         pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-        config = generation_config(tree, max_new_tokens, do_sample, pad,
+        config = generation_config(tree, fit.max_new_tokens, do_sample, pad,
                                    temperature=temperature, top_p=top_p, top_k=top_k)
         check_interrupt = getattr(comfy.model_management, "throw_exception_if_processing_interrupted", lambda: None)
-        steps = TokenSteps(comfy.utils.ProgressBar(max_new_tokens).update, check_interrupt)
+        steps = TokenSteps(comfy.utils.ProgressBar(fit.max_new_tokens).update, check_interrupt)
         torch.manual_seed(seed)  # sampling draws from torch's global generator
-        with torch.no_grad():
+        with torch.no_grad(), interrupt_at_blocks(tree, check_interrupt):
             tokens = tree.generate(
                 ids, generation_config=config, stopping_criteria=transformers.StoppingCriteriaList([steps]),
             )
-        text = tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True)
-        return io.NodeOutput(text, ui=ui.PreviewText(text))
+        text = tokenizer.decode(new_tokens(tree, ids, tokens), skip_special_tokens=True)
+        shown = text if fit.note is None else f"{text}\n\n(note: {fit.note})"
+        return io.NodeOutput(text, ui=ui.PreviewText(shown))

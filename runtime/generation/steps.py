@@ -1,11 +1,14 @@
-"""A per-token hook for `generate`: hosts move a progress bar and raise their interrupt there, so generation stops
-within a token of being asked instead of at its end."""
+"""Where a host's interrupt is checked during generation: at every new token (`TokenSteps`, which also moves a
+progress bar) and before every block of a forward (`interrupt_at_blocks`), so a long prompt's prefill stops within
+one block's compute instead of at its end."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 
 class TokenSteps:
@@ -20,3 +23,22 @@ class TokenSteps:
         self.progress(1)
         self.check_interrupt()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@contextmanager
+def interrupt_at_blocks(model: nn.Module, check_interrupt: Callable[[], object]) -> Iterator[int]:
+    """While inside, `check_interrupt()` runs before the forward of each of `model`'s blocks (the classes transformers
+    names in `_no_split_modules`: a decoder layer, an encoder block); yields how many. Hooks only: nothing of the
+    model changes, and they are gone after. A compiled graph traces nothing of them."""
+
+    def before(module, args):
+        if not torch.compiler.is_compiling():
+            check_interrupt()
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    handles = [m.register_forward_pre_hook(before) for m in model.modules() if type(m).__name__ in names]
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()

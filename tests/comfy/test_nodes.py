@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.engine import applied_state
+from streamwise.runtime.engine import applied_state, protocol
 from streamwise.runtime.generation import generation_config
 from streamwise.schemas import Policy
 
 from comfy_harness import load_custom_node
-from helpers import REPO, tiny_qwen2, tiny_tokenizer
+from helpers import REPO, tiny_qwen2, tiny_tokenizer, write_policy
 
 
 @pytest.fixture(scope="module")
@@ -198,15 +198,60 @@ def test_apply_policy_node_converts_a_foreign_models_tree(nodes):
         (converted,) = mappings["ApplyStreamwisePolicy"].execute(plain, "tiny-mlp").args
     finally:
         (user / "tiny-mlp.toml").unlink()
-    assert type(tree[0]).__name__ == "StreamedLinear" and list(converted.patches) == ["0.weight"]
+    assert type(tree[0]) is torch.nn.Linear and applied_state(tree) is None  # the input stays as it was
+    copy = converted.model
+    assert type(copy[0]).__name__ == "StreamedLinear" and list(converted.patches) == ["0.weight"]
+    assert copy[0].weight is not tree[0].weight and copy[0].weight.data_ptr() == tree[0].weight.data_ptr()
     assert type(plain) is comfy.model_patcher.ModelPatcher and isinstance(converted, type(plain))
     assert converted.model_options["transformer_options"]["probe"] == 1  # all a clone carries is kept
     assert len(converted.get_all_callbacks("on_load")) == 1
-    converted.load(torch.device("cpu"), lowvram_model_memory=1)
-    x = torch.randn(2, 8)
-    linear = x @ (tree[0].weight + 1).T + tree[0].bias
-    expected = torch.nn.functional.layer_norm(linear, (8,), tree[1].weight, tree[1].bias)
-    assert torch.allclose(tree(x), expected, atol=1e-5)
+    weight = tree[0].weight.detach().clone()
+    for lowvram in (1, 0):  # streamed (patched at each fetch), then loaded whole (core merges the patch)
+        converted.load(torch.device("cpu"), lowvram_model_memory=lowvram, force_patch_weights=True)
+        x = torch.randn(2, 8)
+        linear = x @ (weight + 1).T + tree[0].bias
+        expected = torch.nn.functional.layer_norm(linear, (8,), tree[1].weight, tree[1].bias)
+        assert torch.allclose(copy(x), expected, atol=1e-5)
+        assert torch.equal(tree[0].weight, weight)  # never merged into the weight the input shares
+        converted.unpatch_model(torch.device("cpu"))
+
+
+def test_apply_never_changes_its_input_and_converts_it_again_under_any_policy(nodes, tmp_path):
+    """Two workflows share one cached MODEL; each Apply converts its own copy, under any policy, again and again."""
+    import comfy.model_patcher
+
+    mappings, _ = nodes
+    node = mappings["ApplyStreamwisePolicy"]
+    model = tiny_qwen2()
+    plain = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    tensors = {name: (t, t.dtype, t.detach().clone()) for name, t in model.state_dict(keep_vars=True).items()}
+    user = Path(__import__("folder_paths").get_user_directory()) / "streamwise" / "policies"
+    int8 = write_policy(user, "int8-linears", 'extends = "decoder-llm"\n\n[[quant.rule]]\nid = "q"\n'
+                                              'select = { class = "Linear" }\nformat = "int8"\n')
+    try:
+        outputs = {policy: node.execute(plain, policy).args[0]
+                   for policy in ("int8-linears", "decoder-llm", "any-module", "auto")}
+        outputs["again"] = node.execute(outputs["int8-linears"], "any-module").args[0]  # a converted input
+    finally:
+        int8.unlink()
+    assert applied_state(model) is None and all(type(m) is protocol.original_class(type(m)) for m in model.modules())
+    for name, (tensor, dtype, values) in tensors.items():
+        now = model.state_dict(keep_vars=True)[name]
+        assert now is tensor and now.dtype == dtype and torch.equal(now, values), name
+    for policy, converted in outputs.items():
+        converted.load(torch.device("cpu"), lowvram_model_memory=1)
+        with torch.no_grad():
+            logits = converted.model(ids).logits
+        if policy in ("int8-linears", "again"):
+            assert converted.model.lm_head._parameters["weight"].dtype == torch.int8
+            assert torch.nn.functional.cosine_similarity(logits.flatten(), expected.flatten(), dim=0) > 0.999
+        else:
+            assert torch.equal(logits, expected), policy
+    assert applied_state(outputs["again"].model).plan.policy == "any-module"
+    assert applied_state(outputs["int8-linears"].model).plan.policy == "int8-linears"
 
 
 def test_a_stranding_plan_is_refused_by_model_patcher_and_the_apply_node_unless_accepted(nodes):
@@ -250,8 +295,8 @@ def test_apply_policy_node_picks_the_policy_by_auto(nodes):
     model = tiny_qwen2()
     plain = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
     (converted,) = mappings["ApplyStreamwisePolicy"].execute(plain, "auto").args
-    assert applied_state(model).plan.policy == "decoder-llm"
-    assert type(model.lm_head).__name__ == "StreamedLinear" and converted.model is model
+    assert applied_state(converted.model).plan.policy == "decoder-llm" and applied_state(model) is None
+    assert type(converted.model.lm_head).__name__ == "StreamedLinear" and type(model.lm_head) is torch.nn.Linear
 
 
 def recording_progress_bar(monkeypatch, on_update=lambda value: None):

@@ -27,8 +27,8 @@ def test_an_installed_streamwise_and_the_pack_share_one_engine(comfy_nodes):
     model = tiny_qwen2()
     patcher = streamwise.model_patcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"),
                                        policy="decoder-llm")
-    (adopted,) = apply_node.execute(patcher, "decoder-llm").args  # the same classes: re-applying changes nothing
-    assert adopted.model is model
+    (adopted,) = apply_node.execute(patcher, "decoder-llm").args  # a copy of its tree, converted the same way
+    assert adopted.model is not model and type(adopted.model.lm_head) is type(model.lm_head)
 
 
 def test_policy_check_node_reads_user_policies_without_restart(comfy_nodes):

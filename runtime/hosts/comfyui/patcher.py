@@ -25,6 +25,7 @@ from ....schemas import Policy
 from ...engine import ConversionError, applied_state, apply, file_tier, protocol
 from ...engine.apply import swap_class
 from ...engine.classes import derived_class
+from ...engine.copies import unconverted_copy
 from ...engine.relocating import offload_relocated
 from ...engine.streamed import holds_parameters_below
 from ...plan import plan_for
@@ -53,13 +54,24 @@ def model_patcher(
 
 
 def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> Any:
-    """A clone of a MODEL another pack loaded, its tree converted by `policy` and hosted here.
+    """A clone of a MODEL another node made, over a copy of its tree converted by `policy` and hosted here.
 
-    The clone keeps everything ComfyUI's `clone` carries (LoRA patches, object patches, wrappers, callbacks,
-    options); only its class gains this host's load and unload steps. Stranding is refused as by `model_patcher`.
+    The input MODEL, and every branch or workflow using it, stays exactly as it was (core's nodes never change an
+    input): the clone holds an unconverted copy of the tree (`engine.copies`: new modules over the same weights, the
+    weights as they are unpatched), and keeps everything ComfyUI's `clone` carries (LoRA patches, object patches,
+    wrappers, callbacks, options); only its class gains this host's load and unload steps, which never write into a
+    weight it shares. Stranding is refused as by `model_patcher`, before anything is made.
     """
-    policy = _host(patcher.model, policy, allow_stranded)
+    tree = unconverted_copy(patcher.model)
+    for key, saved in getattr(patcher, "backup", {}).items():  # a weight core patched in place: its unpatched one
+        owner, _, name = key.rpartition(".")
+        module = tree.get_submodule(owner)
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(saved.weight.detach(), requires_grad=False)
+    tree.__dict__.pop("current_weight_patches_uuid", None)  # core patches the copy afresh
+    policy = _host(tree, policy, allow_stranded)
     adopted = patcher.clone()
+    adopted.model, adopted.size = tree, 0  # core sizes the copy anew (a policy may have quantized it)
     adopted.__class__ = patcher_class(protocol.original_class(type(patcher)))
     return _armed(adopted, policy)
 
@@ -200,7 +212,8 @@ class _TreeKeeping:
         module_path, _, name = key.rpartition(".")
         module = self.model.get_submodule(module_path)
         if name != "weight" or not protocol.is_resident(module):
-            return super().patch_weight_to_device(key, device_to, inplace_update, *args, **kwargs)
+            # never merged in place: the tensor may be shared with the MODEL this one was adopted from
+            return super().patch_weight_to_device(key, device_to, False, *args, **kwargs)
         if key in self.patches:
             # Raw quantized storage cannot take a merged patch: the resident applies it on the fly for as long
             # as core counts the weight as patched.

@@ -1,0 +1,72 @@
+"""A copy of a module tree to convert, so that the tree it came from stays exactly as it was.
+
+ComfyUI never changes a node's input: a MODEL may feed other branches and workflows. Converting a MODEL another
+node made therefore converts a copy: new module objects, each with new Parameter objects over the same storage
+(a device move of the copy, which swaps a Parameter's data, leaves the source's in place) and the same buffers, so
+memory holds one copy of the weights. Ties (one Parameter, or one module, in two places) stay ties in the copy.
+
+A source Streamwise converted before is copied as it was before: every conversion record is undone on the copy
+(classes and attributes back), except quantized residents, whose float weights are gone: they stay residents, which
+any policy takes as they are. What the source's tree shares with its copies (its file-tier reads, host budget and
+the folder it came from) carries over; its plan and records do not.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from torch import Tensor, nn
+
+from . import protocol
+from .apply import STATE_ATTRIBUTE, AppliedState, applied_state
+from .journal import Record
+
+
+def unconverted_copy(model: nn.Module) -> nn.Module:
+    """A new tree over `model`'s tensors, as `model` was before Streamwise converted it (residents stay)."""
+    copies: dict[int, object] = {}
+    copied = _copy_module(model, copies)
+    state = applied_state(model)
+    if state is None:
+        return copied
+    for record in reversed(state.records):  # on the copies; a resident keeps every conversion that made it one
+        undone = [copies[id(m)] for m in record.modules if not protocol.is_resident(m)]
+        Record(undone, record.original_class, record.replaced, record.role)()
+    copied.__dict__.pop(STATE_ATTRIBUTE, None)
+    residents = [module for module in copied.modules() if protocol.is_resident(module)]
+    carried = (state.source, state.tree.file_tier, state.tree.host_budget)
+    if residents or any(value is not None for value in carried):  # else the copy is as one never converted
+        fresh = AppliedState(source=state.source)
+        fresh.tree.file_tier, fresh.tree.host_budget = state.tree.file_tier, state.tree.host_budget
+        for module in residents:
+            module.__dict__[protocol.TREE] = fresh.tree
+        copied.__dict__[STATE_ATTRIBUTE] = fresh
+    return copied
+
+
+def _copy_module(module: nn.Module, copies: dict[int, object]) -> nn.Module:
+    if id(module) in copies:
+        return copies[id(module)]
+    copy = object.__new__(type(module))
+    copies[id(module)] = copy
+    copy.__dict__.update({name: _own(value) for name, value in module.__dict__.items()})
+    copy._parameters = {name: _shared(p, copies) for name, p in module._parameters.items()}
+    copy._buffers = dict(module._buffers)
+    copy._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    copy._modules = {name: None if child is None else _copy_module(child, copies)
+                     for name, child in module._modules.items()}
+    return copy
+
+
+def _own(value: object) -> object:
+    """A container attribute (hook tables, a weight-function list) as a container of the copy's own; else `value`."""
+    return type(value)(value) if type(value) in (dict, OrderedDict, list, set) else value
+
+
+def _shared(parameter: Tensor | None, copies: dict[int, object]) -> Tensor | None:
+    """A new Parameter over `parameter`'s storage (a stand-in's alias for one left in its file), once per source."""
+    if parameter is None:
+        return None
+    if id(parameter) not in copies:
+        copies[id(parameter)] = nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad)
+    return copies[id(parameter)]

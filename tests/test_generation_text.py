@@ -1,0 +1,99 @@
+"""Prompts checked against the model before any forward, the new tokens of causal and encoder-decoder models, and
+an interrupt honoured inside a forward (before each block)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers
+
+from streamwise.runtime.generation import PromptError, fit_prompt, interrupt_at_blocks, new_tokens
+from streamwise.runtime.generation.text import CHARACTERS_PER_POSITION, DEFAULT_CONTEXT
+
+from helpers import tiny_qwen2, tiny_tokenizer
+
+
+class Counted:
+    """A tokenizer that counts its calls, so a test sees a refusal came before tokenizing."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls, self.model_max_length = tokenizer, 0, tokenizer.model_max_length
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+
+def tiny_t5():
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def test_text_a_tokenizer_cannot_take_is_refused_naming_the_input_and_the_place():
+    tokenizer = Counted(tiny_tokenizer())
+    for prompt, what in (("a cat \ud83d sat", "a lone surrogate (U+D83D) at character 7"),
+                         ("a\0cat", "a NUL character at character 2")):
+        with pytest.raises(PromptError, match="^prompt: holds " + re.escape(what)):
+            fit_prompt(prompt, tokenizer, tiny_qwen2(), 8)
+    assert tokenizer.calls == 0
+
+
+def test_a_prompt_past_the_context_is_refused_before_tokenizing_or_any_forward_with_both_numbers():
+    model, tokenizer = tiny_qwen2(max_position_embeddings=16), Counted(tiny_tokenizer())
+    with pytest.raises(PromptError, match=rf"{16 * CHARACTERS_PER_POSITION + 1} characters, more than "
+                                          rf"{16 * CHARACTERS_PER_POSITION} .*context of 16"):
+        fit_prompt("x" * (16 * CHARACTERS_PER_POSITION + 1), tokenizer, model, 4)
+    assert tokenizer.calls == 0  # bounded before the tokenizer sees it
+    with pytest.raises(PromptError, match=r"^prompt: \d+ tokens, and the model's context is 16 positions "
+                                          r"\(its config's `max_position_embeddings`\)"):
+        fit_prompt("a cat sat " * 20, tokenizer, model, 4)
+
+
+def test_max_new_tokens_past_the_context_is_clipped_with_a_note():
+    model, tokenizer = tiny_qwen2(max_position_embeddings=32), tiny_tokenizer()
+    fit = fit_prompt("a cat sat", tokenizer, model, 8192)
+    prompt_tokens = fit.ids.shape[1]
+    assert fit.max_new_tokens == 32 - prompt_tokens
+    assert fit.note == (f"max_new_tokens clipped from 8192 to {32 - prompt_tokens}: the model's context is 32 "
+                        f"positions (its config's `max_position_embeddings`) and the prompt takes {prompt_tokens}")
+    assert fit_prompt("a cat sat", tokenizer, model, 4).note is None
+
+
+def test_a_model_stating_no_limit_takes_its_tokenizers_or_the_default():
+    model, tokenizer = tiny_t5(), tiny_tokenizer()  # T5: relative position buckets, no limit in its config
+    tokenizer.model_max_length = 24
+    assert fit_prompt("a cat", tokenizer, model, 100).max_new_tokens == 24  # an encoder-decoder's output: 24 new
+    tokenizer.model_max_length = int(1e30)  # transformers' "no limit"
+    assert fit_prompt("a cat", tokenizer, model, 10**6).max_new_tokens == DEFAULT_CONTEXT
+
+
+@pytest.mark.parametrize("build", [tiny_qwen2, tiny_t5], ids=["causal", "encoder-decoder"])
+def test_new_tokens_are_what_generate_made_for_causal_and_encoder_decoder_models(build):
+    torch.manual_seed(0)
+    model, tokenizer = build(), tiny_tokenizer()
+    ids = fit_prompt("a cat sat on the mat and then a dog came by " * 3, tokenizer, model, 5).ids
+    with torch.no_grad():
+        output = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    made = new_tokens(model, ids, output)
+    if build is tiny_t5:  # the decoder's output alone, started from its start token: none of it is the prompt
+        assert torch.equal(made, output[0]) and len(made) <= 6 and ids.shape[1] > 6
+    else:
+        assert torch.equal(made, output[0, ids.shape[1]:]) and len(made) == 5
+
+
+def test_an_interrupt_is_honoured_before_each_block_of_a_forward():
+    model = tiny_qwen2(num_hidden_layers=4)
+    calls = []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise InterruptedError("interrupted")
+
+    with pytest.raises(InterruptedError), interrupt_at_blocks(model, check) as blocks:
+        model(torch.tensor([[3, 1, 4, 1, 5]]))  # one prefill: stopped before its third block
+    assert blocks == 4 and len(calls) == 3
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the hooks are gone after
