@@ -8,7 +8,14 @@ from comfy_api.latest import io, ui
 from ..runtime.engine import applied_state
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import choose_policy
-from .folders import allow_stranded_input, chosen_policy, comfy_policy_dirs, policy_fingerprint, policy_input
+from .folders import (
+    allow_stranded_input,
+    chosen_policy,
+    comfy_policy_dirs,
+    policy_fingerprint,
+    policy_input,
+    skip_unreadable_input,
+)
 from .schema import schema
 
 
@@ -25,6 +32,7 @@ class ApplyStreamwisePolicy(io.ComfyNode):
                 io.Model.Input("model", tooltip="A MODEL from any loader (a transformers-style module tree inside)."),
                 policy_input("The policy to convert by; `auto` picks by the policies' [match] tables.", auto=True),
                 allow_stranded_input(),
+                skip_unreadable_input(),
             ],
             outputs=[io.Model.Output("model_out", display_name="model",
                                      tooltip="The model, converted (the input stays as it was).")],
@@ -36,14 +44,15 @@ class ApplyStreamwisePolicy(io.ComfyNode):
         return policy_fingerprint(policy, comfy_policy_dirs())
 
     @classmethod
-    def execute(cls, model, policy: str, allow_stranded: bool = False) -> io.NodeOutput:
+    def execute(cls, model, policy: str, allow_stranded: bool = False,
+                skip_unreadable_policies: bool = False) -> io.NodeOutput:
         dirs = comfy_policy_dirs()
         policy = chosen_policy(policy, dirs, auto=True)
         tree = getattr(model, "model", None)
         if not isinstance(tree, torch.nn.Module):
             raise ValueError(f"Apply Streamwise Policy converts a MODEL holding a module tree; this input is a "
                              f"{type(model).__name__}")
-        choice = choose_policy(policy, tree, dirs=dirs)
+        choice = choose_policy(policy, tree, dirs=dirs, skip_unreadable=skip_unreadable_policies)
         adopted = adopt(model, choice.policy, allow_stranded)
         plan = applied_state(adopted.model).plan
         text = f"{choice.reason}; {plan.render(rules=False)}"

@@ -40,6 +40,15 @@ def allow_stranded_input() -> io.Boolean.Input:
                 "them.")
 
 
+def skip_unreadable_input() -> io.Boolean.Input:
+    """The opt-in to `auto` choosing while some policy file cannot be read (optional, for saved workflows)."""
+    return io.Boolean.Input(
+        "skip_unreadable_policies", default=False, optional=True,
+        tooltip="Let `auto` choose while a policy file in the folders does not parse or validate; the report names "
+                "each one skipped. Off: such a file fails the run with its error, since it may be the one meant "
+                "for this model.")
+
+
 def policy_fingerprint(policy: str, dirs: list[Path]) -> str:
     """What a node that reads `policy` depends on: the merged content of the policy (every file of its `extends`
     chain), or for `auto` of every policy it chooses among; its diagnostics where it does not load. A node's

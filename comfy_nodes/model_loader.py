@@ -16,6 +16,7 @@ from .folders import (
     model_roots,
     policy_fingerprint,
     policy_input,
+    skip_unreadable_input,
 )
 from .model_files import list_models, model_identity, resolve_model
 from .schema import schema
@@ -55,6 +56,7 @@ class StreamwiseModelLoader(io.ComfyNode):
                             "10% of the limit) or a size such as `12GiB`. Streamed blocks past it stay in their "
                             "file and are read at each step; a model whose fixed part does not fit is refused "
                             "before anything is read, with both figures, instead of ending in the OOM killer."),
+                skip_unreadable_input(),
             ],
             outputs=[
                 io.Model.Output("model_out", display_name="model",
@@ -66,18 +68,19 @@ class StreamwiseModelLoader(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False,
-                           host_budget: str = "auto") -> str:
+                           host_budget: str = "auto", skip_unreadable_policies: bool = False) -> str:
         """The model's files (path, size, mtime) and the policy's content: a replaced model or an edited policy
         (or any file it extends) loads again; an unchanged one stays cached."""
         try:
             files = model_identity(resolve_model(model, model_roots()))
         except (FileNotFoundError, OSError):
             files = ()  # execute says what is wrong
-        return json.dumps([files, policy_fingerprint(policy, comfy_policy_dirs()), dtype, allow_stranded, host_budget])
+        return json.dumps([files, policy_fingerprint(policy, comfy_policy_dirs()), dtype, allow_stranded, host_budget,
+                           skip_unreadable_policies])
 
     @classmethod
     def execute(cls, model: str, policy: str, dtype: str, allow_stranded: bool = False,
-                host_budget: str = "auto") -> io.NodeOutput:
+                host_budget: str = "auto", skip_unreadable_policies: bool = False) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
 
@@ -90,7 +93,7 @@ class StreamwiseModelLoader(io.ComfyNode):
         tree, report, chosen = load_pretrained(
             path, policy, dtype=DTYPES[dtype], policy_dirs=dirs, allow_stranded=allow_stranded,
             progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
-            max_memory={"cpu": host_budget},
+            max_memory={"cpu": host_budget}, skip_unreadable=skip_unreadable_policies,
         )
         patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
                                 offload_device=comfy.model_management.unet_offload_device(),

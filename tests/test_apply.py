@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import streamwise
-from streamwise.runtime.engine.apply import ConversionError, applied_state
+from streamwise.runtime.engine.apply import ConversionError, applied_state, apply_policy
 from streamwise.runtime.engine.relocating import offload_relocated
 
 from helpers import force_streaming, make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2
@@ -256,3 +256,13 @@ def test_a_converted_root_is_freed_by_reference_counting_alone():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_converting_again_differently_names_the_module_its_class_and_both_policies():
+    model = tiny_qwen2()
+    apply_policy(model, "decoder-llm")
+    generic = make_policy(stream={"rule": [stream_rule("g", "generic", **{"class": "Linear"})]})
+    with pytest.raises(ConversionError, match=r"^`model.layers.0.self_attn.q_proj` \(Linear\) was already converted "
+                                              r"differently: linear \(StreamedLinear\) by policy `decoder-llm`, where "
+                                              r"policy `test` asks for generic\. Convert a copy"):
+        apply_policy(model, generic)

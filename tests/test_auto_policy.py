@@ -173,10 +173,18 @@ def test_the_keys_leave_out_non_persistent_buffers():
     assert sorted(keys) == sorted(model.state_dict()) and not any(key.endswith("inv_freq") for key in keys)
 
 
-def test_a_policy_file_that_does_not_load_is_passed_over_and_the_others_still_count(tmp_path):
-    write_policy(tmp_path, "aaa-broken", "\n[match]\nfallback = 1\n")  # an error: first in name order
+def test_a_policy_file_that_does_not_load_fails_auto_naming_it_unless_skipped_and_then_said(tmp_path):
+    broken = write_policy(tmp_path, "aaa-broken", "\n[match]\nfallback = 1\n")  # an error: first in name order
     write_policy(tmp_path, "mine", f'\n[match]\nclasses = ["Named"]\n{BUFFERS}')
-    assert select_policy(Named("toy"), dirs=[tmp_path]).policy.name == "mine"
+    with pytest.raises(PolicyError) as raised:  # its [match] cannot be read: it may be meant for this model
+        select_policy(Named("toy"), dirs=[tmp_path])
+    text = str(raised.value)
+    assert text.startswith("error[invalid-type]") and f"{broken}:" in text
+    assert f"error[unreadable-policy]: `auto` cannot choose a policy for `Named` while 1 policy file(s) cannot be " \
+           f"read: {broken}" in text
+    chosen = select_policy(Named("toy"), dirs=[tmp_path], skip_unreadable=True)
+    assert chosen.policy.name == "mine" and chosen.skipped == (str(broken),)
+    assert chosen.reason.endswith(f"; skipped unreadable {broken}")
 
 
 def test_choose_policy_selects_for_auto_and_loads_anything_else():

@@ -51,6 +51,7 @@ def load_pretrained(
     allow_stranded: bool = True,
     max_memory: object = None,
     file_tier: bool = True,
+    skip_unreadable: bool = False,
 ) -> Pretrained:
     """Build, convert and load the model at `path` (a Hugging Face or diffusers model folder, a weight file beside its
     config.json, or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
@@ -87,7 +88,7 @@ def load_pretrained(
     else:
         model, built = built_skeleton(folder, dtype, model_class)
         source, kind = str(folder), model_type(folder)
-    choice = choose_policy(policy, model, model_type=kind, dirs=policy_dirs)
+    choice = choose_policy(policy, model, model_type=kind, dirs=policy_dirs, skip_unreadable=skip_unreadable)
     policy, chosen = choice.policy, choice.reason
     _log.info("load_pretrained: %s: built %s; %s", path.name, built, chosen)
     report = load(model, checkpoint.path, policy, dtype=dtype, progress=progress, allow_stranded=allow_stranded,

@@ -115,7 +115,7 @@ def apply_policy(
 
 def check(plan: Plan, model: nn.Module) -> None:
     """Everything `apply` will change, checked without changing anything (raises ConversionError)."""
-    _targets(plan, _located(plan, model))
+    _targets(plan, _located(plan, model), _converted_by(model))
 
 
 def _located(plan: Plan, model: nn.Module) -> list[nn.Module]:
@@ -153,7 +153,7 @@ def _apply(
 
         with journal.atomic(failed):
             plan, located = planned()
-            targets = _targets(plan, located)
+            targets = _targets(plan, located, _converted_by(model))
             step = "quantizing"
             quantized = _quantized(plan, located)  # the heavy part, before anything changes
             records: list[Record] = []
@@ -231,9 +231,15 @@ def _quantized(plan: Plan, located: list[nn.Module]) -> list[tuple[ModulePlan, n
     return quantized
 
 
-def _targets(plan: Plan, located: list[nn.Module]) -> list[type | None]:
+def _converted_by(model: nn.Module) -> str | None:
+    """The policy `model` was converted by before, if it was."""
+    state = applied_state(model)
+    return state.plan.policy if state is not None and state.plan is not None else None
+
+
+def _targets(plan: Plan, located: list[nn.Module], converted_by: str | None) -> list[type | None]:
     """The class each module an ok plan names must end up with (None: the plan converts it not); checks everything
-    first.
+    first (`converted_by`: the policy the tree was converted by before, for messages).
 
     What depends on the class alone (which class the plan expects, the derived class) is decided once per class.
     """
@@ -247,7 +253,7 @@ def _targets(plan: Plan, located: list[nn.Module]) -> list[type | None]:
         key = (type(module), entry.class_name, entry.stream, bool(entry.relocate))
         decided = by_class.get(key)
         if decided is None:
-            decided = by_class[key] = _target_class(entry, module)
+            decided = by_class[key] = _target_class(entry, module, plan.policy, converted_by)
         target, needs, unproven = decided
         if needs is not None and ("forward" in module.__dict__ or not needs <= module._parameters.keys()):
             _check_leaf(entry, module)  # the rare case, explained
@@ -259,7 +265,8 @@ def _targets(plan: Plan, located: list[nn.Module]) -> list[type | None]:
     return targets
 
 
-def _target_class(entry: ModulePlan, module: nn.Module) -> tuple[type, frozenset[str] | None, bool]:
+def _target_class(entry: ModulePlan, module: nn.Module, policy: str, converted_by: str | None
+                  ) -> tuple[type, frozenset[str] | None, bool]:
     """The class every module of `module`'s class must end up with under `entry`; what a streamed leaf of that
     class must hold as parameters to be known fine without a closer look (None: nothing to check per module); and
     whether its kind must be probed (not proven for the class)."""
@@ -279,7 +286,12 @@ def _target_class(entry: ModulePlan, module: nn.Module) -> tuple[type, frozenset
     if cls is target:
         return target, None, False  # converted before: applying again changes nothing
     if cls is not original:
-        raise ConversionError(f"`{entry.path}` was already converted differently ({cls.__name__})")
+        before = f"policy `{converted_by}`" if converted_by else "another conversion"
+        now, asked = protocol.kind_of(module) or "relocating", entry.stream or "relocating"
+        raise ConversionError(
+            f"`{entry.path or '<root>'}` ({original.__name__}) was already converted differently: {now} "
+            f"({cls.__name__}) by {before}, where policy `{policy}` asks for {asked}. Convert a copy of the "
+            f"unconverted model (the ComfyUI Apply node does), or reload it")
     if not entry.stream:
         return target, None, False
     # a plan keeps a specific kind for a class it is not proven for only where the rule named the class exactly

@@ -44,6 +44,8 @@ class Choice:
     reason: str
     resolved: tuple[Plan, list[nn.Module]] | None = field(default=None, repr=False)
     """The fitting plan and the module of each of its entries: the caller applies it without resolving again."""
+    skipped: tuple[str, ...] = ()
+    """Policy files `auto` could not read and was told to skip (`skip_unreadable`), by path."""
 
 
 def plan_for(
@@ -68,31 +70,42 @@ def plan_and_modules(
 
 def choose_policy(
     policy: Policy | str | os.PathLike[str], model: nn.Module, *, model_type: str | None = None,
-    dirs: Iterable[str | os.PathLike] = (),
+    dirs: Iterable[str | os.PathLike] = (), skip_unreadable: bool = False,
 ) -> Choice:
     """`select_policy` for `"auto"`, else `policy` loaded by name or path.
 
     Without `model_type`, the model's own `config.model_type` is read when it has one (transformers models).
     """
     if isinstance(policy, str) and policy == AUTO:
-        return select_policy(model, model_type=model_type, dirs=dirs)
+        return select_policy(model, model_type=model_type, dirs=dirs, skip_unreadable=skip_unreadable)
     policy = as_policy(policy, dirs=dirs)
     return Choice(policy, f"policy `{policy.name}`")
 
 
 def select_policy(
     model: nn.Module, *, model_type: str | None = None, keys: Iterable[str] | None = None,
-    dirs: Iterable[str | os.PathLike] = (),
+    dirs: Iterable[str | os.PathLike] = (), skip_unreadable: bool = False,
 ) -> Choice:
     """The strongest fitting candidate for `model`; PolicyError when none fits, or two of equal strength do.
 
+    A policy file that does not parse or validate is never passed over in silence: its `[match]` cannot be read, so
+    it cannot be known not to be meant for this model. It is a PolicyError with its located diagnostics, unless
+    `skip_unreadable`, and then the choice names it (`Choice.skipped`).
     `keys` stands in for the tree's own state-dict keys (a caller matching a bare module against a file's names).
     """
     if model_type is None:
         found = getattr(vars(model).get("config"), "model_type", None)
         model_type = found if isinstance(found, str) else None
     root = ModuleRef.of("", model)
-    ranked = _candidates(model, root, model_type, None if keys is None else list(keys), dirs)
+    ranked, unreadable = _candidates(model, root, model_type, None if keys is None else list(keys), dirs)
+    if unreadable and not skip_unreadable:
+        raise PolicyError([*(d for diagnostics in unreadable.values() for d in diagnostics if d.is_error), Diagnostic(
+            "unreadable-policy", f"`auto` cannot choose a policy for `{root.name}` while "
+            f"{len(unreadable)} policy file(s) cannot be read: {', '.join(unreadable)}",
+            help="fix or remove the file, choose a policy by name, or skip unreadable policies (the nodes' "
+                 "`skip_unreadable_policies` input, `skip_unreadable=True`)",
+        )])
+    skipped = tuple(unreadable)
     passed: list[str] = []
     for strength in STRENGTHS:
         fitting = []
@@ -112,7 +125,8 @@ def select_policy(
         if fitting:
             [(policy, how, plan, modules)] = fitting
             over = f"; passed over {'; '.join(passed)}" if passed else ""
-            return Choice(policy, f"`auto` picked `{policy.name}` by {how}{over}", (plan, modules))
+            over += f"; skipped unreadable {', '.join(skipped)}" if skipped else ""
+            return Choice(policy, f"`auto` picked `{policy.name}` by {how}{over}", (plan, modules), skipped)
     tried = f": {'; '.join(passed)}" if passed else ""
     raise PolicyError([Diagnostic(
         "unknown-policy", f"no policy fits `{root.name}`{tried}",
@@ -123,14 +137,16 @@ def select_policy(
 def _candidates(
     model: nn.Module, root: ModuleRef, model_type: str | None, keys: list[str] | None,
     dirs: Iterable[str | os.PathLike],
-) -> dict[str, list[tuple[Policy, str]]]:
+) -> tuple[dict[str, list[tuple[Policy, str]]], dict[str, list[Diagnostic]]]:
     """Every policy whose `[match]` recognizes the tree, by its strongest way of recognizing it (`STRENGTHS`), with
-    how."""
+    how; and the diagnostics of every policy file that cannot be read, by path."""
     short, qualified = root.name, root.qualname
     ranked: dict[str, list[tuple[Policy, str]]] = {}
+    unreadable: dict[str, list[Diagnostic]] = {}
     for path in list_policies(policy_dirs(dirs)).values():
-        policy, _ = check_policy(path, dirs=dirs)
+        policy, diagnostics = check_policy(path, dirs=dirs)
         if policy is None:
+            unreadable[str(path)] = diagnostics
             continue
         match = policy.match
         if match.state_dict_keys and keys is None:
@@ -146,7 +162,7 @@ def _candidates(
             ranked.setdefault("base class", []).append((policy, how))
         elif match.fallback:
             ranked.setdefault("fallback", []).append((policy, "fallback: no other policy recognizes it"))
-    return ranked
+    return ranked, unreadable
 
 
 def _all_match(patterns: Iterable[str], keys: list[str]) -> bool:

@@ -191,8 +191,12 @@ class _Decided:
         # for a module without children, in which no parameters can hide
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)
         self.template = _template(class_names(cls)[0][1], roles, self.fit)
-        # what a fetch brings; a host's own streaming layer (ComfyUI's `comfy.ops`) fetches its weight and bias
-        self.streams = FETCHED if protocol.speaks_natively(cls) else _streams(roles, self.fit)
+        # what a fetch brings; a host's own streaming layer (ComfyUI's `comfy.ops`) fetches its weight and bias, a
+        # quantized resident (one a load or an earlier conversion made) everything it stores, whatever the rules
+        if protocol.speaks_natively(cls):
+            self.streams = FETCHED
+        else:
+            self.streams = ALL if getattr(cls, protocol.HANDLER, None) is not None else _streams(roles, self.fit)
         self.block = block  # whether the compile blocks select the class
         self.any = roles.any  # read per module: a slot, not the property
         self.inert = not roles.any and not block  # no role, no compile unit: a module holding no tensors is skipped

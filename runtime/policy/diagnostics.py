@@ -50,6 +50,7 @@ CODES: dict[str, str] = {
     "unsupported-version": "a `schema_version` this runtime cannot read",
     "deprecated-key": "a key of an older format version that was migrated (warning)",
     "unknown-policy": "no policy of that name in the policy folders (or a name no file can have)",
+    "unreadable-policy": "`auto` cannot choose while a policy file in the folders cannot be read",
     "unknown-extends": "`extends` names a policy that does not exist",
     "invalid-extends": "`extends` names a policy that has errors",
     "extends-cycle": "policies extend each other in a cycle",

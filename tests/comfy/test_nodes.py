@@ -138,7 +138,7 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
     assert "model.gguf" in report
     (text,) = mappings["StreamwiseGenerateText"].execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)  # Q8_0 keeps greedy decoding here
-    with pytest.raises(ValueError, match="the prompt tokenizes to no tokens"):
+    with pytest.raises(ValueError, match="^prompt: tokenizes to no tokens"):
         mappings["StreamwiseGenerateText"].execute(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
 
 
@@ -362,6 +362,71 @@ def test_generate_text_stops_within_a_token_of_an_interrupt(nodes, monkeypatch):
     monkeypatch.undo()
     (text,) = node.execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args  # the model is still usable
     assert text == reference_text(root / "tiny-qwen2", "a cat", 4)
+
+
+def test_generate_text_on_an_encoder_decoder_equals_transformers_greedy_and_sampled(nodes):
+    """T5's output is the decoder's alone: none of it is cut off as if it began with the prompt."""
+    import transformers
+
+    mappings, root = nodes
+    folder = root / "tiny-t5"
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-t5", "auto", "auto").args
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    prompt = "a cat sat on the mat and looked at the dog " * 3  # longer than the output: all of it was cut before
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    for do_sample in (False, True):
+        (text,) = mappings["StreamwiseGenerateText"].execute(patcher, prompt, 8, 7, do_sample, 0.7, 0.9, 50).args
+        torch.manual_seed(7)
+        with torch.no_grad():
+            out = reference.generate(ids, max_new_tokens=8, do_sample=do_sample, pad_token_id=tokenizer.pad_token_id,
+                                     **(dict(temperature=0.7, top_p=0.9, top_k=50) if do_sample else {}))
+        expected = tokenizer.decode(out[0], skip_special_tokens=True)
+        assert text and text == expected, do_sample
+
+
+def test_generate_text_refuses_a_prompt_past_the_context_before_any_forward(nodes, monkeypatch):
+    mappings, _ = nodes
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
+    forwards = []
+    patcher.model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    node = mappings["StreamwiseGenerateText"]
+    context = patcher.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"^prompt: 2000000 characters, more than {32 * context} .*context of "
+                                         rf"{context}"):
+        node.execute(patcher, "x" * 2_000_000, 8, 0, False, 0.7, 0.9, 50)
+    with pytest.raises(ValueError, match=r"^prompt: holds a lone surrogate \(U\+DC00\) at character 3"):
+        node.execute(patcher, "ab\udc00", 8, 0, False, 0.7, 0.9, 50)
+    assert forwards == []
+    patcher.model.config.max_position_embeddings = 16  # a small context: max_new_tokens clipped, said on the node
+    try:
+        result = node.execute(patcher, "a cat", 8192, 0, False, 0.7, 0.9, 50)
+    finally:
+        patcher.model.config.max_position_embeddings = context
+    (text,) = result.args
+    assert "max_new_tokens clipped from 8192 to" in result.ui.as_dict()["text"][0] and text
+
+
+def test_a_broken_user_policy_fails_auto_naming_the_file_unless_skipped_and_then_reported(nodes):
+    mappings, _ = nodes
+    user = Path(__import__("folder_paths").get_user_directory()) / "streamwise" / "policies"
+    broken = write_policy(user, "mine", '\n[match]\nclasses = ["Qwen2ForCausalLM"\n')  # a TOML syntax error
+    try:
+        for node, args in ((mappings["StreamwiseModelLoader"], ("streamwise/tiny-qwen2", "auto", "auto")),
+                           (mappings["ApplyStreamwisePolicy"], (mappings["StreamwiseModelLoader"].execute(
+                               "streamwise/tiny-qwen2", "decoder-llm", "auto").args[0], "auto"))):
+            with pytest.raises(streamwise.PolicyError) as raised:
+                node.execute(*args)
+            assert f"{broken}:" in str(raised.value) and "error[unreadable-policy]" in str(raised.value)
+            out = node.execute(*args, skip_unreadable_policies=True)
+            assert f"skipped unreadable {broken}" in out.ui.as_dict()["text"][0]
+    finally:
+        broken.unlink()
 
 
 def test_generate_text_passes_only_the_flags_that_apply(nodes):

@@ -68,7 +68,8 @@ def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> A
         module = tree.get_submodule(owner)
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(saved.weight.detach(), requires_grad=False)
-    tree.__dict__.pop("current_weight_patches_uuid", None)  # core patches the copy afresh
+    if "current_weight_patches_uuid" in tree.__dict__:
+        tree.current_weight_patches_uuid = None  # core patches the copy afresh
     policy = _host(tree, policy, allow_stranded)
     adopted = patcher.clone()
     adopted.model, adopted.size = tree, 0  # core sizes the copy anew (a policy may have quantized it)
