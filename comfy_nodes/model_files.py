@@ -4,8 +4,12 @@
 from). A folder with a `config.json` is offered whole when it holds weights the loader picks by itself
 (`weight_files`: its shard index, its one `.safetensors` or the variants of one, else its one `.gguf`) and file by
 file (`folder/model.gguf`), shards excepted: they are parts of the folder's weights. Symlinked folders are
-followed, each real folder once per root, so a cycle ends. Labels resolve back only to what was listed. No ComfyUI
-import: unit-tested without a core.
+followed, each real folder once per root, so a cycle ends, and within bounds: `MAX_DEPTH` folders below a root and
+`MAX_FOLDERS` folders visited per root (a link to `/` lists no more than that). A listing is cached on the
+modification times of every folder it walked, as core caches its own lists: a prompt that changes nothing costs one
+`stat` per folder, no walk (a folder's time moves when an entry is added, removed or renamed in it; one changed in
+the last `SETTLED_NS` is walked again, since a change within its clock tick would not move it). Labels resolve
+back only to what was listed. No ComfyUI import: unit-tested without a core.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -22,18 +27,41 @@ from ..runtime.checkpoint.weight_files import VARIANTS, NoWeights, is_shard_inde
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 MAX_INDEX = 64 * 1024**2  # read on every listing: a larger "index" is not one worth parsing
+MAX_DEPTH = 8  # folders below a root that are listed
+MAX_FOLDERS = 4096  # folders visited per root
+
+SETTLED_NS = 2 * 10**9  # a folder changed this recently may change again within its clock tick: walked again
+
+_listed: dict[tuple, tuple[tuple[tuple[str, int | None], ...], dict[str, Path]]] = {}  # by roots: walked, listing
 
 
 def list_models(roots: dict[str, Iterable[str | os.PathLike]]) -> dict[str, Path]:
     """`{"<folder key>/<relative path>": path}` for every loadable model under the given roots; the first root of a
-    key wins a label two of them hold, as ComfyUI's own lookups do."""
+    key wins a label two of them hold, as ComfyUI's own lookups do. Cached while no folder walked has changed."""
+    key = tuple((name, tuple(map(str, folders))) for name, folders in roots.items())
+    cached = _listed.get(key)
+    settled = time.time_ns() - SETTLED_NS
+    if cached is not None and all(at is not None and at < settled and _modified(folder) == at
+                                  for folder, at in cached[0]):
+        return dict(cached[1])
     found: dict[str, Path] = {}
-    for key, folders in roots.items():
+    walked: list[tuple[str, int | None]] = []
+    for name, folders in key:
         for folder in map(Path, folders):
-            for relative, here, files in _folders(folder):
+            for relative, here, files, modified in _folders(folder):
+                walked.append((str(here), modified))
                 for label, path in _offered(relative, here, files):
-                    found.setdefault(f"{key}/{label}", path)
-    return dict(sorted(found.items()))
+                    found.setdefault(f"{name}/{label}", path)
+    listing = dict(sorted(found.items()))
+    _listed[key] = (tuple(walked), listing)
+    return dict(listing)
+
+
+def _modified(folder: str | Path) -> int | None:
+    try:
+        return os.stat(folder).st_mtime_ns
+    except OSError:
+        return None
 
 
 def resolve_model(label: str, roots: dict[str, Iterable[str | os.PathLike]]) -> Path:
@@ -58,22 +86,24 @@ def model_identity(path: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple(identity)
 
 
-def _folders(root: Path) -> Iterator[tuple[str, Path, set[str]]]:
-    """`(relative label prefix, folder, regular file names)` for each folder under `root`, each real folder once.
+def _folders(root: Path) -> Iterator[tuple[str, Path, set[str], int | None]]:
+    """`(relative label prefix, folder, regular file names, its modification time)` for each folder under `root`,
+    each real folder once, at most `MAX_DEPTH` below it and `MAX_FOLDERS` in all.
 
     Folders reached by their own path come before symlinked ones, so a link to a listed folder never takes over its
     label, and a link back up the tree (a cycle) reaches a folder already seen and ends there.
     """
     seen: set[str] = set()
     walk, links = [("", root)], []
-    while walk or links:
+    while (walk or links) and len(seen) < MAX_FOLDERS:
         if not walk:
             walk, links = sorted(links, reverse=True), []
         relative, here = walk.pop()
         real = os.path.realpath(here)
-        if real in seen:
+        if real in seen or relative.count("/") > MAX_DEPTH:
             continue
         seen.add(real)
+        modified = _modified(here)  # before the scan: a change while it runs lists anew next time
         try:
             with os.scandir(here) as scan:
                 entries = list(scan)
@@ -89,7 +119,7 @@ def _folders(root: Path) -> Iterator[tuple[str, Path, set[str]]]:
             except OSError:
                 continue
         walk += sorted(subfolders, reverse=True)
-        yield relative, here, files
+        yield relative, here, files, modified
 
 
 def _offered(relative: str, here: Path, files: set[str]) -> Iterator[tuple[str, Path]]:

@@ -170,6 +170,20 @@ def test_model_mode_prints_the_plan_and_coverage(capsys):
     assert "covered                       100.00%" in out
 
 
+def test_model_mode_previews_the_policy_auto_picks_and_why(capsys, monkeypatch, tmp_path):
+    assert main(["--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 2}', "auto"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("model: transformers:qwen2 (built on the meta device)\n`auto` picked `decoder-llm` by "
+                          "root class `Qwen2ForCausalLM`\nplan: policy `decoder-llm` on ")
+    write_policy(tmp_path, "broken", "\n[match]\nfallback = 1\n")
+    monkeypatch.setenv("STREAMWISE_POLICY_PATH", str(tmp_path))
+    argv = ["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 2}', "auto"]
+    assert main(argv) == EXIT_PROBLEMS  # a user policy `auto` cannot read: said, never passed over
+    document = json.loads(capsys.readouterr().out)
+    assert document["plan"] is None and document["chosen"] is None
+    assert [d["code"] for d in document["files"][0]["diagnostics"]] == ["invalid-type", "unreadable-policy"]
+
+
 def test_model_mode_with_an_inline_config_and_json(capsys):
     argv = ["--format", "json", "--model", "transformers:qwen2", "--model-config", '{"num_hidden_layers": 3}',
             "decoder-llm"]

@@ -197,3 +197,43 @@ def test_diffusers_model_folders_are_offered_whole_and_load(tmp_path):
     report = load_pretrained(model_files.resolve_model("k/variants", roots), "any-module", dtype=torch.bfloat16,
                              progress=False).report
     assert report.file.endswith("diffusion_pytorch_model.bf16.safetensors")
+
+
+def settled(root: Path) -> None:
+    """Every folder under `root` last changed a minute ago (a listing trusts only folders that settled)."""
+    past = os.stat(root).st_mtime - 60
+    for folder in [root, *(path for path in root.rglob("*") if path.is_dir() and not path.is_symlink())]:
+        os.utime(folder, (past, past), follow_symlinks=False)
+
+
+def test_a_listing_is_cached_on_the_folders_walked_and_walks_again_when_one_changes(tmp_path, monkeypatch):
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    model_folder(root / "a", "model.gguf")
+    model_folder(elsewhere / "b", "model.gguf")
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    settled(root), settled(elsewhere)
+    scans = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(model_files.os, "scandir", lambda path: scans.append(path) or real_scandir(path))
+    first = labels(root)
+    walked = len(scans)
+    assert first == ["k/a", "k/a/model.gguf", "k/linked/b", "k/linked/b/model.gguf"] and walked >= 4
+    assert labels(root) == first and len(scans) == walked  # a prompt that changes nothing: no walk
+    model_folder(elsewhere / "c", "model.gguf")  # added behind the link: that folder's time moves
+    assert labels(root)[-2:] == ["k/linked/c", "k/linked/c/model.gguf"] and len(scans) > walked
+
+
+def test_symlinks_are_followed_within_the_depth_and_folder_bounds(tmp_path, monkeypatch):
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    model_folder(root / "1" / "2" / "shallow", "model.gguf")
+    model_folder(root / "1" / "2" / "3" / "4" / "deep", "model.gguf")
+    for index in range(50):  # a link to a large tree (`/`, say)
+        (elsewhere / f"f{index:02d}").mkdir(parents=True)
+    root.joinpath("everything").symlink_to(elsewhere, target_is_directory=True)
+    monkeypatch.setattr(model_files, "MAX_DEPTH", 3)
+    monkeypatch.setattr(model_files, "MAX_FOLDERS", 20)
+    scans = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(model_files.os, "scandir", lambda path: scans.append(path) or real_scandir(path))
+    assert labels(root) == ["k/1/2/shallow", "k/1/2/shallow/model.gguf"]  # `deep` is 5 folders down
+    assert len(scans) == 20

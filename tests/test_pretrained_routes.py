@@ -15,7 +15,7 @@ import streamwise
 from streamwise.runtime.checkpoint.model_spec import ModelSpecError, build_model
 from streamwise.runtime.checkpoint.readers import CheckpointError
 
-from helpers import tiny_sample, tiny_vision_language
+from helpers import tiny_qwen2, tiny_sample, tiny_vision_language
 from llama_cpp_files import float_model, train_tokenizer_parts, write_llama_cpp_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -120,3 +120,12 @@ def test_a_llama_cpp_gguf_has_no_architectures_and_builds_its_causal_lm(tmp_path
 def test_a_model_type_spec_builds_by_the_task_mappings(spec, built):
     """`policy-validate --model transformers:<model_type>`: a default config (full size, on meta) names no class."""
     assert type(build_model(spec)).__name__ == built
+
+
+def test_a_folder_without_tokenizer_files_says_so_not_which_library_to_install(tmp_path):
+    from streamwise.runtime.checkpoint import load_tokenizer
+
+    tiny_qwen2().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"holds no tokenizer files \(any of tokenizer\.json, .*\): copy the "
+                                         r"model's tokenizer files beside its weights"):
+        load_tokenizer(tmp_path)

@@ -129,9 +129,18 @@ def load_tokenizer(source: str | os.PathLike):
     return _folder_tokenizer(source)
 
 
+#: Files a transformers tokenizer is built from; a folder with none of them has no tokenizer to load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "sentencepiece.bpe.model", "tekken.json")
+
+
 def _folder_tokenizer(folder: Path):
     import transformers
 
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES) \
+            and not any(folder.glob("*.tiktoken")):
+        raise ValueError(f"{folder} holds no tokenizer files (any of {', '.join(TOKENIZER_FILES)}, *.tiktoken): copy "
+                         f"the model's tokenizer files beside its weights")
     refuse_remote_code(folder, "tokenizer_config.json", "AutoTokenizer")
     return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 

@@ -5,7 +5,7 @@
 - with no arguments it checks the user policy folders (`$STREAMWISE_POLICY_PATH`) and the shipped policies;
 - checking files never imports torch, so it answers fast (a test proves it in a fresh interpreter); only
   `--model SPEC POLICY`, which also resolves the policy against a model built on the meta device and prints the
-  plan, imports the engine.
+  plan, imports the engine; `--model SPEC auto` prints the policy `auto` picks for that model, why, and its plan.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..policy.diagnostics import Diagnostic, errors_in, json_report, render_json, render_text
+from ..policy.diagnostics import Diagnostic, PolicyError, errors_in, json_report, render_json, render_text
 from ..policy.folders import path_problem, policy_dirs, policy_files
 from ..policy.load import check_policy
 from ..policy.source import display_path
@@ -71,6 +71,7 @@ def _report(reports: dict[str, list[Diagnostic]], args: argparse.Namespace) -> N
 
 def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ..checkpoint.model_spec import ModelSpecError, build_model  # torch only from here on
+    from ..plan.auto import AUTO, select_policy
 
     try:  # a usage error, so it is found before the policy is looked at
         model = build_model(args.model, json_option("--model-config", args.model_config))
@@ -78,7 +79,16 @@ def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.print_usage(sys.stderr)
         print(f"policy-validate: error: --model: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    policy, diagnostics = check_policy(args.paths[0])
+    chosen = None
+    if args.paths[0] == AUTO:  # the policy `auto` picks for this model, and why
+        try:
+            choice = select_policy(model)
+        except PolicyError as exc:
+            policy, diagnostics = None, list(exc.diagnostics)
+        else:
+            policy, diagnostics, chosen = choice.policy, [], choice.reason
+    else:
+        policy, diagnostics = check_policy(args.paths[0])
     plan = None
     if policy is not None:
         from ..plan.resolve import resolve
@@ -86,12 +96,12 @@ def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespa
         plan = resolve(policy, model)
         diagnostics = [*diagnostics, *plan.diagnostics]
     if args.format == "json":  # the file-grouped document of plain runs, plus the model and its plan
-        print(json.dumps({**json_report({args.paths[0]: diagnostics}), "model": args.model,
+        print(json.dumps({**json_report({args.paths[0]: diagnostics}), "model": args.model, "chosen": chosen,
                           "plan": plan.summary() if plan is not None else None}, indent=2))
     elif plan is None:
         _print_text({args.paths[0]: diagnostics}, quiet=args.quiet)
     else:
-        print(f"model: {args.model} (built on the meta device)\n{plan}")
+        print(f"model: {args.model} (built on the meta device)" + (f"\n{chosen}" if chosen else "") + f"\n{plan}")
         if diagnostics:
             print("\n" + render_text(diagnostics))
     return EXIT_PROBLEMS if errors_in(diagnostics) else EXIT_OK

@@ -623,7 +623,9 @@ def _stranded(coverage: Coverage) -> Diagnostic:
         f"{len(coverage.stranded)} tensors ({coverage.bytes['stranded']} bytes) are handled by no rule; "
         "a partial load would leave them on the offload device",
         severity="warning",
-        help="stranded, by class: " + "; ".join(groups) + (f"; and {more} more classes" if more > 0 else ""),
+        help="add the rule each class below names, or accept stranding explicitly (allow_stranded)",
+        notes=tuple(Note(f"stranded: {group}") for group in groups)  # one each: every class shown whole
+        + ((Note(f"and {more} more classes"),) if more > 0 else ()),
     )
 
 

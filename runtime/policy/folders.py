@@ -82,8 +82,11 @@ def find_policy(name: str, dirs: Iterable[Path]) -> Path | None:
 
 
 def policy_files(folder: Path) -> list[Path]:
-    """The `*.toml` files of one policy folder, without symlinks that lead out of it."""
-    return [f for f in sorted(folder.glob("*.toml")) if _inside(f, folder)] if folder.is_dir() else []
+    """The `*.toml` regular files of one policy folder (a FIFO or device named so would block a read), without
+    symlinks that lead out of it."""
+    if not folder.is_dir():
+        return []
+    return [f for f in sorted(folder.glob("*.toml")) if f.is_file() and _inside(f, folder)]
 
 
 def list_policies(dirs: Iterable[Path], *, include_hidden: bool = False) -> dict[str, Path]:
