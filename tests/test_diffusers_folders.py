@@ -4,6 +4,7 @@ computes."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 
@@ -12,6 +13,7 @@ import torch
 
 import streamwise
 from streamwise.runtime.checkpoint.model_spec import ModelSpecError
+from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.checkpoint.skeleton import built_skeleton
 
 from helpers import DIFFUSERS_SAMPLE, tiny_diffusers
@@ -99,3 +101,25 @@ def test_without_diffusers_a_diffusers_folder_says_to_install_it(tmp_path, monke
     with pytest.raises(ModelSpecError, match="describes the diffusers model `AutoencoderKL`; building it needs "
                                              "diffusers: pip install diffusers"):
         streamwise.load_pretrained(tmp_path, "any-module")
+
+
+def test_a_pipeline_folder_loads_a_component_by_name_and_lists_them_without_one(tmp_path):
+    pipeline = tmp_path / "pipeline"
+    for name in ("unet", "vae"):
+        model, _ = tiny_diffusers(name)
+        model.save_pretrained(pipeline / name)
+    (pipeline / "scheduler").mkdir()
+    (pipeline / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "PNDMScheduler"]}))
+    listed = r"load one of its components with component=NAME .*: unet \(UNet2DConditionModel\), vae \(AutoencoderKL\)$"
+    with pytest.raises(CheckpointError, match=listed):
+        streamwise.load_pretrained(pipeline, progress=False)
+    with pytest.raises(CheckpointError, match="has no component 'text_encoder' with a config.json; load one"):
+        streamwise.load_pretrained(pipeline, component="text_encoder", progress=False)
+    model, inputs = tiny_diffusers("vae")
+    loaded = streamwise.load_pretrained(pipeline, component="vae", progress=False).model
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).sample, model(**inputs).sample)
+    with pytest.raises(CheckpointError, match="this is not one"):
+        streamwise.load_pretrained(pipeline / "vae", component="vae", progress=False)

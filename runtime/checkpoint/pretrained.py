@@ -9,6 +9,7 @@ from the GGUF's own metadata (the files a Streamwise GGUF carries, `carried_file
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -52,6 +53,7 @@ def load_pretrained(
     max_memory: object = None,
     file_tier: bool = True,
     skip_unreadable: bool = False,
+    component: str | None = None,
 ) -> Pretrained:
     """Build, convert and load the model at `path` (a Hugging Face or diffusers model folder, a weight file beside its
     config.json, or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
@@ -64,9 +66,11 @@ def load_pretrained(
     its weights loads the one named for `dtype` (`model.fp16.safetensors`), else the plain one. The tree's recorded
     `source` (where its tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from
     alone. `progress`, `allow_stranded`, `max_memory` (the host budget) and `file_tier` are as for `load`; the class
-    built and the choice of policy are logged (logger `streamwise.load`), then the load's report.
+    built and the choice of policy are logged (logger `streamwise.load`), then the load's report. A diffusers
+    pipeline folder (`model_index.json`) loads its `component` (`"unet"`, `"transformer"`, `"vae"`...); without one,
+    the error lists them. `skip_unreadable` as for `choose_policy`.
     """
-    path = Path(path)
+    path = pipeline_component(Path(path), component)
     checkpoint = open_checkpoint(path, dtype)  # first: an unusable path is a CheckpointError, before any other look
     folder = config_folder(path)
     dtype = dtype or _file_dtype(checkpoint)
@@ -96,6 +100,30 @@ def load_pretrained(
     report = replace(report, built=built)
     applied_state(model).source = source
     return Pretrained(model, report, chosen)
+
+
+def pipeline_component(path: Path, component: str | None) -> Path:
+    """`path`, or its `component`'s folder where `path` is a diffusers pipeline folder (`model_index.json`, no
+    config.json of its own); a CheckpointError listing the components where none, or one it does not have, is named."""
+    index = path / "model_index.json"
+    if not (path.is_dir() and index.is_file() and not (path / "config.json").exists()):
+        if component is not None:
+            raise CheckpointError([f"{path}: component={component!r} names a part of a diffusers pipeline folder "
+                                   f"(one with model_index.json), and this is not one"])
+        return path
+    try:
+        described = json.loads(index.read_text(encoding="utf-8")) if index.stat().st_size < 1 << 20 else {}
+    except (OSError, ValueError):
+        described = {}
+    parts = {name: value[1] for name, value in described.items() if isinstance(value, list) and len(value) == 2
+             and isinstance(value[1], str) and (path / name / "config.json").is_file()}
+    listed = ", ".join(f"{name} ({cls})" for name, cls in sorted(parts.items())) or "none with a config.json"
+    if component in parts:
+        return path / component
+    asked = "" if component is None else f"has no component {component!r} with a config.json; "
+    raise CheckpointError([f"{path}: a diffusers pipeline folder (model_index.json) {asked}load one of its "
+                           f"components with component=NAME (the ComfyUI loader lists each as `folder/NAME`): "
+                           f"{listed}"])
 
 
 def _carried_model(checkpoint: Checkpoint) -> dict[str, bytes]:
