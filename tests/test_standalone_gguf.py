@@ -4,7 +4,10 @@ it; the model computes exactly what the same file loaded beside its config compu
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import pytest
@@ -124,3 +127,22 @@ def test_hostile_carried_files_are_refused_naming_the_key(tmp_path, strings, pro
     with pytest.raises(CheckpointError, match=problem):
         streamwise.load_pretrained(path, progress=False)
     assert not list(tmp_path.glob("evil*")) and [p.name for p in tmp_path.iterdir()] == ["hostile.gguf"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a file-size limit is set in a POSIX child")
+def test_quantize_stopped_by_a_file_size_limit_says_why_and_leaves_no_file(tmp_path):
+    import resource
+
+    folder = tmp_path / "model"
+    tiny_qwen2().save_pretrained(folder)
+    limit = 64 << 10
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    done = subprocess.run([sys.executable, "-m", "streamwise", "quantize", str(folder), str(tmp_path / "q.gguf"),
+                           "--type", "Q8_0"], preexec_fn=limited, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert f"writing stopped after {limit} bytes" in done.stderr
+    assert f"this process may write files of at most {limit} bytes (`ulimit -f`): raise the limit" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no partial file, no destination

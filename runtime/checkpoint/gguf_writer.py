@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -81,9 +82,14 @@ def quantize_to_gguf(
                 writer.add_tensor(name, data, raw_dtype=qtype)
                 label = (qtype.name if qtype is not None else str(data.dtype))
                 types[label] = types.get(label, 0) + 1
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
+            try:
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_tensors_to_file()
+            except OSError as exc:  # numpy's short write says only "N requested and M written"
+                raise CheckpointError([f"{destination}: writing stopped after {_size_of(partial)} bytes ({exc}): "
+                                       f"{_why_short(destination.parent)}; nothing was written (the partial file is "
+                                       "removed)"]) from None
         finally:
             writer.close()
         # mkstemp makes the file private; the result takes the mode the file it replaces had, else the umask's
@@ -141,6 +147,30 @@ def _unselected(policy: Policy, plan, model: nn.Module, paths: list[str]) -> dic
         else:
             reasons[path] = "no gguf quant rule selects it"
     return reasons
+
+
+def _size_of(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _why_short(folder: Path) -> str:
+    """What can stop a write short: this process's file-size limit, or the disk's free space, with figures."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        resource = None
+    if resource is not None:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return f"this process may write files of at most {limit} bytes (`ulimit -f`): raise the limit"
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return "the disk is full or the file system refused the write"
+    return f"the disk holds {free} free bytes there: free some space, or write the GGUF elsewhere"
 
 
 def _umask_mode() -> int:
