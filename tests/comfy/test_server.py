@@ -238,12 +238,53 @@ def test_a_changed_input_re_executes_only_what_depends_on_it(server):
     assert changed["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 4)]
 
 
-def test_interrupt_ends_a_long_generation_within_a_second(server):
+@pytest.fixture(scope="module")
+def long_context(server) -> dict:
+    """A Qwen2 of 32,768 positions (8 thin layers) beside the tiny one, and a workflow generating with it."""
+    import transformers
+
+    folder = server.model.parent / "long-qwen2"
+    config = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+                                      max_position_embeddings=32768)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(server.model / name, folder / name)
     graph = workflow("streamwise_generate_text")
-    graph["2"]["inputs"]["max_new_tokens"] = 8192
-    _, seconds = server.interrupted(graph)
+    graph["1"]["inputs"]["model"] = "streamwise/long-qwen2"
+    return graph
+
+
+def test_interrupt_ends_a_long_generation_within_a_second(server, long_context):
+    long_context["2"]["inputs"]["max_new_tokens"] = 8192
+    _, seconds = server.interrupted(long_context)
     assert seconds < 1.0  # within a token, plus the /history poll
     server.run(workflow("streamwise_generate_text"))  # the model stays ready for the next prompt
+
+
+def test_interrupt_ends_a_long_prefill_within_a_second(server, long_context):
+    """One forward over a long prompt: the interrupt is honoured before each of its blocks."""
+    long_context["2"]["inputs"].update(prompt="a cat sat on the mat " * 1500, max_new_tokens=1)
+    _, seconds = server.interrupted(long_context)
+    assert seconds < 1.0
+    long_context["2"]["inputs"].update(prompt=PROMPT, max_new_tokens=4)
+    server.run(long_context)
+
+
+def test_a_prompt_past_the_context_is_refused_at_once_and_max_new_tokens_clipped_with_a_note(server):
+    graph = workflow("streamwise_generate_text")  # tiny-qwen2: 128 positions
+    graph["2"]["inputs"]["prompt"] = "a cat " * 400_000  # 2.4 MB
+    started = time.monotonic()
+    entry = server.wait(server.queue(graph), timeout=60)
+    seconds = time.monotonic() - started
+    (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
+    assert error["exception_message"].startswith("prompt: 2400000 characters, more than 4096 (32 per position of "
+                                                 "the model's context of 128")
+    assert seconds < 30  # generous: the refusal itself takes no forward (the figure goes in the closing note)
+    graph["2"]["inputs"].update(prompt=PROMPT, max_new_tokens=8192)
+    entry = server.run(graph)
+    (text,) = entry["outputs"]["2"]["text"]
+    assert "(note: max_new_tokens clipped from 8192 to " in text and "context is 128 positions" in text
 
 
 def test_free_unloads_and_drops_the_cache(server):
