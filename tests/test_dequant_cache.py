@@ -121,3 +121,10 @@ def test_a_load_under_a_host_budget_lowers_the_bound_to_what_the_budget_leaves(t
     budget = 200 << 10
     looped_from_file(tmp_path, layers=1, depth=1, max_memory={"cpu": budget})
     assert 0 < cache.bound <= budget - 256 * 34 * 8  # what the one Q8_0 weight (256 rows of 8 blocks) leaves
+
+
+def test_storage_loaded_under_inference_mode_keeps_no_version_and_is_still_cached(tmp_path, cache):
+    with torch.inference_mode():  # ComfyUI loads under it: the stored tensors are inference tensors
+        model = looped_from_file(tmp_path, layers=1, depth=3)
+        model(torch.randn(3, WIDTH))
+    assert cache.expansions == 2 and cache.held == WEIGHT_BYTES

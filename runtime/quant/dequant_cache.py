@@ -112,12 +112,16 @@ class DequantCache:
 
 def _identity(tensor: Tensor) -> tuple:
     """What tells a stored tensor from its successor: the object, its version (writes in place) and its data's
-    address (core's `.data` assignments), where it has one (a stand-in has none, and is never written)."""
+    address (core's `.data` assignments), each where it has one (a stand-in has no address and is never written;
+    an inference tensor, which ComfyUI's loads under `inference_mode` make, keeps no version)."""
+    return weakref.ref(tensor), _or_none(lambda: tensor._version), _or_none(tensor.data_ptr)
+
+
+def _or_none(read: Callable[[], int]) -> int | None:
     try:
-        address = tensor.data_ptr()
+        return read()
     except RuntimeError:
-        address = None
-    return weakref.ref(tensor), tensor._version, address
+        return None
 
 
 def _same(token: tuple, other: tuple) -> bool:
