@@ -86,7 +86,8 @@ class Server:
             assert time.monotonic() < deadline, self.tail()
             time.sleep(0.05)
         time.sleep(1.0)  # well into the token or frame loop
-        assert not self.request(f"/history/{prompt_id}"), "the prompt ended before it could be interrupted"
+        ended = self.request(f"/history/{prompt_id}")
+        assert not ended, f"the prompt ended before it could be interrupted: {json.dumps(ended)[-1500:]}"
         started = time.monotonic()
         self.request("/interrupt", {})
         entry = self.wait(prompt_id, timeout=10)
@@ -244,8 +245,9 @@ def long_context(server) -> dict:
     import transformers
 
     folder = server.model.parent / "long-qwen2"
+    vocabulary = json.loads((server.model / "config.json").read_text())["vocab_size"]  # its tokenizer's
     config = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=vocabulary,
                                       max_position_embeddings=32768)
     transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
