@@ -101,6 +101,15 @@ class Server:
         return entry
 
 
+def record(name: str, seconds: float) -> None:
+    """Add a measured figure to the JSON file `STREAMWISE_BENCH_OUT` names (benchmarks/bench_bounded_prompts.py)."""
+    out = os.environ.get("STREAMWISE_BENCH_OUT")
+    if out:
+        path = Path(out)
+        figures = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**figures, name: round(seconds, 4)}, indent=2))
+
+
 def cached_nodes(entry: dict) -> set[str]:
     return {node for kind, data in entry["status"]["messages"] if kind == "execution_cached" for node in data["nodes"]}
 
@@ -260,6 +269,7 @@ def long_context(server) -> dict:
 def test_interrupt_ends_a_long_generation_within_a_second(server, long_context):
     long_context["2"]["inputs"]["max_new_tokens"] = 8192
     _, seconds = server.interrupted(long_context)
+    record("interrupt during generation", seconds)
     assert seconds < 1.0  # within a token, plus the /history poll
     server.run(workflow("streamwise_generate_text"))  # the model stays ready for the next prompt
 
@@ -268,6 +278,7 @@ def test_interrupt_ends_a_long_prefill_within_a_second(server, long_context):
     """One forward over a long prompt: the interrupt is honoured before each of its blocks."""
     long_context["2"]["inputs"].update(prompt="a cat sat on the mat " * 1500, max_new_tokens=1)
     _, seconds = server.interrupted(long_context)
+    record("interrupt during a long prefill", seconds)
     assert seconds < 1.0
     long_context["2"]["inputs"].update(prompt=PROMPT, max_new_tokens=4)
     server.run(long_context)
@@ -279,6 +290,7 @@ def test_a_prompt_past_the_context_is_refused_at_once_and_max_new_tokens_clipped
     started = time.monotonic()
     entry = server.wait(server.queue(graph), timeout=60)
     seconds = time.monotonic() - started
+    record("2.4 MB prompt refused (queue to /history)", seconds)
     (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
     assert error["exception_message"].startswith("prompt: 2400000 characters, more than 4096 (32 per position of "
                                                  "the model's context of 128")
@@ -287,6 +299,33 @@ def test_a_prompt_past_the_context_is_refused_at_once_and_max_new_tokens_clipped
     entry = server.run(graph)
     (text,) = entry["outputs"]["2"]["text"]
     assert "(note: max_new_tokens clipped from 8192 to " in text and "context is 128 positions" in text
+
+
+def test_a_cached_prompt_does_not_walk_a_symlinked_tree_again(server, tmp_path):
+    """A link in the models folder to a large tree: the first listing walks it (within its bounds), a cached prompt
+    only stats the folders it walked."""
+    big = tmp_path / "big"
+    for index in range(3000):
+        (big / f"{index // 100:02d}" / f"{index % 100:02d}").mkdir(parents=True)
+    link = server.model.parent / "elsewhere"
+    link.symlink_to(big, target_is_directory=True)
+    try:
+        past = time.time() - 60  # settled: a listing trusts folders that have not changed in the last 2 s
+        for folder in [big, *big.rglob("*"), server.model.parent]:
+            os.utime(folder, (past, past), follow_symlinks=False)
+        graph = workflow("streamwise_generate_text")
+        graph["2"]["inputs"]["seed"] = 1234  # a prompt of its own, so the first run executes
+        started = time.monotonic()
+        server.run(graph)
+        first = time.monotonic() - started
+        started = time.monotonic()
+        assert cached_nodes(server.run(graph)) == {"1", "2"}
+        cached = time.monotonic() - started
+    finally:
+        link.unlink()
+    record("first prompt with a link to 3,000 folders", first)
+    record("the same prompt cached", cached)
+    assert cached < 5  # generous: the walk it skips is the figure (benchmarks/bench_bounded_prompts.py)
 
 
 def test_free_unloads_and_drops_the_cache(server):
