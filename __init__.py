@@ -70,10 +70,11 @@ if __package__ and __package__ != "streamwise" and _running_in_comfyui():
     comfy_entrypoint = _streamwise_nodes().comfy_entrypoint
     __all__ = ["comfy_entrypoint"]
 elif __package__:
+    from .errors import Error
     from .runtime import PolicyError, load_policy
     from .schemas import Policy
 
-    __all__ = ["Policy", "PolicyError", "load_policy", *_ENGINE]
+    __all__ = ["Error", "Policy", "PolicyError", "load_policy", *_ENGINE]
 
     def __getattr__(name: str):
         if name in _ENGINE:

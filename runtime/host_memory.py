@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from ..errors import Error
 from .sizes import human
 
 _READ_LIMIT = 64 * 1024  # cgroup and /proc files are a few KiB; never read more than this
@@ -31,7 +32,7 @@ class HostMemory:
     source: str  # where `available` comes from, in words, with its figures
 
 
-class HostMemoryError(RuntimeError):
+class HostMemoryError(Error, RuntimeError):
     """No source of host memory figures works here: the user has to give the host budget."""
 
 

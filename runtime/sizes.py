@@ -10,6 +10,8 @@ import math
 import numbers
 import re
 
+from ..errors import Error
+
 UNITS = {
     "B": 1,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -20,7 +22,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 _SHOWN = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
-class SizeError(ValueError):
+class SizeError(Error, ValueError):
     """A size that is no number of bytes: says what was given and what is expected."""
 
 

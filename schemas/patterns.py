@@ -25,6 +25,8 @@ import warnings
 import re2
 from re2 import _re2  # the binding's compiled program: see `Pattern`
 
+from ..errors import Error
+
 #: Policy names, `extends` targets and rule ids: a file stem, never a path (`is_policy_name` also refuses `..`).
 POLICY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -69,7 +71,7 @@ _ESCAPES = {
 }
 
 
-class PatternError(ValueError):
+class PatternError(Error, ValueError):
     """A selector entry that does not compile; `offset` is the index of the faulty character, if one is."""
 
     def __init__(self, message: str, offset: int | None = None) -> None:

@@ -46,11 +46,11 @@ def ids(section):
 
 def test_top_level_api_is_small_and_deliberate():
     assert set(streamwise.__all__) == {
-        "Policy", "PolicyError", "load_policy", "resolve", "apply", "apply_policy", "revert", "offload", "dispatch",
+        "Error", "Policy", "PolicyError", "load_policy", "resolve", "apply", "apply_policy", "revert", "offload", "dispatch",
         "model_patcher", "load", "skeleton", "load_pretrained", "lazy_compile", "compile_stats", "draft_policy",
     }
     assert dir(streamwise) == sorted({*streamwise.__all__, "runtime", "schemas"})  # listed before first use, and
-    # nothing of how the package imports itself (`annotations`, `os`, `sys`, `importlib`)
+    # nothing of how the package imports itself (`annotations`, `os`, `sys`, `importlib`), nor `errors` itself
     assert callable(streamwise.draft_policy)
     assert isinstance(streamwise.load_policy("decoder-llm"), streamwise.Policy)
     assert callable(streamwise.resolve) and callable(streamwise.model_patcher)
@@ -230,3 +230,20 @@ def test_an_encoding_error_after_a_bom_gives_the_files_own_offset(tmp_path):
     path.write_bytes(b"\xef\xbb\xbfschema_version = 1 # caf\xe9\n")
     _, diagnostics = check_policy(path)
     assert "at offset 27 is not" in diagnostics[0].message
+
+
+def test_every_error_a_stage_defines_is_a_streamwise_error():
+    """One `except streamwise.Error` catches whatever Streamwise raises on purpose (each keeps its builtin too)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    found = {}
+    for package in (streamwise.runtime, streamwise.schemas):
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            module = importlib.import_module(info.name)
+            found.update({f"{info.name}.{name}": cls for name, cls in vars(module).items()
+                          if inspect.isclass(cls) and issubclass(cls, Exception) and not name.startswith("_")
+                          and cls.__module__ == info.name})
+    assert len(found) >= 15, sorted(found)
+    assert [name for name, cls in found.items() if not issubclass(cls, streamwise.Error)] == []

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 
+from ...errors import Error
+
 _SHOWN = 20  # lines of the message at most
 _NAMED = 3  # tensors named in a line that stands for many
 _TENSOR = re.compile(r"(?P<where>.*?)tensor `(?P<name>[^`]*)`: (?P<what>.*)", re.DOTALL)
 _DETAIL = re.compile(r"`[^`]*`|\d+")  # what differs between two reports of one problem: names and numbers
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Error, ValueError):
     """A checkpoint cannot be read, or does not fit the model; `problems` lists every reason.
 
     The message summarizes: the problems that differ only in the tensor (and its sizes and offsets) are one line,

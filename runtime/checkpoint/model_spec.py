@@ -23,11 +23,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ...errors import Error
 from ..policy.diagnostics import did_you_mean
 from .build_dtype import BUILD_DTYPES, building_in
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(Error, ValueError):
     pass
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
+from ...errors import Error
+
 SHARD_INDEX = "model.safetensors.index.json"
 _INDEX = re.compile(r"(?P<stem>model|diffusion_pytorch_model)\.safetensors\.index(?:\.(?P<variant>\w+))?\.json")
 _SINGLE = re.compile(r"(?P<stem>model|diffusion_pytorch_model)(?:\.(?P<variant>\w+))?\.safetensors")
@@ -23,7 +25,7 @@ _SINGLE = re.compile(r"(?P<stem>model|diffusion_pytorch_model)(?:\.(?P<variant>\
 VARIANTS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 
 
-class NoWeights(ValueError):
+class NoWeights(Error, ValueError):
     """The folder's file names name no weights, or more than one set without a way to choose."""
 
 

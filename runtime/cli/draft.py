@@ -27,6 +27,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ...errors import Error
 from ...schemas.patterns import PatternError, check_class_name, is_policy_name
 from ..engine.kinds import COMPUTE_KINDS, FETCHED, GENERIC, fit
 from ..engine.protocol import original_class
@@ -39,7 +40,7 @@ _QUANT_MIN_WEIGHTS = 65536
 _RULE = "─" * 95
 
 
-class DraftError(ValueError):
+class DraftError(Error, ValueError):
     pass
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 
+from ...errors import Error
+
 MAX_CHARS = 65_536
 MAX_DEPTH = 32
 MAX_NUMBER_CHARS = 64  # as in policies (`policy.limits`)
 
 
-class OptionError(ValueError):
+class OptionError(Error, ValueError):
     """A JSON option that cannot be read, with what is wrong in words."""
 
 

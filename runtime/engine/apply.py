@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
+from ...errors import Error
 from ..policy.diagnostics import PolicyError
 from . import file_tier, protocol
 from .exclusive import one_writer
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 STATE_ATTRIBUTE = "_streamwise"
 
 
-class ConversionError(RuntimeError):
+class ConversionError(Error, RuntimeError):
     """A plan could not be applied to a tree; the tree is unchanged."""
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import Error
+
 # transformers' own defaults for the sampling-only flags: values its validator never calls "not valid" when greedy.
 GREEDY_FLAGS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 
@@ -30,7 +32,7 @@ DEFAULT_CONTEXT = 4096
 CHARACTERS_PER_POSITION = 32
 
 
-class PromptError(ValueError):
+class PromptError(Error, ValueError):
     """A prompt the model cannot take: what is wrong, with the numbers, and what to do."""
 
 

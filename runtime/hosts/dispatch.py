@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...errors import Error
 from ...schemas import Policy
 from ..engine import ConversionError, applied_state, apply_policy, file_tier, protocol
 from ..engine.exclusive import one_writer
@@ -46,7 +47,7 @@ from (the file tier, `engine.file_tier`), read at each forward."""
 _HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")  # what accelerate's add_hook_to_module sets
 
 
-class DispatchError(RuntimeError):
+class DispatchError(Error, RuntimeError):
     """`dispatch` or `infer_device_map` was given budgets or devices it cannot place a tree with, or placing
     failed; the tree is unchanged."""
 

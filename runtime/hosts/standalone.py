@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ...errors import Error
 from ...schemas import Policy
 from ..checkpoint import tiers
 from ..checkpoint.errors import CheckpointError
@@ -47,7 +48,7 @@ _SHARE = re.compile(r"\d+(\.\d*)?|\.\d+")
 _log = logging.getLogger("streamwise.offload")
 
 
-class OffloadError(RuntimeError):
+class OffloadError(Error, RuntimeError):
     """`offload` was given arguments it cannot place a tree with, or placing failed; the tree is unchanged."""
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import Error
 from .selectors import ClassNames, CompiledSelector, ModuleRef, PerClass, Specificity, class_names, holds
 
 Hits = Sequence[tuple[Specificity, Any]]  # (specificity, rule) in rule order
@@ -26,7 +27,7 @@ class Decision:
     specificity: Specificity
 
 
-class RuleConflict(ValueError):
+class RuleConflict(Error, ValueError):
     def __init__(self, module: ModuleRef, first: Any, second: Any) -> None:
         self.module, self.first, self.second = module, first, second
         super().__init__(

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ...errors import Error
+
 Severity = Literal["error", "warning"]
 MAX_DIAGNOSTICS = 100
 MAX_SNIPPET_CHARS = 120
@@ -123,7 +125,7 @@ def errors_in(diagnostics: Iterable[Diagnostic]) -> bool:
     return any(d.is_error for d in diagnostics)
 
 
-class PolicyError(Exception):
+class PolicyError(Error):
     """A policy could not be loaded; `diagnostics` holds every located problem found."""
 
     def __init__(self, diagnostics: Sequence[Diagnostic]) -> None:

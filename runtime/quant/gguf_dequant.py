@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...errors import Error
 from ..registry import Registry
 from . import huge_pages
 
@@ -45,7 +46,7 @@ STORED_FLOATS: dict[QType, torch.dtype] = {
 }
 
 
-class UnsupportedQuantType(ValueError):
+class UnsupportedQuantType(Error, ValueError):
     """A GGML type without a dequantizer here."""
 
 
