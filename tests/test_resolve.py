@@ -205,3 +205,24 @@ def test_a_plan_prints_as_the_cli_prints_it():
     assert f"  {'stream:linear':<24} {sum(streamed.values()):>6}  Linear x{streamed['Linear']}" in lines
     assert any(line.split() == ["streamed", *human(plan.coverage.bytes["streamed"]).split()] for line in lines)
     assert f"  {'covered':<24} {plan.coverage.percent:>12}" in lines
+
+
+def test_plan_entries_are_built_in_the_order_of_module_plans_fields():
+    """resolve builds each entry positionally from a template: the layout it assumes is ModulePlan's own, and an
+    entry read by name says what was decided for that module."""
+    import importlib
+
+    from streamwise.runtime.plan.plan import ModulePlan
+
+    resolving = importlib.import_module("streamwise.runtime.plan.resolve")  # the module, not the function
+
+    assert resolving.ENTRY_LAYOUT == ModulePlan._fields
+    plan = streamwise.resolve(streamwise.load_policy("decoder-llm"), tiny_qwen2())
+    entry = next(e for e in plan.modules if e.path == "model.layers.0.mlp.down_proj")
+    assert entry._asdict() == dict(
+        path="model.layers.0.mlp.down_proj", class_name="torch.nn.modules.linear.Linear", stream="linear",
+        stream_rule=entry.stream_rule, relocate=(), relocate_rule=None, quant=entry.quant, quant_rule=entry.quant_rule,
+        group_size=entry.group_size, gguf_type=entry.gguf_type, compile_unit=False, kind_reason=entry.kind_reason)
+    assert isinstance(entry.stream_rule, str) and entry.compile_unit is False
+    block = next(e for e in plan.modules if e.path == "model.layers.0")
+    assert block.compile_unit is True and block.class_name.endswith("Qwen2DecoderLayer")

@@ -277,7 +277,7 @@ def _target_class(entry: ModulePlan, module: nn.Module, policy: str, converted_b
     original = protocol.original_class(cls)
     from ..plan.selectors import class_names  # the plan's own view of classes
 
-    seen = class_names(original)[0][1]
+    seen = class_names(original)[0].qualified
     if seen != entry.class_name:
         raise ConversionError(f"`{entry.path}` is a {seen}, but the plan was resolved for a {entry.class_name}")
     if entry.stream:

@@ -108,8 +108,8 @@ def resolve_with_modules(policy: Policy, model: nn.Module) -> tuple[Plan, list[n
             else:
                 claim = path
         relocated = count(path, module, roles, streams) if module._parameters or module._buffers else ()
-        unit = (decided.block or blocks_by_module and blocks.module_specificity(path, module) is not None
-                or declared and class_names(type(module))[0][0] in declared) and not (
+        unit = bool(decided.block or blocks_by_module and blocks.module_specificity(path, module) is not None
+                    or declared and class_names(type(module))[0].short in declared) and not (
             unit_path is not None and within(path, unit_path))
         if unit:
             unit_path = path
@@ -167,6 +167,11 @@ Check = Callable[[str, nn.Module, _Roles, "Fit | None"], "tuple[_Roles, Any] | N
 # A plan entry without its per-module fields: (class_name, stream, stream_rule), what follows `relocate`, and why
 # the stream kind was chosen.
 Template = tuple[tuple[str, str | None, str | None], tuple, str | None]
+#: The order `ModulePlan`'s fields are built in from a template, positionally (several times faster than by keyword
+#: for the thousands of entries of a large model): path, the template's head, relocated tensors, its tail, the unit
+#: flag, the reason. `tests/test_resolve.py` holds it to `ModulePlan._fields`, so a field added or moved fails there.
+ENTRY_LAYOUT = ("path", "class_name", "stream", "stream_rule", "relocate", "relocate_rule", "quant", "quant_rule",
+                "group_size", "gguf_type", "compile_unit", "kind_reason")
 # What a streamed module's fetch brings: the names of its parameters that stream, ALL of them, or None (nothing).
 ALL = ("*",)
 
@@ -190,7 +195,7 @@ class _Decided:
                                                          and _PASSES_FOR_CLASS[check](roles, cls)))
         # for a module without children, in which no parameters can hide
         self.leaf_checks = tuple(check for check in self.checks if check is not _stream_leaf)
-        self.template = _template(class_names(cls)[0][1], roles, self.fit)
+        self.template = _template(class_names(cls)[0].qualified, roles, self.fit)
         # what a fetch brings; a host's own streaming layer (ComfyUI's `comfy.ops`) fetches its weight and bias, a
         # quantized resident (one a load or an earlier conversion made) everything it stores, whatever the rules
         if protocol.speaks_natively(cls):
@@ -439,7 +444,7 @@ class _BlocksBelow:
 
     def __init__(self, walk: list[tuple[str, nn.Module]], matcher: _Matcher) -> None:
         declared, selector = declared_blocks(walk, REPEATED), matcher.blocks
-        self.paths = [path for path, module in walk if class_names(type(module))[0][0] in declared
+        self.paths = [path for path, module in walk if class_names(type(module))[0].short in declared
                       or selector is not None and selector.matches_module(path, module)] or found_blocks(walk)
 
     def hold(self, outer: str) -> bool:

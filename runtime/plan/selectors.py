@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from torch import nn
 
@@ -33,7 +33,14 @@ EXACT_PATH, GLOB_PATH, REGEX, CLASS, HOLDS = 4, 3, 2, 1, 0
 QUALIFIED_CLASS, SHORT_CLASS, CLASS_GLOB, SUBCLASS = 3, 2, 1, 0
 
 Specificity = tuple[int, int]
-ClassNames = tuple[tuple[str, str], ...]  # (short name, `module.Qualname`) per class of an MRO
+class ClassName(NamedTuple):
+    """How selectors name one class: `short` (`Linear`) and `qualified` (`torch.nn.modules.linear.Linear`)."""
+
+    short: str
+    qualified: str
+
+
+ClassNames = tuple[ClassName, ...]  # per class of an MRO, the class itself first
 T = TypeVar("T")
 Walk = Iterable[tuple[str, object]]  # (path, module) pairs in `named_modules()` order
 
@@ -42,7 +49,7 @@ Walk = Iterable[tuple[str, object]]  # (path, module) pairs in `named_modules()`
 def class_names(cls: type) -> ClassNames:
     """The names selectors compare for instances of `cls` (its original class's MRO, without `object`): every
     selector and section asks on first sight of a class."""
-    return tuple((c.__name__, f"{c.__module__}.{c.__qualname__}") for c in original_class(cls).__mro__[:-1])
+    return tuple(ClassName(c.__name__, f"{c.__module__}.{c.__qualname__}") for c in original_class(cls).__mro__[:-1])
 
 
 class PerClass(dict, Generic[T]):
@@ -81,12 +88,12 @@ class ModuleRef:
     @property
     def name(self) -> str:
         """The short class name (`Linear`)."""
-        return self.classes[0][0]
+        return self.classes[0].short
 
     @property
     def qualname(self) -> str:
         """The qualified class name (`torch.nn.modules.linear.Linear`)."""
-        return self.classes[0][1]
+        return self.classes[0].qualified
 
 
 def within(path: str, outer: str) -> bool:
@@ -175,7 +182,7 @@ def outermost(selector: CompiledSelector, model, *, walk: Walk | None = None) ->
     units: list[tuple[str, object]] = []
     for path, module in walk:
         # a pre-order walk leaves a subtree before it meets the next match: only the last unit can hold `path`
-        matches = selector.matches_module(path, module) or class_names(type(module))[0][0] in declared
+        matches = selector.matches_module(path, module) or class_names(type(module))[0].short in declared
         if matches and not (units and within(path, units[-1][0])):
             units.append((path, module))
     return units
@@ -234,7 +241,7 @@ def found_blocks(walk: Walk) -> list[str]:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or below[path] <= largest:
             continue
         children = [child for child in module._modules.values() if child is not None]
-        if len(children) >= 2 and len({class_names(type(child))[0][1] for child in children}) == 1:
+        if len(children) >= 2 and len({class_names(type(child))[0].qualified for child in children}) == 1:
             best, largest = (path, module), below[path]
     if best is None:
         return []
