@@ -33,3 +33,14 @@ def test_only_the_comfyui_host_and_the_protocol_know_comfyuis_names():
         code = re.sub(r'"""(?:.|\n)*?"""|#.*', "", path.read_text(encoding="utf-8"))  # prose may name ComfyUI
         leaks += [f"{path.relative_to(REPO)}: {m.group(0).strip()}" for m in COMFYUI_NAMES.finditer(code)]
     assert leaks == []
+
+
+def test_every_streamwise_marker_is_spelled_in_the_protocol_alone():
+    """`_sw_*` attribute names (and the root state's) are written once, in engine/protocol.py; code uses the names."""
+    spelled = []
+    for path in sorted([*RUNTIME.rglob("*.py"), *(REPO / "comfy_nodes").rglob("*.py")]):
+        if path == RUNTIME / "engine" / "protocol.py":
+            continue
+        code = re.sub(r'"""(?:.|\n)*?"""|#.*', "", path.read_text(encoding="utf-8"))
+        spelled += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in re.finditer(r"\b_sw_\w+|\"_streamwise\"", code)]
+    assert spelled == []

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import streamwise
+from streamwise.runtime.engine import protocol
 from streamwise.runtime.quant import int8 as int8_math
 from streamwise.runtime.quant.convrot import check_group_size, hadamard, rotate, unrotate
 from streamwise.runtime.quant.int4 import dequantize_int4, quantize_int4
@@ -219,7 +220,7 @@ def test_residents_never_keep_misaligned_storage():
     misaligned = buffer[8:].view(16, 64)
     misaligned.copy_(q)
     layer = nn.Linear(64, 16)
-    make_resident(layer, "int8", {"weight": misaligned, "weight_scale": scale}, {"_sw_group_size": None})
+    make_resident(layer, "int8", {"weight": misaligned, "weight_scale": scale}, {protocol.GROUP_SIZE: None})
     assert layer._parameters["weight"].data_ptr() % 64 == 0
     assert torch.equal(layer._parameters["weight"], q)
     layer(torch.randn(2, 64))

@@ -48,7 +48,7 @@ def state_dict(model: nn.Module) -> dict[str, Tensor]:
     for path, module in model.named_modules():
         handler = protocol.quant_handler(module)
         if handler is not None and handler.name in ("int8", "convrot_int8"):
-            tensors[f"{path}{SUFFIX}"] = encode(module._sw_group_size)
+            tensors[f"{path}{SUFFIX}"] = encode(getattr(module, protocol.GROUP_SIZE))
         elif handler is not None:
             raise ValueError(f"`{path}` is a `{handler.name}` resident, which ComfyUI's comfy_quant convention "
                              "cannot describe")

@@ -335,7 +335,7 @@ class _Filling:
             raw = (FileSource(weight.read, torch.int8, weight.shape) if isinstance(weight.read, FileRange)
                    else weight.read())
             stored_tensors = {"weight": raw, "weight_scale": scale.read().float().reshape(-1)}
-            self.residents[prefix] = (format_name, stored_tensors, {"_sw_group_size": group})
+            self.residents[prefix] = (format_name, stored_tensors, {protocol.GROUP_SIZE: group})
             consumed += [f"{prefix}.weight", f"{prefix}.weight_scale"]
         return consumed
 

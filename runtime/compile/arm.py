@@ -27,7 +27,7 @@ from ..engine import applied_state, protocol
 from ..plan.selectors import CompiledSelector, outermost
 from .regions import CompileStats, Region, is_region_forward, log
 from .settings import compile_settings
-from .targets import STATE_ATTRIBUTE, Armed, target_for
+from .targets import Armed, target_for
 
 INT4_MESSAGE = "Native ConvRot INT4 detected; torch.compile was not applied."
 
@@ -46,7 +46,7 @@ def lazy_compile(
     target = target.prepared(settings)
     disarm(target.holder)
     armed = Armed(CompileStats(), [])
-    target.holder.__dict__[STATE_ATTRIBUTE] = armed
+    target.holder.__dict__[protocol.COMPILE_STATE] = armed
     if any(not handler.compile_safe for handler in map(protocol.quant_handler, target.module.modules()) if handler):
         warnings.warn(INT4_MESSAGE, stacklevel=2)
         armed.stats.reason = INT4_MESSAGE
@@ -77,7 +77,7 @@ def compile_stats(model: Any) -> CompileStats:
     regions = target.regions()
     if regions:
         return regions[0].stats
-    armed = target.holder.__dict__.get(STATE_ATTRIBUTE)  # a model left eager (ConvRot INT4) keeps its reason here
+    armed = target.holder.__dict__.get(protocol.COMPILE_STATE)  # an eager model (ConvRot INT4): its reason
     if armed is None:
         raise ValueError("this model was not armed with streamwise.lazy_compile")
     return armed.stats
@@ -86,12 +86,12 @@ def compile_stats(model: Any) -> CompileStats:
 def disarm(model: Any) -> None:
     """Undo `lazy_compile`: every unit runs its own forward again (a host's model: from its next load)."""
     target = target_for(model)
-    armed = target.holder.__dict__.pop(STATE_ATTRIBUTE, None)
+    armed = target.holder.__dict__.pop(protocol.COMPILE_STATE, None)
     target.remove(armed or Armed(CompileStats(), []))
 
 
 def is_armed(model: Any) -> bool:
-    return STATE_ATTRIBUTE in model.__dict__
+    return protocol.COMPILE_STATE in model.__dict__
 
 
 def _units(module: nn.Module, settings: CompileSettings) -> list[tuple[str, nn.Module]]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ...schemas import CompileSettings
+from ..engine import protocol
 from .cache_slots import TRACING, CacheSlots
 from .settings import cache_limits
 
@@ -50,8 +51,6 @@ class CompileStats:
 
 class Region:
     """One compiled callable shared by every block of one forward; compiled on its first call."""
-
-    _sw_region = True  # a marker, not a class check: ComfyUI may import this pack twice under two names
 
     def __init__(self, function: Callable, settings: CompileSettings, stats: CompileStats,
                  per_call_names: tuple[str, ...] = (), notify: Callable[[str], None] = lambda message: None) -> None:
@@ -162,9 +161,12 @@ class Region:
             log.info("recompiled %s: %s", self.function.__qualname__, reason)
 
 
+setattr(Region, protocol.REGION, True)  # a marker, not a class check: a pack imported twice has two classes
+
+
 def is_region_forward(value: object) -> bool:
     """Whether `value` is a forward installed by arming (a region bound to its unit)."""
-    return callable(getattr(value, "func", None)) and getattr(value.func, "_sw_region", False)
+    return callable(getattr(value, "func", None)) and getattr(value.func, protocol.REGION, False)
 
 
 def guard_filter(per_call_names: tuple[str, ...]) -> Callable[[list], list[bool]]:

@@ -16,10 +16,9 @@ from typing import Any
 from torch import nn
 
 from ...schemas import CompileSettings
+from ..engine import protocol
 from ..registry import Registry
 from .regions import CompileStats, Region
-
-STATE_ATTRIBUTE = "_sw_compile"
 
 
 @dataclass
@@ -65,7 +64,7 @@ class Target:
 
     def regions(self) -> list[Region]:
         """The regions armed on this target now (a host may hold them where arming state is not copied)."""
-        armed = self.holder.__dict__.get(STATE_ATTRIBUTE)
+        armed = self.holder.__dict__.get(protocol.COMPILE_STATE)
         return [unit.__dict__["forward"].func for unit, _ in armed.units] if armed else []
 
 

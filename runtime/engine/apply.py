@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from ...schemas import Policy
     from ..plan import ModulePlan, Plan
 
-STATE_ATTRIBUTE = "_streamwise"
 
 
 class ConversionError(Error, RuntimeError):
@@ -82,7 +81,7 @@ class AppliedState:
 
 
 def applied_state(model: nn.Module) -> AppliedState | None:
-    return model.__dict__.get(STATE_ATTRIBUTE)
+    return model.__dict__.get(protocol.STATE)
 
 
 def apply(plan: Plan, model: nn.Module, *, journal: Journal | None = None) -> ConversionCounts:
@@ -183,10 +182,10 @@ def _apply(
             from ..quant.residents import make_resident  # quant builds on the engine package: imported when used
 
             for entry, module, stored in quantized:
-                make_resident(module, entry.quant, stored, {"_sw_group_size": entry.group_size}, journal, tree)
+                make_resident(module, entry.quant, stored, {protocol.GROUP_SIZE: entry.group_size}, journal, tree)
             step = "recording the conversion"
             journal.set_attributes(state, {"records": state.records + records, "plan": plan})
-            journal.set_attributes(model, {STATE_ATTRIBUTE: state})
+            journal.set_attributes(model, {protocol.STATE: state})
         return plan, state.counts()
 
 
@@ -212,7 +211,7 @@ def revert(model: nn.Module) -> None:
                                                         "before")):
             for record in reversed(state.records):
                 journal.restore(record)
-            journal.restore(Record([model], type(model), {STATE_ATTRIBUTE: ABSENT}, ""))  # the root state goes last
+            journal.restore(Record([model], type(model), {protocol.STATE: ABSENT}, ""))  # the root state goes last
 
 
 

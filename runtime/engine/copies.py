@@ -18,7 +18,7 @@ from collections import OrderedDict
 from torch import Tensor, nn
 
 from . import protocol
-from .apply import STATE_ATTRIBUTE, AppliedState, applied_state
+from .apply import AppliedState, applied_state
 from .journal import Record
 
 
@@ -32,7 +32,7 @@ def unconverted_copy(model: nn.Module) -> nn.Module:
     for record in reversed(state.records):  # on the copies; a resident keeps every conversion that made it one
         undone = [copies[id(m)] for m in record.modules if not protocol.is_resident(m)]
         Record(undone, record.original_class, record.replaced, record.role)()
-    copied.__dict__.pop(STATE_ATTRIBUTE, None)
+    copied.__dict__.pop(protocol.STATE, None)
     residents = [module for module in copied.modules() if protocol.is_resident(module)]
     carried = (state.source, state.tree.file_tier, state.tree.host_budget)
     if residents or any(value is not None for value in carried):  # else the copy is as one never converted
@@ -40,7 +40,7 @@ def unconverted_copy(model: nn.Module) -> nn.Module:
         fresh.tree.file_tier, fresh.tree.host_budget = state.tree.file_tier, state.tree.host_budget
         for module in residents:
             module.__dict__[protocol.TREE] = fresh.tree
-        copied.__dict__[STATE_ATTRIBUTE] = fresh
+        copied.__dict__[protocol.STATE] = fresh
     return copied
 
 

@@ -37,6 +37,11 @@ RELOCATED = "_sw_relocated"  # on relocating instances: the names of the tensors
 CLAIMED = "_sw_claimed"  # on generic containers: the descendants whose parameters it fetches with its own
 SOURCES = "_sw_sources"  # on modules loaded from a file: where each tensor can be read back from (`file_tier`)
 COMPUTE_DTYPE = "_sw_compute_dtype"  # on residents: the dtype of the float weight their storage quantizes
+GROUP_SIZE = "_sw_group_size"  # on INT8/INT4 residents: the quantization group size (None: one scale per row)
+STATE = "_streamwise"  # on a converted root: its `AppliedState` (the tree, the records that undo it, the plan)
+COMPILE_STATE = "_sw_compile"  # on a module or host model armed for compilation: its `Armed` state
+DEVICE = "_sw_device"  # on a hosted root: the device a host assigned to `model.device` (read-only in transformers)
+REGION = "_sw_region"  # on compiled regions: a marker, not a class (ComfyUI may import this pack under two names)
 
 #: A streamed leaf's class attributes: resident, unpatched. Immutable, so a stray in-place append fails instead of
 #: patching every leaf of the class (core assigns an instance list before it extends one).

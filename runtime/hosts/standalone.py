@@ -217,9 +217,8 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def _keep_arming(journal: Journal, model: nn.Module) -> None:
     """Arming writes the units' instance forwards and the root's compile state: restore them on failure."""
-    from ..compile.arm import STATE_ATTRIBUTE
 
-    journal.keep(model, (STATE_ATTRIBUTE,))
+    journal.keep(model, (protocol.COMPILE_STATE,))
     for module in model.modules():
         journal.keep(module, ("forward",))
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engine import protocol
 from ..registry import Registry
 from . import dequant_cache
 from .gguf_dequant import STORED_FLOATS
@@ -78,7 +79,7 @@ class _ScaledIntegers(QuantFormat):
     """Integer weights beside fp32 scales, worked by three kernels of one module (int8.py, int4.py)."""
 
     stored = ("weight", "weight_scale")
-    attributes = ("_sw_group_size",)
+    attributes = (protocol.GROUP_SIZE,)
     caches_dequantized = False  # its kernels multiply from the integers
     kernels: ClassVar[tuple[Callable, Callable, Callable]]  # quantize, dequantize, linear
 
@@ -87,10 +88,10 @@ class _ScaledIntegers(QuantFormat):
         return {"weight": q, "weight_scale": scale}
 
     def dequantize(self, module, stored, dtype):
-        return self.kernels[1](stored["weight"], stored["weight_scale"], module._sw_group_size, dtype)
+        return self.kernels[1](stored["weight"], stored["weight_scale"], getattr(module, protocol.GROUP_SIZE), dtype)
 
     def linear(self, module, x, stored, bias):
-        return self.kernels[2](x, stored["weight"], stored["weight_scale"], bias, module._sw_group_size)
+        return self.kernels[2](x, stored["weight"], stored["weight_scale"], bias, getattr(module, protocol.GROUP_SIZE))
 
 
 @quant_format("int8")

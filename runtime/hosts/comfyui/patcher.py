@@ -121,12 +121,12 @@ class _SettableDevice:
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        if "_sw_device" in instance.__dict__:
-            return instance.__dict__["_sw_device"]
+        if protocol.DEVICE in instance.__dict__:
+            return instance.__dict__[protocol.DEVICE]
         return self.fallback.__get__(instance, owner) if hasattr(self.fallback, "__get__") else self.fallback
 
     def __set__(self, instance, value) -> None:
-        instance.__dict__["_sw_device"] = value
+        instance.__dict__[protocol.DEVICE] = value
 
 
 def _patchable_class(cls: type) -> type:
