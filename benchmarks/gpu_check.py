@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 
 import torch
 import transformers
+from report import emit  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise
 from streamwise.runtime.engine.relocating import offload_relocated
@@ -134,11 +134,7 @@ def main() -> None:
         tied_reference.model.layers[0].mlp.down_proj.weight.zero_()
         results["in_place_update_seen_after_prefetch"] = bool(torch.allclose(
             tied(tokens.to(device)).logits.cpu(), tied_reference(tokens).logits, atol=1e-4))
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

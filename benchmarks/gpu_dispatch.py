@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from collections import Counter
+
+from report import emit  # this folder's: every GPU benchmark hands over its figures alike
 
 
 def main() -> int:
@@ -71,11 +72,7 @@ def main() -> int:
         "peak_allocated": {d: torch.cuda.max_memory_allocated(d) for d in devices},
         "device_map": report.device_map,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+    emit(result, args.out)
     ok = result["max_abs_difference"] <= 1e-4 and "cpu" in result["modules_per_device"]
     return 0 if ok else 1
 

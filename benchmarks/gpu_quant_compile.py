@@ -14,19 +14,22 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import gguf
 import torch
+from report import emit  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise
 from streamwise.runtime.quant import int8 as int8_math
 from streamwise.runtime.quant.gguf_dequant import dequantize
 from streamwise.schemas import Policy
 
-from toy_blocks import Net
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from toy_blocks import Net  # the tests' repeated-block toy model
 
 
 def cuda_ms(fn, repeats: int = 50) -> float:
@@ -109,11 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "quant": quant_checks(), "compile": compile_checks()}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

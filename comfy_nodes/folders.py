@@ -32,21 +32,23 @@ def policy_input(tooltip: str, *, auto: bool = False) -> io.Combo.Input:
 
 
 def allow_stranded_input() -> io.Boolean.Input:
-    """The opt-in to a plan that strands tensors (optional, so saved workflows without it still run)."""
-    return io.Boolean.Input(
-        "allow_stranded", default=False, optional=True,
-        tooltip="Accept a policy that leaves some tensors to no rule. Off: such a plan is refused with the classes "
-                "it strands and the rule that would cover them, since a partial load onto the GPU would crash on "
-                "them.")
+    """The opt-in to a plan that strands tensors."""
+    return _opt_in("allow_stranded", "Accept a policy that leaves some tensors to no rule. Off: such a plan is refused "
+                                     "with the classes it strands and the rule that would cover them, since a partial "
+                                     "load onto the GPU would crash on them.")
 
 
 def skip_unreadable_input() -> io.Boolean.Input:
-    """The opt-in to `auto` choosing while some policy file cannot be read (optional, for saved workflows)."""
-    return io.Boolean.Input(
-        "skip_unreadable_policies", default=False, optional=True,
-        tooltip="Let `auto` choose while a policy file in the folders does not parse or validate; the report names "
-                "each one skipped. Off: such a file fails the run with its error, since it may be the one meant "
-                "for this model.")
+    """The opt-in to `auto` choosing while some policy file cannot be read."""
+    return _opt_in("skip_unreadable_policies", "Let `auto` choose while a policy file in the folders does not parse "
+                                               "or validate; the report names each one skipped. Off: such a file "
+                                               "fails the run with its error, since it may be the one meant for this "
+                                               "model.")
+
+
+def _opt_in(name: str, tooltip: str) -> io.Boolean.Input:
+    """An opt-in, off by default and optional, so saved workflows without it still run."""
+    return io.Boolean.Input(name, default=False, optional=True, tooltip=tooltip)
 
 
 def policy_fingerprint(policy: str, dirs: list[Path]) -> str:

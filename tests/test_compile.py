@@ -16,30 +16,7 @@ from streamwise.runtime.compile import INT4_MESSAGE, compile_stats, disarm, regi
 from streamwise.runtime.hosts.comfyui.compile import DYNAMIC_VRAM_MESSAGE, PER_CALL_DICTS
 
 from helpers import force_streaming, make_policy, stream_rule
-
-
-class Block(nn.Module):
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, blocks: int = 12) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
-        self.head = nn.Linear(32, 8)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
+from toy_blocks import Block, Net
 
 POLICY = make_policy(
     stream={"rule": [

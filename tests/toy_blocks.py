@@ -1,4 +1,5 @@
-"""The repeated-block toy model the compile benchmarks share: N identical pre-norm MLP blocks."""
+"""The repeated-block toy model the compile tests and the GPU compile benchmark share: N identical pre-norm MLP
+blocks and a head."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 4 * width)
@@ -17,7 +18,7 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, width: int = 256, blocks: int = 12) -> None:
+    def __init__(self, width: int = 32, blocks: int = 12) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
         self.head = nn.Linear(width, width)
