@@ -360,7 +360,6 @@ def _pinned_region(nbytes: int) -> Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-
 class _Streamer(TorchFetcher):
     """Fetches streamed weights; on CUDA, prefetches the next leaf's weights on a side stream."""
 
