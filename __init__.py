@@ -21,9 +21,9 @@ __all__: list[str] = []
 # policy validator) stays fast.
 _ENGINE = {
     "resolve": ".runtime.plan",
-    "apply": ".runtime.engine",
-    "apply_policy": ".runtime.engine",
-    "revert": ".runtime.engine",
+    "apply": ".runtime.convert",
+    "apply_policy": ".runtime.convert",
+    "revert": ".runtime.convert",
     "offload": ".runtime.hosts.standalone",
     "dispatch": ".runtime.hosts.dispatch",
     "model_patcher": ".runtime.hosts.comfyui",

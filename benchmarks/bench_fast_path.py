@@ -32,7 +32,7 @@ import transformers
 from torch import nn
 
 import streamwise
-from streamwise.runtime.engine import applied_state
+from streamwise.runtime.convert import applied_state
 
 _LAST_DEVICE = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from comfy_api.latest import io, ui
 
-from ..runtime.engine import applied_state
+from ..runtime.convert import applied_state
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import choose_policy
 from .folders import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime.engine import applied_state
+from ..runtime.convert import applied_state
 from ..runtime.generation import Task, task_of
 
 NODES: dict[Task, str] = {"text": "Streamwise Generate Text", "speech": "Streamwise Generate Speech"}

@@ -10,13 +10,13 @@ import torch
 import transformers
 
 import streamwise
-from streamwise.runtime.engine.apply import ConversionError, applied_state, apply_policy
+from streamwise.runtime.convert import ConversionError, applied_state, apply_policy
 from streamwise.runtime.engine.relocating import offload_relocated
 
 from helpers import force_streaming, make_policy, stream_rule, tiny_acoustic_tokenizer, tiny_qwen2
 
 # the module: the package exports the function
-apply_module = importlib.import_module("streamwise.runtime.engine.apply")
+apply_module = importlib.import_module("streamwise.runtime.convert.apply")
 
 DECODER = streamwise.load_policy("decoder-llm")
 

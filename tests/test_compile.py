@@ -573,7 +573,7 @@ def test_offloading_an_armed_model_keeps_prefetch_off(monkeypatch):
     model = Net(blocks=2)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")
     streamwise.offload(model, POLICY, device="cpu", budget=0)
-    assert quieted == [streamwise.runtime.engine.applied_state(model).tree.fetcher]
+    assert quieted == [streamwise.runtime.convert.applied_state(model).tree.fetcher]
 
 
 def test_a_policy_with_compile_enabled_arms_the_standalone_host():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from streamwise.runtime.engine import applied_state, apply_policy, protocol
-from streamwise.runtime.engine.copies import unconverted_copy
+from streamwise.runtime.convert import applied_state, apply_policy, unconverted_copy
+from streamwise.runtime.engine import protocol
 
 from helpers import tiny_qwen2, write_policy
 

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from accelerate.utils import check_device_map, compute_module_sizes, infer_auto_device_map  # noqa: E402
 
 import streamwise  # noqa: E402
-from streamwise.runtime.engine import applied_state, protocol  # noqa: E402
+from streamwise.runtime.convert import applied_state  # noqa: E402
+from streamwise.runtime.engine import protocol  # noqa: E402
 from streamwise.runtime.hosts.dispatch import DispatchError, budgets, dispatch, infer_device_map  # noqa: E402
 
 GIB = 2**30

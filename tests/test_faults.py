@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 import streamwise
 from streamwise.runtime.checkpoint import fill
 from streamwise.runtime.checkpoint.readers import CheckpointError
+from streamwise.runtime.convert import ConversionError, applied_state
 from streamwise.runtime.engine import journal as journal_module
 from streamwise.runtime.engine import protocol
-from streamwise.runtime.engine.apply import ConversionError, applied_state
 from streamwise.runtime.engine.journal import Journal
 from streamwise.runtime.hosts import standalone
 from streamwise.runtime.hosts.standalone import OffloadError
@@ -34,7 +34,7 @@ from streamwise.runtime.quant.formats import FORMATS
 
 from helpers import make_policy, tiny_qwen2
 
-apply_module = importlib.import_module("streamwise.runtime.engine.apply")  # the package exports a function `apply`
+apply_module = importlib.import_module("streamwise.runtime.convert.apply")  # the package exports a function `apply`
 
 SIZE = dict(hidden_size=32, intermediate_size=64, vocab_size=64)
 

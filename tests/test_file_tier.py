@@ -20,7 +20,8 @@ import torch
 import streamwise
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.checkpoint.readers import CheckpointError
-from streamwise.runtime.engine import ConversionError, file_tier
+from streamwise.runtime.convert import ConversionError
+from streamwise.runtime.engine import file_tier
 
 from helpers import REPO, MemoryCgroup, gguf_policy, memory_cgroup, tiny_qwen2
 
@@ -123,7 +124,7 @@ def test_the_plan_of_a_loaded_tree_says_what_is_in_its_file(tmp_path):
     tight = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10})
     held = [m for m in tight.model.modules() if file_tier.in_file(m)]
     stored = sum(source.range.nbytes for m in held for source in file_tier.sources(m).values())
-    chosen = streamwise.load_policy(streamwise.runtime.engine.applied_state(tight.model).plan.policy)
+    chosen = streamwise.load_policy(streamwise.runtime.convert.applied_state(tight.model).plan.policy)
     plan = streamwise.resolve(chosen, tight.model)
     assert plan.summary()["in_file"] == {"bytes": stored, "modules": len(held)}
     assert f"in the file {streamwise.runtime.sizes.human(stored):>25}  ({len(held)} modules" in str(plan)
@@ -298,7 +299,7 @@ def test_revert_refuses_a_tree_whose_weights_are_in_their_file(tmp_path):
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
     with pytest.raises(ConversionError, match="left in their file"):
         streamwise.revert(model)
-    assert streamwise.runtime.engine.applied_state(model) is not None  # still converted, still computing
+    assert streamwise.runtime.convert.applied_state(model) is not None  # still converted, still computing
 
 
 def test_without_the_file_tier_everything_is_in_memory_or_the_load_is_refused(tmp_path):
@@ -333,7 +334,7 @@ def test_reads_run_ahead_of_the_forward_as_far_as_the_staging_pool_allows(tmp_pa
     at once where they fit the pool, and the pool never holds more than `slabs` times the largest unit."""
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
-    tier = streamwise.runtime.engine.applied_state(model).tree.file_tier
+    tier = streamwise.runtime.convert.applied_state(model).tree.file_tier
     largest = max(file_tier._unit_bytes(m) for m in model.modules())
     _logits_and_tokens(model)  # learns the order
     threads, ahead = [], []

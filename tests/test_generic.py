@@ -16,7 +16,8 @@ import transformers as T
 from torch import nn
 
 import streamwise
-from streamwise.runtime.engine import ConversionError, applied_state, protocol
+from streamwise.runtime.convert import ConversionError, applied_state
+from streamwise.runtime.engine import protocol
 from streamwise.runtime.engine.kinds import fit
 from streamwise.runtime.engine.tree import TorchFetcher
 from streamwise.runtime.plan.auto import select_policy

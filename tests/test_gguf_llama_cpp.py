@@ -13,7 +13,7 @@ import transformers
 
 import streamwise
 from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
-from streamwise.runtime.engine import applied_state
+from streamwise.runtime.convert import applied_state
 
 from llama_cpp_files import CORPUS, FAMILIES, MORE, float_model, train_tokenizer_parts, write_llama_cpp_gguf
 

@@ -52,7 +52,7 @@ def test_a_resident_streams_its_raw_blocks_and_computes_with_the_reference_weigh
     assert identical(model(x), expected)
 
     fetched = []
-    fetcher = streamwise.runtime.engine.applied_state(model).tree.fetcher
+    fetcher = streamwise.runtime.convert.applied_state(model).tree.fetcher
     original_fetch = fetcher.fetch_raw
 
     def fetch_raw(module, names, device):

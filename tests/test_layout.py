@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import re
 
 from helpers import REPO
 
 RUNTIME = REPO / "runtime"
-STAGES = {"policy", "plan", "engine", "quant", "checkpoint", "compile", "hosts", "generation", "cli"}
+STAGES = {"policy", "plan", "engine", "quant", "convert", "checkpoint", "compile", "hosts", "generation", "cli"}
 #: ComfyUI's protocol attributes, MODEL internals and modules.
 COMFYUI_NAMES = re.compile(
     r"comfy_cast_weights|\bweight_function\b|\bbias_function\b|comfy_patched_weights|_comfy_model_dtype"
@@ -44,3 +45,58 @@ def test_every_streamwise_marker_is_spelled_in_the_protocol_alone():
         code = re.sub(r'"""(?:.|\n)*?"""|#.*', "", path.read_text(encoding="utf-8"))
         spelled += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in re.finditer(r"\b_sw_\w+|\"_streamwise\"", code)]
     assert spelled == []
+
+
+#: The floors, lowest first: a module imports only from its own floor and the ones below. `load_pretrained` is the
+#: checkpoint stage's (it builds, converts and loads); generation runs a converted tree beside the hosts.
+FLOORS = {
+    "errors": 0, "schemas": 0, "runtime.sizes": 0, "runtime.registry": 0, "runtime.host_memory": 0,
+    "runtime.policy": 1, "runtime.engine": 1, "runtime": 1,  # the package's own __init__: the policy API
+    "runtime.plan": 2, "runtime.quant": 2,
+    "runtime.convert": 3,
+    "runtime.checkpoint": 4, "runtime.compile": 4,
+    "runtime.hosts": 5, "runtime.generation": 5,
+    "runtime.cli": 6, "comfy_nodes": 6,
+}
+#: Re-export modules of moved paths, kept for one release (they import from where the code went).
+MOVED = {"runtime.engine.apply"}
+
+
+def floor(module: str) -> int | None:
+    found = [(len(prefix), level) for prefix, level in FLOORS.items()
+             if module == prefix or module.startswith(prefix + ".")]
+    return max(found)[1] if found else None
+
+
+def imported(path, package: list[str]):
+    """Every module `path` imports from the package, at the top, inside functions and under TYPE_CHECKING alike."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - node.level + 1]
+            if node.module:
+                yield ".".join([*base, node.module]), node.lineno
+            else:
+                yield from ((".".join([*base, alias.name]), node.lineno) for alias in node.names)
+
+
+def test_imports_only_go_down():
+    up = []
+    for path in sorted([*RUNTIME.rglob("*.py"), *(REPO / "schemas").rglob("*.py"), *(REPO / "comfy_nodes").glob("*.py"),
+                        REPO / "errors.py"]):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        package = parts[:-1]
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if module in MOVED:
+            continue
+        assert floor(module) is not None, f"{module} is on no floor: add it to FLOORS"
+        up += [f"{module} (floor {floor(module)}) imports {target} (floor {floor(target)}), line {line}"
+               for target, line in imported(path, package) if (floor(target) or 0) > floor(module)]
+    assert up == []
+
+
+def test_the_moved_modules_still_export_what_they_did():
+    from streamwise.runtime.convert import applied_state, apply, apply_policy, check, revert
+    from streamwise.runtime.engine import apply as moved
+
+    assert (moved.apply, moved.apply_policy, moved.applied_state, moved.check, moved.revert) == (
+        apply, apply_policy, applied_state, check, revert)

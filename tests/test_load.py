@@ -274,7 +274,7 @@ def test_gguf_residents_of_an_unsupported_type_are_refused_before_anything_chang
 def test_a_failure_after_the_assignments_puts_everything_back(saved, tmp_path, monkeypatch, failure, raised):
     """Quantizing on load runs after the tensors are placed; running out of memory (or Ctrl-C) there undoes them,
     and an interrupt stays an interrupt."""
-    from streamwise.runtime.engine.apply import ConversionError
+    from streamwise.runtime.convert import ConversionError
     from streamwise.runtime.quant.formats import FORMATS
 
     folder, _, _ = saved

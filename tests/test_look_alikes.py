@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streamwise
-from streamwise.runtime.engine import ConversionError
+from streamwise.runtime.convert import ConversionError
 from streamwise.runtime.policy.folders import SHIPPED_POLICY_DIR, list_policies
 
 from helpers import tiny_acoustic_tokenizer, tiny_qwen2

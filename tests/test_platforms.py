@@ -22,7 +22,7 @@ import torch
 import streamwise
 from streamwise.runtime.checkpoint import checked_file, llama_cpp, load_tokenizer
 from streamwise.runtime.checkpoint.checked_file import CheckedFile
-from streamwise.runtime.engine import applied_state
+from streamwise.runtime.convert import applied_state
 
 from helpers import gguf_policy, tiny_qwen2
 from llama_cpp_files import CORPUS, float_model, train_tokenizer_parts, write_llama_cpp_gguf

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.engine import applied_state
+from streamwise.runtime.convert import applied_state
 from streamwise.runtime.plan.auto import select_policy
 
 from helpers import DIFFUSERS_SAMPLE, tiny_diffusers, tiny_sample, tiny_vision_language

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamwise
-from streamwise.runtime.engine import ConversionError, applied_state
+from streamwise.runtime.convert import ConversionError, applied_state
 from streamwise.runtime.engine.kinds import COMPUTE_KINDS
 from streamwise.runtime.engine.probe import ULPS, probe
 

@@ -103,7 +103,7 @@ def test_residents_stream_their_raw_storage_and_match_resident_compute(fmt, grou
     x = torch.randn(5, 64)
     resident = model(x)
     fetched = []
-    fetcher = streamwise.runtime.engine.applied_state(model).tree.fetcher
+    fetcher = streamwise.runtime.convert.applied_state(model).tree.fetcher
     original_fetch = fetcher.fetch_raw
 
     def fetch_raw(module, names, device):
@@ -152,7 +152,7 @@ def test_int4_residents_say_they_are_not_compile_safe():
 
 def test_quantized_trees_cannot_be_reverted():
     model = quantized(two_layers(), "int8")
-    with pytest.raises(streamwise.runtime.engine.ConversionError, match="quantized residents"):
+    with pytest.raises(streamwise.runtime.convert.ConversionError, match="quantized residents"):
         streamwise.revert(model)
 
 
@@ -197,11 +197,11 @@ def test_a_failing_quantization_leaves_the_tree_unchanged(monkeypatch):
         return real(weight, group_size)
 
     monkeypatch.setattr(FORMATS["int8"], "quantize", flaky)
-    with pytest.raises(streamwise.runtime.engine.ConversionError, match="out of memory"):
+    with pytest.raises(streamwise.runtime.convert.ConversionError, match="out of memory"):
         quantized(model, "int8")
     assert [type(m) for m in model] == [nn.Linear, nn.Linear]
     assert all(m.weight.dtype == torch.float32 for m in model)
-    assert streamwise.runtime.engine.applied_state(model) is None
+    assert streamwise.runtime.convert.applied_state(model) is None
 
 
 def test_comfy_quant_cannot_describe_int4_residents():

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from ...schemas import Policy
+from ..convert import ConversionError, applied_state, apply, check
 from ..engine import protocol
-from ..engine.apply import ConversionError, applied_state, apply, check
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileSource, FileTier, Sources
 from ..engine.journal import Journal

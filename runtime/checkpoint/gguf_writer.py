@@ -25,6 +25,7 @@ from torch import nn
 from ...schemas import Policy
 from ...schemas.vocabulary import GGUF_WRITE_TYPES
 from ..plan import plan_for
+from ..plan.selectors import CompiledSelector, walk_modules
 from ..quant.gguf_dequant import dequantize
 from . import carried_files
 from .conversion import under_model_keys
@@ -126,8 +127,6 @@ def _why_float(shape: tuple[int, ...], gguf_type: str | None) -> str:
 
 def _unselected(policy: Policy, plan, model: nn.Module, paths: list[str]) -> dict[str, str]:
     """Why no `gguf` rule chose a type for each module at `paths`: what its plan entry or the [quant] section says."""
-    from ..plan.selectors import CompiledSelector, walk_modules
-
     entries = {entry.path: entry for entry in plan.modules}
     modules = dict(walk_modules(model))
     quant = policy.quant

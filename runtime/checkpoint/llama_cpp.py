@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..quant.gguf_dequant import dequantize
 from . import carried_files
 from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 from .scoped import ContextPatch
@@ -244,8 +245,6 @@ class Mapped:
             return
         # the processor changes values: it needs them, in float32 as transformers hands them over
         if stored.qtype is not None:
-            from ..quant.gguf_dequant import dequantize
-
             values = dequantize(stored.read(), stored.qtype, stored.shape, torch.float32)
             note = f"dequantized from {stored.qtype.name}: transformers' {processor} changes its values"
         else:

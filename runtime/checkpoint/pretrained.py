@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
-from ..engine import applied_state
+from ..convert import applied_state
 from ..plan.auto import choose_policy
 from . import carried_files
 from .build_dtype import BUILD_DTYPES

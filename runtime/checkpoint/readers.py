@@ -23,6 +23,7 @@ import gguf
 import torch
 from torch import Tensor
 
+from ..quant.gguf_dequant import STORED_FLOATS
 from . import limits
 from .checked_file import CheckedFile
 from .errors import CheckpointError as CheckpointError  # re-exported: callers name it here
@@ -356,8 +357,6 @@ class FileRange:
 
 def _gguf(path: Path) -> Checkpoint:
     """A GGUF file, its header checked in full (`gguf_header`), its tensors read on demand."""
-    from ..quant.gguf_dequant import STORED_FLOATS
-
     plain = {  # stored as they compute: never residents, read as tensors of their dtype
         **STORED_FLOATS,
         gguf.GGMLQuantizationType.F64: torch.float64, gguf.GGMLQuantizationType.I8: torch.int8,

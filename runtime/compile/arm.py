@@ -23,7 +23,8 @@ from typing import Any
 from torch import nn
 
 from ...schemas import CompileSettings, Policy
-from ..engine import applied_state, protocol
+from ..convert import applied_state
+from ..engine import protocol
 from ..plan.selectors import CompiledSelector, outermost
 from .regions import CompileStats, Region, is_region_forward, log
 from .settings import compile_settings

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from ...schemas import CompileSettings, Policy
-from ..engine import applied_state
+from ..convert import applied_state
 from ..policy.load import as_policy
 
 #: `lazy_compile` keyword arguments that are not policy keys.

@@ -1,11 +1,10 @@
-"""Stage 3, `Plan` -> converted tree, in place: streamed leaves, relocating containers, per-tree state.
+"""The leaf machinery a converted tree runs on: streamed leaves and relocating containers (derived classes), the
+protocol they speak, the journal that makes every change undoable, the file tier. Stage 3's verb, which builds on
+this and on the plan and quant stages, and the state a converted root keeps, are `runtime.convert`.
 
 Invariants:
-- checked in full before the first change; a failure restores every module exactly;
-- applying the same plan again changes nothing; `revert` undoes it (not once weights are quantized);
+- every change goes through a `Journal`: a failure restores every module exactly;
 - the engine speaks ComfyUI's low-VRAM attribute names on purpose, stated once in `protocol`.
 """
 
-from .apply import ConversionCounts, ConversionError, applied_state, apply, apply_policy, revert
-
-__all__ = ["ConversionCounts", "ConversionError", "applied_state", "apply", "apply_policy", "revert"]
+__all__: list[str] = []

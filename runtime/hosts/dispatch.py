@@ -30,7 +30,8 @@ from torch import nn
 
 from ...errors import Error
 from ...schemas import Policy
-from ..engine import ConversionError, applied_state, apply_policy, file_tier, protocol
+from ..convert import ConversionError, applied_state, apply_policy
+from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.journal import Journal
 from ..engine.tree import TorchFetcher

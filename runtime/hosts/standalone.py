@@ -28,7 +28,9 @@ from ...errors import Error
 from ...schemas import Policy
 from ..checkpoint import tiers
 from ..checkpoint.errors import CheckpointError
-from ..engine import ConversionError, applied_state, apply_policy, file_tier, protocol
+from ..compile import is_armed, lazy_compile
+from ..convert import ConversionError, applied_state, apply_policy
+from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileTier
 from ..engine.journal import Journal
@@ -149,8 +151,6 @@ def offload(
             if id(module) not in converted and not protocol.relocated_names(module):
                 _place(journal, module, device)
         journal.set_attributes(state.tree, {"compute_device": device, "fetcher": streamer})
-        from ..compile import is_armed, lazy_compile
-
         if policy.compile.enabled:
             _keep_arming(journal, model)
             lazy_compile(model, policy)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.engine import applied_state, protocol
+from streamwise.runtime.convert import applied_state
+from streamwise.runtime.engine import protocol
 from streamwise.runtime.generation import generation_config
 from streamwise.schemas import Policy
 

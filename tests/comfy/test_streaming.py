@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.engine.apply import applied_state
+from streamwise.runtime.convert import applied_state
 
 from helpers import SAMPLE, tiny_qwen2, tiny_sample, tiny_vibevoice, vibevoice_inputs
 

@@ -25,7 +25,7 @@ from ....schemas import CompileSettings
 from ...compile.arm import compile_stats, lazy_compile
 from ...compile.regions import Region, is_region_forward, log
 from ...compile.targets import HOST_TARGETS, Armed, Target
-from ...engine import applied_state
+from ...convert import applied_state
 from ...plan.selectors import joined
 
 #: Per-call dictionaries whose contents change every call: guarding on them only forces recompiles.

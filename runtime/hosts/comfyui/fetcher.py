@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...engine import ConversionError, file_tier, protocol
+from ...convert import ConversionError
+from ...engine import file_tier, protocol
 from ...engine.file_tier import FileTensor
 from ...engine.tree import cast_for_compute
 from ...plan.selectors import joined

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from ....schemas import Policy
-from ...engine import ConversionError, applied_state, apply, file_tier, protocol
-from ...engine.apply import swap_class
+from ...compile import lazy_compile
+from ...convert import ConversionError, applied_state, apply, unconverted_copy
+from ...engine import file_tier, protocol
 from ...engine.classes import derived_class
-from ...engine.copies import unconverted_copy
+from ...engine.journal import swap_class
 from ...engine.relocating import offload_relocated
 from ...engine.streamed import holds_parameters_below
 from ...plan import plan_for
@@ -57,7 +58,7 @@ def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> A
     """A clone of a MODEL another node made, over a copy of its tree converted by `policy` and hosted here.
 
     The input MODEL, and every branch or workflow using it, stays exactly as it was (core's nodes never change an
-    input): the clone holds an unconverted copy of the tree (`engine.copies`: new modules over the same weights, the
+    input): the clone holds an unconverted copy of the tree (`convert.copies`: new modules over the same weights, the
     weights as they are unpatched), and keeps everything ComfyUI's `clone` carries (LoRA patches, object patches,
     wrappers, callbacks, options); only its class gains this host's load and unload steps, which never write into a
     weight it shares. Stranding is refused as by `model_patcher`, before anything is made.
@@ -106,8 +107,6 @@ def _host(model: nn.Module, policy: Policy | str | None, allow_stranded: bool) -
 
 def _armed(patcher: Any, policy: Policy | None) -> Any:
     if policy is not None and policy.compile.enabled:
-        from ...compile import lazy_compile
-
         return lazy_compile(patcher, policy)
     return patcher
 

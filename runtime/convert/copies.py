@@ -17,9 +17,9 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
-from . import protocol
-from .apply import AppliedState, applied_state
-from .journal import Record
+from ..engine import protocol
+from ..engine.journal import Record
+from .state import AppliedState, applied_state
 
 
 def unconverted_copy(model: nn.Module) -> nn.Module:
