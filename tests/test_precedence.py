@@ -1,4 +1,4 @@
-"""Which rule decides a module when several select it (README: "Precedence")."""
+"""Which rule decides a module when several select it (docs/policy-format.md: "Precedence")."""
 
 from __future__ import annotations
 

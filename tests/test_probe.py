@@ -128,7 +128,7 @@ def fixed(output) -> Fixed:
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 2.0 ** -20])
 def test_four_ulp_of_the_largest_output_pass_and_five_are_refused(scale):
-    """Relative to the largest output, in float32 epsilons: `ULPS` is 4, as the README says."""
+    """Relative to the largest output, in float32 epsilons: `ULPS` is 4, as docs/engine.md says."""
     expected = torch.full((2, 4), scale)
     eps = torch.finfo(torch.float32).eps
 

@@ -4,7 +4,7 @@ Every installed `*ForCausalLM` and `*ForConditionalGeneration` class, and the ma
 models, built on the `meta` device from its default config; the policy picked by `auto`, the plan resolved: no
 plan error and no stranded byte, for each one, and the same policy and plan when `auto` matches the keys its saved
 file would list (the checkpoint route) as when it reads the tree in memory. A class whose default config does not
-build is not a Streamwise failure (the README lists them with their reasons); the test asserts that nearly all
+build is not a Streamwise failure (docs/ list them with their reasons); the test asserts that nearly all
 build, so it cannot pass vacuously. The builds run in a pool of worker processes, one per core (about 0.1 s per
 model).
 """

@@ -1,6 +1,6 @@
 """Real ComfyUI core drives converted trees: placement (meta), LoRA numerics (CPU), load cycles.
 
-Run against an older core (no `offloadable`) and a newer one; see README "Testing against ComfyUI".
+Run against an older core (no `offloadable`) and a newer one; see CONTRIBUTING.md "Testing against ComfyUI".
 """
 
 from __future__ import annotations
