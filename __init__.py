@@ -32,7 +32,7 @@ _ENGINE = {
     "load_pretrained": ".runtime.checkpoint",
     "lazy_compile": ".runtime.compile",
     "compile_stats": ".runtime.compile",
-    "draft_policy": ".runtime.cli.draft",
+    "draft_policy": ".runtime.plan.draft",
 }
 
 

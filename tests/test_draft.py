@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import streamwise
-from streamwise.runtime.cli.draft import draft_policy, policy_name
 from streamwise.runtime.cli.streamwise import main
+from streamwise.runtime.plan.draft import draft_policy, policy_name
 from streamwise.runtime.policy.load import check_policy
 
 from helpers import tiny_qwen2

@@ -330,8 +330,8 @@ def test_mixed_hostile_constructs_stay_bounded(tmp_path_factory, pieces, seed):
     assert len(render_json({path.name: diagnostics})) <= 4 * MAX_DIAGNOSTICS * MAX_TEXT_CHARS
 
 
-# The limits at their edges, in the numbers docs/security-and-bounds.md documents: at the limit a text passes, one over it is refused
-# at the exact place (line, column) that goes over.
+# The limits at their edges, in the numbers docs/security-and-bounds.md documents: at the limit a text passes, one
+# over it is refused at the exact place (line, column) that goes over.
 def excess(text: str):
     from streamwise.runtime.policy.limits import first_excess
 
