@@ -422,6 +422,31 @@ def test_an_edited_user_policy_re_runs_the_loader_and_an_unchanged_one_stays_cac
     assert cached_nodes(server.run(graph)) == {"1", "2"}
 
 
+def test_two_workflows_sharing_one_cached_loader_output_each_see_it_as_loaded(server):
+    """One workflow quantizes the loader's MODEL through Apply; the next, given the same (cached) loader output,
+    still computes with the float weights: Apply converted a copy."""
+    folder = user_policies(server)
+    policy = folder / "int4-linears.toml"
+    policy.write_text('schema_version = 1\n[policy]\nname = "int4-linears"\nextends = "decoder-llm"\n'
+                      '[[quant.rule]]\nid = "q"\nselect = { class = "Linear" }\nformat = "convrot_int4"\n'
+                      'group_size = 16\n')
+    sampled = workflow("streamwise_generate_text")
+    sampled["2"]["inputs"].update(do_sample=True, seed=7)  # sampled text follows every change of the logits
+    try:
+        before = server.run(sampled)
+        graph = json.loads(json.dumps(sampled))
+        graph["3"] = {"class_type": "ApplyStreamwisePolicy", "inputs": {"model": ["1", 0], "policy": "int4-linears"}}
+        graph["2"]["inputs"]["model"] = ["3", 0]
+        quantized = server.run(graph)
+        sampled["2"]["inputs"]["temperature"] = 0.7000001  # the same sampling, run again on the cached loader output
+        after = server.run(sampled)
+    finally:
+        policy.unlink()
+    assert "1" in cached_nodes(quantized) and "1" in cached_nodes(after)  # the one MODEL all three were given
+    assert quantized["outputs"]["2"]["text"] != before["outputs"]["2"]["text"]  # 4-bit weights: another text
+    assert after["outputs"]["2"]["text"] == before["outputs"]["2"]["text"]  # the float weights, as loaded
+
+
 def test_a_replaced_model_file_loads_again(server):
     folder = server.model.parent / "tiny-qwen2-copy"
     shutil.copytree(server.model, folder, dirs_exist_ok=True)
