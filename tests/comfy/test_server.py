@@ -266,6 +266,32 @@ def long_context(server) -> dict:
     return graph
 
 
+def test_an_encoder_decoder_generates_the_text_transformers_does(server):
+    """T5 through the loader and Generate Text: the decoder's tokens whole, as transformers' `generate` decodes them."""
+    import torch
+    import transformers
+
+    folder = server.model.parent / "tiny-t5"
+    vocabulary = json.loads((server.model / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=vocabulary, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(server.model / name, folder / name)
+    prompt = PROMPT + " and looked at the dog for a long while"  # longer than the output: all of it was cut before
+    graph = workflow("streamwise_generate_text")
+    graph["1"]["inputs"]["model"] = "streamwise/tiny-t5"
+    graph["2"]["inputs"]["prompt"] = prompt
+    (text,) = server.run(graph)["outputs"]["2"]["text"]
+    model = transformers.T5ForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    with torch.no_grad():
+        out = model.generate(tokenizer(prompt, return_tensors="pt").input_ids, max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    assert text and text == tokenizer.decode(out[0], skip_special_tokens=True)
+
+
 def test_interrupt_ends_a_long_generation_within_a_second(server, long_context):
     long_context["2"]["inputs"]["max_new_tokens"] = 8192
     _, seconds = server.interrupted(long_context)
