@@ -146,3 +146,15 @@ def test_quantize_stopped_by_a_file_size_limit_says_why_and_leaves_no_file(tmp_p
     assert f"writing stopped after {limit} bytes" in done.stderr
     assert f"this process may write files of at most {limit} bytes (`ulimit -f`): raise the limit" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no partial file, no destination
+
+
+def test_quantize_refuses_a_model_with_tensors_a_gguf_cannot_hold_before_writing(tmp_path):
+    """A Conv3d patch embedding (GLM-4V's) has 5 dimensions; llama.cpp's GGUF holds 4: refused, nothing written."""
+    folder = tmp_path / "model"
+    model = tiny_qwen2()
+    model.register_buffer("patch", torch.zeros(2, 3, 2, 2, 2))  # persistent: saved beside the weights
+    model.save_pretrained(folder)
+    with pytest.raises(CheckpointError, match=r"a GGUF holds tensors of at most 4 dimensions \(llama.cpp's limit\), "
+                                              r"and 1 here have more: patch; keep this model in safetensors"):
+        quantize_to_gguf(folder, tmp_path / "q.gguf", "decoder-llm", tiny_qwen2())
+    assert not (tmp_path / "q.gguf").exists()

@@ -29,6 +29,7 @@ from ..plan.selectors import CompiledSelector, walk_modules
 from ..quant.gguf_dequant import dequantize
 from . import carried_files
 from .conversion import under_model_keys
+from .limits import MAX_GGUF_DIMS
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 from .skeleton import config_folder
 
@@ -60,6 +61,11 @@ def quantize_to_gguf(
     destination = Path(destination)
     checkpoint = under_model_keys(open_checkpoint(source), model)  # named as the model names them
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
+    deep = sorted(name for name, stored in checkpoint.tensors.items() if len(stored.shape) > MAX_GGUF_DIMS)
+    if deep:  # written anyway, the file would be one no GGUF reader (this one, llama.cpp's) takes back
+        raise CheckpointError([f"{checkpoint.path}: a GGUF holds tensors of at most {MAX_GGUF_DIMS} dimensions "
+                               f"(llama.cpp's limit), and {len(deep)} here have more: {', '.join(deep[:4])}"
+                               f"{', ...' if len(deep) > 4 else ''}; keep this model in safetensors"])
     files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
              else carried_files.collect(config_folder(Path(source))))
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
