@@ -52,6 +52,15 @@ def test_a_prompt_past_the_context_is_refused_before_tokenizing_or_any_forward_w
         fit_prompt("a cat sat " * 20, tokenizer, model, 4)
 
 
+def test_a_prompt_filling_the_whole_context_leaves_no_room_and_is_refused():
+    tokenizer = tiny_tokenizer()
+    filling = len(tokenizer("a cat sat on the mat").input_ids)
+    with pytest.raises(PromptError, match=rf"^prompt: {filling} tokens, .* context is {filling} positions .*no room"):
+        fit_prompt("a cat sat on the mat", tokenizer, tiny_qwen2(max_position_embeddings=filling), 4)
+    assert fit_prompt("a cat sat on the mat", tokenizer, tiny_qwen2(max_position_embeddings=filling + 1),
+                      4).max_new_tokens == 1
+
+
 def test_max_new_tokens_past_the_context_is_clipped_with_a_note():
     model, tokenizer = tiny_qwen2(max_position_embeddings=32), tiny_tokenizer()
     fit = fit_prompt("a cat sat", tokenizer, model, 8192)

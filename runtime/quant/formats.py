@@ -49,8 +49,6 @@ class QuantFormat(ABC):
     """The module attributes `dequantize` and `linear` read besides the stored tensors."""
     compile_safe: ClassVar[bool] = True
     quantizes_on_load: ClassVar[bool] = True
-    caches_dequantized: ClassVar[bool] = True
-    """Whether `linear` keeps weights a forward asks for again in the dequant cache (the default `linear` does)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -80,7 +78,6 @@ class _ScaledIntegers(QuantFormat):
 
     stored = ("weight", "weight_scale")
     attributes = (protocol.GROUP_SIZE,)
-    caches_dequantized = False  # its kernels multiply from the integers
     kernels: ClassVar[tuple[Callable, Callable, Callable]]  # quantize, dequantize, linear
 
     def quantize(self, weight, group_size):
