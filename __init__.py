@@ -28,7 +28,7 @@ _ENGINE = {
     "dispatch": ".runtime.hosts.dispatch",
     "model_patcher": ".runtime.hosts.comfyui",
     "load": ".runtime.checkpoint",
-    "skeleton": ".runtime.checkpoint",
+    "skeleton": ".runtime.build",
     "load_pretrained": ".runtime.checkpoint",
     "lazy_compile": ".runtime.compile",
     "compile_stats": ".runtime.compile",

@@ -8,6 +8,7 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..runtime.checkpoint import load_pretrained
+from ..runtime.checkpoint.discover import list_models, model_identity, resolve_model
 from ..runtime.hosts.comfyui import model_patcher
 from .folders import (
     allow_stranded_input,
@@ -18,7 +19,6 @@ from .folders import (
     policy_input,
     skip_unreadable_input,
 )
-from .model_files import list_models, model_identity, resolve_model
 from .schema import schema
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

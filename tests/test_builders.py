@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from streamwise.runtime.checkpoint.skeleton import build_skeleton
+from streamwise.runtime.build.skeleton import build_skeleton
 
 
 def test_a_bf16_skeleton_keeps_float32_rotary_tables(tmp_path):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.checkpoint.model_spec import ModelSpecError
+from streamwise.runtime.build.model_spec import ModelSpecError
+from streamwise.runtime.build.skeleton import built_skeleton
 from streamwise.runtime.checkpoint.readers import CheckpointError
-from streamwise.runtime.checkpoint.skeleton import built_skeleton
 
 from helpers import DIFFUSERS_SAMPLE, tiny_diffusers
 

@@ -8,7 +8,8 @@ import re
 from helpers import REPO
 
 RUNTIME = REPO / "runtime"
-STAGES = {"policy", "plan", "engine", "quant", "convert", "checkpoint", "compile", "hosts", "generation", "cli"}
+STAGES = {"policy", "plan", "engine", "quant", "build", "convert", "checkpoint", "compile", "hosts", "generation",
+          "cli"}
 #: ComfyUI's protocol attributes, MODEL internals and modules.
 COMFYUI_NAMES = re.compile(
     r"comfy_cast_weights|\bweight_function\b|\bbias_function\b|comfy_patched_weights|_comfy_model_dtype"
@@ -52,14 +53,14 @@ def test_every_streamwise_marker_is_spelled_in_the_protocol_alone():
 FLOORS = {
     "errors": 0, "schemas": 0, "runtime.sizes": 0, "runtime.registry": 0, "runtime.host_memory": 0,
     "runtime.policy": 1, "runtime.engine": 1, "runtime": 1,  # the package's own __init__: the policy API
-    "runtime.plan": 2, "runtime.quant": 2,
+    "runtime.plan": 2, "runtime.quant": 2, "runtime.build": 2,
     "runtime.convert": 3,
     "runtime.checkpoint": 4, "runtime.compile": 4,
     "runtime.hosts": 5, "runtime.generation": 5,
     "runtime.cli": 6, "comfy_nodes": 6,
 }
 #: Re-export modules of moved paths, kept for one release (they import from where the code went).
-MOVED = {"runtime.engine.apply"}
+MOVED = {"runtime.engine.apply", "runtime.checkpoint.skeleton"}
 
 
 def floor(module: str) -> int | None:
@@ -100,3 +101,8 @@ def test_the_moved_modules_still_export_what_they_did():
 
     assert (moved.apply, moved.apply_policy, moved.applied_state, moved.check, moved.revert) == (
         apply, apply_policy, applied_state, check, revert)
+    from streamwise.runtime import build
+    from streamwise.runtime.checkpoint import skeleton as moved_skeleton
+
+    assert (moved_skeleton.register_builder, moved_skeleton.build_skeleton, moved_skeleton.skeleton) == (
+        build.register_builder, build.build_skeleton, build.skeleton)

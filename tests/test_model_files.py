@@ -1,8 +1,8 @@
-"""What the model loader's picker offers, without ComfyUI: only what loads, symlinks followed, labels never escape."""
+"""What model discovery (`checkpoint.discover`) offers the loader's picker: only what loads, symlinks followed, labels
+never escape."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -10,14 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, tiny_qwen2
+from streamwise.runtime.checkpoint import discover as model_files
+from streamwise.runtime.checkpoint.weight_files import SHARD_INDEX
 
-# By its file: the `comfy_nodes` package imports ComfyUI's `folder_paths`, which model_files must not need (named as
-# in the package, so that its relative import of the runtime resolves).
-_SPEC = importlib.util.spec_from_file_location("streamwise.comfy_nodes.model_files",
-                                               REPO / "comfy_nodes" / "model_files.py")
-model_files = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(model_files)
+from helpers import tiny_qwen2
 
 
 def model_folder(folder: Path, *weights: str) -> Path:
@@ -103,12 +99,12 @@ def test_shards_are_offered_only_as_their_folder(tmp_path):
     folder = tmp_path / "sharded"
     tiny_qwen2().save_pretrained(folder, max_shard_size="100KB")
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
-    assert len(shards) > 1 and (folder / model_files.SHARD_INDEX).is_file()
+    assert len(shards) > 1 and (folder / SHARD_INDEX).is_file()
     (folder / "model-q8_0.gguf").write_bytes(b"weights")
     (folder / "extra.safetensors").write_bytes(b"weights")  # not in the index: a file of its own
     assert labels(tmp_path) == ["k/sharded", "k/sharded/extra.safetensors", "k/sharded/model-q8_0.gguf"]
 
-    (folder / model_files.SHARD_INDEX).write_text("not json", encoding="utf-8")  # then any may be a shard
+    (folder / SHARD_INDEX).write_text("not json", encoding="utf-8")  # then any may be a shard
     assert labels(tmp_path) == ["k/sharded", "k/sharded/model-q8_0.gguf"]
 
 

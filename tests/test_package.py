@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from pathlib import Path
 
 from helpers import REPO, TESTS, write_policy
 
@@ -98,8 +99,14 @@ def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
 def test_wheel_carries_the_package_policies_and_schema(tmp_path):
     """Built from a copy of the checkout: a `build/` left behind by an older layout must not fill the wheel's gaps."""
     source = tmp_path / "src"
-    litter = ("build", "dist", "*.egg-info", ".git", ".venv", "__pycache__", ".*_cache", ".hypothesis", ".benchmarks")
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*litter))
+    litter = shutil.ignore_patterns("*.egg-info", ".git", ".venv", "__pycache__", ".*_cache", ".hypothesis",
+                                    ".benchmarks")
+
+    def ignored(folder: str, names: list[str]) -> set[str]:  # `build/`, `dist/` at the top; `runtime/build` is code
+        top = {"build", "dist"} & set(names) if Path(folder) == REPO else set()
+        return set(litter(folder, names)) | top
+
+    shutil.copytree(REPO, source, ignore=ignored)
     inits = (p.relative_to(source) for p in source.glob("*/**/__init__.py"))
     packages = sorted(p.as_posix() for p in inits if p.parts[0] not in ("tests", "benchmarks", "examples"))
     command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]

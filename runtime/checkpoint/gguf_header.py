@@ -16,6 +16,7 @@ Every problem is a `CheckpointError` naming the file and the field or tensor.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 
@@ -153,6 +154,28 @@ def read_header(path, handle, size: int) -> GGUFHeader:
     data_start = cursor.at + -cursor.at % alignment
     _check_layout(path, tensors, data_start, alignment, size)
     return GGUFHeader(metadata, tensors, data_start, alignment)
+
+
+def leading_strings(path, keys: int = 8, longest: int = 256) -> dict[str, str]:
+    """The short string values at the start of a GGUF's metadata, up to the first of another type or one longer than
+    `longest` bytes, at most `keys`: what a model listing reads (gguf's writer puts the architecture first, and
+    Streamwise the names of the files it carries next), where parsing whole headers (tokenizer arrays) takes seconds.
+    Empty: not a readable GGUF."""
+    found: dict[str, str] = {}
+    try:
+        with open(path, "rb") as handle:
+            cursor = _Cursor(path, handle, os.fstat(handle.fileno()).st_size)
+            if cursor.unpack("I", "the magic") != gguf.GGUF_MAGIC or cursor.unpack("I", "the version") not in (2, 3):
+                return found
+            cursor.unpack("Q", "the tensor count")
+            for _ in range(min(cursor.unpack("Q", "the key count"), keys)):
+                key = cursor.string("a metadata key", longest)
+                if cursor.unpack("I", f"`{key}`'s type") != gguf.GGUFValueType.STRING:
+                    break
+                found[key] = cursor.string(f"metadata `{key}`", longest)
+    except (OSError, CheckpointError):  # unreadable, or a value past what a listing reads: what came before it
+        pass
+    return found
 
 
 def _value(cursor: _Cursor, key: str, items: int) -> tuple[Value, int]:

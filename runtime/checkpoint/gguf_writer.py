@@ -24,6 +24,7 @@ from torch import nn
 
 from ...schemas import Policy
 from ...schemas.vocabulary import GGUF_WRITE_TYPES
+from ..build.skeleton import config_folder
 from ..plan import plan_for
 from ..plan.selectors import CompiledSelector, walk_modules
 from ..quant.gguf_dequant import dequantize
@@ -31,7 +32,6 @@ from . import carried_files
 from .conversion import under_model_keys
 from .limits import MAX_GGUF_DIMS
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
-from .skeleton import config_folder
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,15 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
+from ..build.build_dtype import BUILD_DTYPES
+from ..build.model_spec import ModelSpecError, auto_model, refuse_remote_code
+from ..build.skeleton import built_skeleton, config_folder, model_type, skeleton
 from ..convert import applied_state
 from ..plan.auto import choose_policy
 from . import carried_files
-from .build_dtype import BUILD_DTYPES
 from .fill import LoadReport, load
 from .llama_cpp import gguf_config
-from .model_spec import ModelSpecError, auto_model, refuse_remote_code
 from .readers import Checkpoint, CheckpointError, open_checkpoint
-from .skeleton import built_skeleton, config_folder, model_type, skeleton
 
 _log = logging.getLogger("streamwise.load")
 

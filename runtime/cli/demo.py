@@ -24,9 +24,9 @@ from typing import NamedTuple
 import torch
 
 from ...schemas import Policy, QuantRule, QuantSection, Selector
+from ..build.skeleton import skeleton
 from ..checkpoint.fill import load
 from ..checkpoint.gguf_writer import quantize_to_gguf
-from ..checkpoint.skeleton import skeleton
 from ..hosts.standalone import offload
 from ..plan.resolve import resolve
 from ..policy.load import load_policy

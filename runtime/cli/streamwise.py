@@ -56,9 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ..build.model_spec import ModelSpecError, build_model
+    from ..build.skeleton import build_skeleton, config_folder
     from ..checkpoint.gguf_writer import quantize_to_gguf
-    from ..checkpoint.model_spec import ModelSpecError, build_model
-    from ..checkpoint.skeleton import build_skeleton, config_folder
 
     try:
         overrides = json_option("--model-config", args.model_config)

@@ -145,7 +145,7 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
 
 def test_a_loose_gguf_streamwise_wrote_is_listed_and_generates_alone(nodes):
     from streamwise.comfy_nodes.folders import model_roots
-    from streamwise.comfy_nodes.model_files import list_models
+    from streamwise.runtime.checkpoint.discover import list_models
     from streamwise.runtime.cli.streamwise import main
 
     mappings, root = nodes

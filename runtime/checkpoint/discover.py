@@ -1,29 +1,28 @@
-"""Which models a picker offers: only what `load_pretrained` can load, so weights with a `config.json` beside them
-(transformers' or diffusers'), or a loose `.gguf` that describes its model: written by llama.cpp's converter, or by
-`streamwise quantize` carrying the model's config.json (a loose `.safetensors` has nothing to build a skeleton
-from). A folder with a `config.json` is offered whole when it holds weights the loader picks by itself
-(`weight_files`: its shard index, its one `.safetensors` or the variants of one, else its one `.gguf`) and file by
-file (`folder/model.gguf`), shards excepted: they are parts of the folder's weights. Symlinked folders are
-followed, each real folder once per root, so a cycle ends, and within bounds: `MAX_DEPTH` folders below a root and
-`MAX_FOLDERS` folders visited per root (a link to `/` lists no more than that). A listing is cached on the
-modification times of every folder it walked, as core caches its own lists: a prompt that changes nothing costs one
-`stat` per folder, no walk (a folder's time moves when an entry is added, removed or renamed in it; one changed in
-the last `SETTLED_NS` is walked again, since a change within its clock tick would not move it). Labels resolve
-back only to what was listed. No ComfyUI import: unit-tested without a core.
+"""Model discovery: which models under a set of folders a picker offers (the ComfyUI loader's list). Only what
+`load_pretrained` can load: weights with a `config.json` beside them (transformers' or diffusers'), or a loose `.gguf`
+that describes its model: written by llama.cpp's converter, or by `streamwise quantize` carrying the model's
+config.json (a loose `.safetensors` has nothing to build a skeleton from). A folder with a `config.json` is offered
+whole when it holds weights the loader picks by itself (`weight_files`: its shard index, its one `.safetensors` or the
+variants of one, else its one `.gguf`) and file by file (`folder/model.gguf`), shards excepted: they are parts of the
+folder's weights. Symlinked folders are followed, each real folder once per root, so a cycle ends, and within bounds:
+`MAX_DEPTH` folders below a root and `MAX_FOLDERS` folders visited per root (a link to `/` lists no more than that). A
+listing is cached on the modification times of every folder it walked, as ComfyUI caches its own lists: a prompt that
+changes nothing costs one `stat` per folder, no walk (a folder's time moves when an entry is added, removed or renamed
+in it; one changed in the last `SETTLED_NS` is walked again, since a change within its clock tick would not move it).
+Labels resolve back only to what was listed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..runtime.checkpoint import carried_files
-from ..runtime.checkpoint.weight_files import SHARD_INDEX as SHARD_INDEX  # re-exported: the tests name it here
-from ..runtime.checkpoint.weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
+from . import carried_files
+from .gguf_header import leading_strings
+from .weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 MAX_INDEX = 64 * 1024**2  # read on every listing: a larger "index" is not one worth parsing
@@ -166,42 +165,8 @@ def _shards(folder: Path, indexes: list[str]) -> set[str] | None:
 def _describes_its_model(path: Path) -> bool:
     """Whether a loose GGUF says what model to build: an architecture llama.cpp names, or Streamwise's carrying a
     config.json (`carried_files`)."""
-    leading = _leading_strings(path)
+    leading = leading_strings(path)
     architecture = leading.get("general.architecture")
     if architecture != carried_files.ARCHITECTURE:
         return architecture is not None
     return "config.json" in leading.get(carried_files.LISTED, "").split(",")
-
-
-def _leading_strings(path: Path) -> dict[str, str]:
-    """The short string values at the start of a GGUF's metadata (gguf's writer puts the architecture first, and
-    Streamwise the names of the files it carries next), up to the first of another type or a long one: a listing
-    must not parse whole headers, whose tokenizer arrays take seconds. Empty: not a GGUF."""
-    found: dict[str, str] = {}
-    try:
-        with open(path, "rb") as file:
-            magic, _version, _tensors, pairs = struct.unpack("<4sIQQ", file.read(24))
-            for _ in range(min(pairs, _EARLY_KEYS) if magic == b"GGUF" else 0):
-                key = _string(file)
-                if key is None or struct.unpack("<I", file.read(4))[0] != _GGUF_STRING:
-                    break
-                value = _string(file)
-                if value is None:
-                    break
-                found[key] = value
-    except (OSError, struct.error):
-        pass
-    return found
-
-
-def _string(file) -> str | None:
-    """A GGUF string (u64 length, UTF-8 bytes) of at most `_MAX_NAME` bytes; None when longer."""
-    length = struct.unpack("<Q", file.read(8))[0]
-    if length > _MAX_NAME:
-        return None
-    return file.read(length).decode("utf-8", "replace")
-
-
-_GGUF_STRING = 8  # GGUFValueType.STRING
-_EARLY_KEYS = 8
-_MAX_NAME = 256
