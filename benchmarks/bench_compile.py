@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from report import recorded  # this folder's: results/<name>-<date>.md
+
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
@@ -102,4 +104,5 @@ def main() -> None:
             print("  " + row(layers, mode, results[layers, mode], results[base, mode]))
 
 if __name__ == "__main__":
-    main()
+    with recorded("compile"):
+        main()

@@ -21,6 +21,8 @@ import time
 import warnings
 from pathlib import Path
 
+from report import recorded  # this folder's: results/<name>-<date>.md
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -72,4 +74,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("compile_server"):
+        main()

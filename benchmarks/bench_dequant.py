@@ -85,7 +85,7 @@ def measure(args) -> None:
     from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, dequantize
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_gguf_dequant import random_bytes  # the tests' blocks: finite scales, or random bytes
+    from gguf_blocks import random_bytes  # the tests' blocks: finite scales, or random bytes
 
     qtype_of = gguf.GGMLQuantizationType
     if args.allocator == "plain":  # no side on huge pages: Streamwise's own advice off as well

@@ -19,6 +19,7 @@ import time
 import torch
 import transformers
 from accelerate.utils import infer_auto_device_map
+from report import recorded  # this folder's: results/<name>-<date>.md
 
 import streamwise
 from streamwise.runtime.hosts.dispatch import infer_device_map
@@ -67,4 +68,5 @@ def main() -> None:
         report(name, model, args.rounds)
 
 if __name__ == "__main__":
-    main()
+    with recorded("dispatch"):
+        main()

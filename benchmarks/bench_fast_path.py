@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 import transformers
+from report import recorded  # this folder's: results/<name>-<date>.md
 from torch import nn
 
 import streamwise
@@ -154,4 +155,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("fast_path"):
+        main()

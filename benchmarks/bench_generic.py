@@ -29,6 +29,7 @@ from collections import Counter
 
 import torch
 from bench_fast_path import build, timing_arguments  # the same decoder, timed the same way
+from report import recorded  # this folder's: results/<name>-<date>.md
 from torch import nn
 
 import streamwise
@@ -155,4 +156,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("generic"):
+        main()

@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+from report import recorded  # this folder's: results/<name>-<date>.md
 from torch import nn
 
 import streamwise
@@ -69,4 +70,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("int8"):
+        main()

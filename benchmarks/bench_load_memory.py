@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from report import recorded  # this folder's: results/<name>-<date>.md
+
 CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
 
 MEASURE = r"""
@@ -65,4 +67,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("load_memory"):
+        main()

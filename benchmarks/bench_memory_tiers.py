@@ -58,6 +58,8 @@ import threading
 import time
 from pathlib import Path
 
+from report import git_commit, machine  # this folder's
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 BUFFER = 64 << 20  # the raw read's reused buffer
@@ -556,35 +558,12 @@ def under_limit(mode: str, folder: Path, extra: dict, limit: int, state: str) ->
 # --- main --------------------------------------------------------------------------------------------------------
 
 
-def git_commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return head.stdout.strip() + (" (working tree modified)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def versions() -> dict:
     out = subprocess.run([sys.executable, "-c", "import torch, transformers, safetensors; print(torch.__version__, "
                           "transformers.__version__, safetensors.__version__)"], capture_output=True, text=True)
     torch_version, transformers_version, safetensors_version = out.stdout.split()
     return {"torch": torch_version, "transformers": transformers_version, "safetensors": safetensors_version,
             "python": platform.python_version()}
-
-
-def machine() -> dict:
-    info = {"cpus": os.cpu_count(), "kernel": platform.release()}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(("MemTotal", "MemAvailable")):
-            key, value = line.split(":")
-            info[key] = int(value.split()[0]) * 1024
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            info["cpu"] = line.split(":", 1)[1].strip()
-            break
-    return info
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import transformers
+from report import recorded  # this folder's: results/<name>-<date>.md
 from torch import nn
 
 import streamwise
@@ -222,4 +223,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("resolve"):
+        main()

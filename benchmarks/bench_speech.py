@@ -26,6 +26,7 @@ import tempfile
 import time
 
 import torch
+from report import recorded  # this folder's: results/<name>-<date>.md
 
 from streamwise import load_pretrained, offload
 from streamwise.runtime.cli.example_models import tiny_vibevoice_folder
@@ -104,4 +105,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("speech"):
+        main()

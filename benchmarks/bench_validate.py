@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from report import recorded  # this folder's: results/<name>-<date>.md
+
 TARGET_SECONDS = 0.3
 
 
@@ -57,4 +59,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("validate"):
+        status = main()
+    sys.exit(status)

@@ -32,7 +32,7 @@ POLICY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _SEGMENT_CHAR_CLASS = re.compile(r"\[(!?)(\]?[^\]]*)\]")
 #: The same two rules as JSON Schema patterns (ECMA regexes, for editors): a name without `..`, and a class entry
-#: with its wildcards; `tests/test_schema.py` draws documents and holds the schema to the validators.
+#: with its wildcards; `tests/policy/test_schema.py` draws documents and holds the schema to the validators.
 POLICY_NAME_SCHEMA = r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]|\.[A-Za-z0-9_-])*\.?$"
 CLASS_NAME_SCHEMA = r"^[A-Za-z_*?][A-Za-z0-9_*?]*(?:\.[A-Za-z_*?][A-Za-z0-9_*?]*)*$"
 

@@ -102,7 +102,7 @@ def vibevoice_inputs():
     return dict(input_ids=ids, input_values=audio, padding_mask=torch.ones(1, 32, dtype=torch.bool), sample=False)
 
 
-# The sample of model families `auto` must stream right (tests/test_generic.py, tests/comfy).
+# The sample of model families `auto` must stream right (tests/engine/test_generic.py, tests/comfy).
 _LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 
 

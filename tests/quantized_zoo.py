@@ -5,7 +5,7 @@ the float model.
 Routes: `int8`, `convrot_int8`, `convrot_int4` by a policy's quant rule in memory; GGUF types through the file
 (`save_pretrained` -> `streamwise quantize` -> `load_pretrained`). A case passes when the output is within the
 format's envelope of the float model (cosine similarity, `ENVELOPE`) and budget 0 computes exactly what the
-resident model computes. `tests/test_quantized_zoo.py` runs a sample; `benchmarks/quantized_zoo.py` every class.
+resident model computes. `tests/quant/test_quantized_zoo.py` runs a sample; `benchmarks/quantized_zoo.py` every class.
 """
 
 from __future__ import annotations
@@ -82,7 +82,40 @@ def _flux():
     return model.eval(), inputs
 
 
+def _diffusers(class_name: str, config: dict, inputs: Callable[[torch.Generator], dict]):
+    """A diffusers model class at a small size, with inputs drawn from a fixed generator."""
+
+    def build():
+        import diffusers
+
+        torch.manual_seed(0)
+        return getattr(diffusers, class_name)(**config).eval(), inputs(torch.Generator().manual_seed(1))
+
+    return build
+
+
 CASES["FluxTransformer2DModel"] = _flux
+CASES["UNet2DConditionModel"] = _diffusers(  # Stable Diffusion's UNet: convolutions stay float, attention quantizes
+    "UNet2DConditionModel",
+    dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(256, 256),
+         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+         cross_attention_dim=256, attention_head_dim=4, norm_num_groups=32),
+    lambda g: dict(sample=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g)))
+CASES["SD3Transformer2DModel"] = _diffusers(
+    "SD3Transformer2DModel",
+    dict(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=64,
+         num_attention_heads=4, joint_attention_dim=256, caption_projection_dim=256, pooled_projection_dim=256,
+         pos_embed_max_size=16),
+    lambda g: dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g),
+                   pooled_projections=torch.randn(1, 256, generator=g)))
+CASES["WanTransformer3DModel"] = _diffusers(
+    "WanTransformer3DModel",
+    dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=4, out_channels=4,
+         text_dim=256, freq_dim=256, ffn_dim=512, num_layers=2, rope_max_seq_len=32),
+    lambda g: dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g)))
 
 
 def output(model: nn.Module, inputs: dict) -> torch.Tensor:

@@ -31,7 +31,7 @@ from ..quant.gguf_dequant import dequantize
 from . import carried_files
 from .conversion import under_model_keys
 from .limits import MAX_GGUF_DIMS
-from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
+from .readers import ORIGINAL_SHAPE, CheckpointError, StoredTensor, file_type, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,6 @@ def quantize_to_gguf(
     destination = Path(destination)
     checkpoint = under_model_keys(open_checkpoint(source), model)  # named as the model names them
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
-    deep = sorted(name for name, stored in checkpoint.tensors.items() if len(stored.shape) > MAX_GGUF_DIMS)
-    if deep:  # written anyway, the file would be one no GGUF reader (this one, llama.cpp's) takes back
-        raise CheckpointError([f"{checkpoint.path}: a GGUF holds tensors of at most {MAX_GGUF_DIMS} dimensions "
-                               f"(llama.cpp's limit), and {len(deep)} here have more: {', '.join(deep[:4])}"
-                               f"{', ...' if len(deep) > 4 else ''}; keep this model in safetensors"])
     files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
              else carried_files.collect(config_folder(Path(source))))
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
@@ -82,6 +77,9 @@ def quantize_to_gguf(
             for name, stored in sorted(checkpoint.tensors.items()):
                 wanted = chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None
                 data, qtype, size = _convert(name, stored, wanted)
+                if len(stored.shape) > MAX_GGUF_DIMS:  # no GGUF holds it: rows of its first dimension, as ComfyUI-GGUF
+                    data = data.reshape(stored.shape[0], -1)
+                    writer.add_array(ORIGINAL_SHAPE.format(name=name), [int(d) for d in stored.shape])
                 if name.endswith(".weight") and len(stored.shape) >= 2 and (qtype is None or qtype.name in _FLOATS):
                     if wanted not in _FLOATS:  # a float type a rule chose is no layer left behind
                         left[name] = _why_float(stored.shape, wanted)

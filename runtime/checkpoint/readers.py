@@ -23,7 +23,7 @@ import gguf
 import torch
 from torch import Tensor
 
-from ..quant.gguf_dequant import STORED_FLOATS
+from ..quant.gguf_dequant import STORED_FLOATS, dequantize
 from . import limits
 from .checked_file import CheckedFile
 from .errors import CheckpointError as CheckpointError  # re-exported: callers name it here
@@ -355,6 +355,25 @@ class FileRange:
         return self.file.read(self.offset, self.nbytes).view(self.dtype).reshape(self.shape)
 
 
+ORIGINAL_SHAPE = "comfy.gguf.orig_shape.{name}"
+"""ComfyUI-GGUF's key for a tensor stored in another shape than its own (a 5-D Conv3d weight, which no GGUF holds,
+or rows regrouped by 256): an array of the tensor's dimensions. Streamwise reads it and writes it alike."""
+
+
+def _original_shape(path: Path, metadata: dict[str, Value], name: str, stored: tuple[int, ...]):
+    """The shape `ORIGINAL_SHAPE` gives tensor `name`, checked against the elements it has; None without one."""
+    key = ORIGINAL_SHAPE.format(name=name)
+    found = metadata.get(key)
+    if found is None:
+        return None
+    dims = found.integers
+    if not found.array or not dims or any(d <= 0 for d in dims) or len(dims) > limits.MAX_ORIGINAL_DIMS \
+            or math.prod(dims) != math.prod(stored):
+        raise CheckpointError([f"{path}: metadata `{key}`: {found.value!r} is no shape of the {math.prod(stored)} "
+                               f"elements tensor `{name}` holds (stored as {list(stored)})"])
+    return tuple(dims)
+
+
 def _gguf(path: Path) -> Checkpoint:
     """A GGUF file, its header checked in full (`gguf_header`), its tensors read on demand."""
     plain = {  # stored as they compute: never residents, read as tensors of their dtype
@@ -374,9 +393,18 @@ def _gguf(path: Path) -> Checkpoint:
     for info in header.tensors:
         shape = tuple(reversed(info.dims))
         offset = header.data_start + info.offset
+        original = _original_shape(path, header.metadata, info.name, shape)
         if info.qtype in plain:
-            read = FileRange(checked, offset, plain[info.qtype], shape)
-            tensors[info.name] = StoredTensor(info.name, str(path), shape, plain[info.qtype], read)
+            read = FileRange(checked, offset, plain[info.qtype], original or shape)
+            tensors[info.name] = StoredTensor(info.name, str(path), original or shape, plain[info.qtype], read)
+        elif original is not None:  # blocks laid out in another shape than the model's: expanded, then reshaped
+            blocks = FileRange(checked, offset, torch.uint8, (info.nbytes,))
+            tensors[info.name] = StoredTensor(
+                info.name, str(path), original, torch.float32,
+                lambda blocks=blocks, qtype=info.qtype, shape=shape, original=original:
+                    dequantize(blocks(), qtype, shape).reshape(original),
+                note=f"dequantized from {info.qtype.name}: stored as {list(shape)}, its shape is {list(original)} "
+                     f"(`{ORIGINAL_SHAPE}`)")
         else:
             read = FileRange(checked, offset, torch.uint8, (info.nbytes,))
             tensors[info.name] = StoredTensor(info.name, str(path), shape, torch.uint8, read, info.qtype)

@@ -169,7 +169,8 @@ Check = Callable[[str, nn.Module, _Roles, "Fit | None"], "tuple[_Roles, Any] | N
 Template = tuple[tuple[str, str | None, str | None], tuple, str | None]
 #: The order `ModulePlan`'s fields are built in from a template, positionally (several times faster than by keyword
 #: for the thousands of entries of a large model): path, the template's head, relocated tensors, its tail, the unit
-#: flag, the reason. `tests/test_resolve.py` holds it to `ModulePlan._fields`, so a field added or moved fails there.
+#: flag, the reason. `tests/plan/test_resolve.py` holds it to `ModulePlan._fields`, so a field added or moved fails
+#: there.
 ENTRY_LAYOUT = ("path", "class_name", "stream", "stream_rule", "relocate", "relocate_rule", "quant", "quant_rule",
                 "group_size", "gguf_type", "compile_unit", "kind_reason")
 # What a streamed module's fetch brings: the names of its parameters that stream, ALL of them, or None (nothing).

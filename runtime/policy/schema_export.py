@@ -3,7 +3,7 @@
 - flat (every `$ref` inlined, no `$defs`, no `allOf`, no `null`): TOML language servers such as
   taplo/Even Better TOML stumble over references, and TOML has no null;
 - generated from the pydantic models only: each check a validator makes is stated beside it as schema keywords
-  (patterns, a selector's one entry, `dependencies`, `if`/`then`), and `tests/test_schema.py` draws documents and
+  (patterns, a selector's one entry, `dependencies`, `if`/`then`), and `tests/policy/test_schema.py` draws documents and
   holds the schema and the validators to the same answer; RE2 validity and TOML's integer type are the two things a
   schema cannot say (a TOML float 16.0 is the number 16 to it);
 - committed under `schemas/`, and a test fails when it is stale. Regenerate with:

@@ -110,10 +110,38 @@ def make_resident(
         leaf = {k: v for k, v in protocol.leaf_attributes(module, tree).items() if k not in module.__dict__}
         if tree is None:
             leaf.pop(protocol.TREE, None)
+        compute_dtype = _compute_dtype(module, replaced)
+        _compute_dtype_first(module, compute_dtype, journal)
         attributes = {**leaf, **protocol.stored_dtype_attributes(aligned),
-                      protocol.COMPUTE_DTYPE: _compute_dtype(module, replaced), **attributes}
+                      protocol.COMPUTE_DTYPE: compute_dtype, **attributes}
         journal.swap_class(module, resident_class(type(module), format_name), attributes, "resident",
                            clears=tuple(protocol.LEAF_DEFAULTS))
+
+
+def _compute_dtype_first(module: nn.Module, compute_dtype: torch.dtype, journal: Journal) -> None:
+    """Order the resident's parameters so a float one of its compute dtype (its bias) comes first, then other floats
+    (scales), then the raw storage: model code that takes `next(module.parameters()).dtype` for the dtype to cast its
+    input to (diffusers' Wan and Stable Audio time embedders, many pipelines) gets the compute dtype, not the
+    storage's integers. A resident with no float parameter of its own still answers its storage dtype there."""
+    parameters = module._parameters
+    order = list(parameters)
+
+    def rank(name: str) -> int:
+        tensor = parameters[name]
+        if tensor is None or not tensor.is_floating_point():
+            return 2
+        return 0 if tensor.dtype == compute_dtype else 1
+
+    wanted = sorted(order, key=rank)
+    if wanted != order:
+        _reorder(parameters, wanted)
+        journal.add(lambda: _reorder(parameters, [name for name in order if name in parameters]))
+
+
+def _reorder(parameters: dict, names: list[str]) -> None:
+    """`parameters` (a module's own dict, kept in place) in the order `names` gives."""
+    items = [(name, parameters.pop(name)) for name in names]
+    parameters.update(items)
 
 
 def _compute_dtype(module: nn.Module, replaced: Tensor | None) -> torch.dtype:

@@ -86,7 +86,7 @@ def test_the_generate_text_workflow(nodes):
 def test_the_compile_workflow(nodes):
     mappings, root = nodes
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_compile.json").read_text())
-    workflow["2"]["inputs"]["backend"] = "aot_eager"  # inductor is covered in tests/test_compile.py; keep this quick
+    workflow["2"]["inputs"]["backend"] = "aot_eager"  # inductor: tests/compile/test_compile.py; keep this quick
     del workflow["3"]  # its Generate Text would load the MODEL; test_a_compiled_model_generates_text runs that
     outputs = run_workflow(mappings, workflow)
     loaded, compiled = outputs["1"][0], outputs["2"][0]

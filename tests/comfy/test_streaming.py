@@ -174,7 +174,7 @@ def test_unloads_send_relocated_tensors_back(core, monkeypatch):
     assert applied_state(model).tree.compute_device == CPU
 
 
-# Models nobody wrote a policy for, converted by `auto` (tests/helpers.py: the sample of tests/test_generic.py).
+# Models nobody wrote a policy for, converted by `auto` (tests/helpers.py: the sample of tests/engine/test_generic.py).
 ON_META = ["dense", "gemma", "gpt2", "encoder-decoder", "vision", "custom"]  # their forwards run on `meta`
 
 

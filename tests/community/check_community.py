@@ -1,6 +1,6 @@
 """Runs inside a separate environment with the community `vibevoice` package (transformers 4.51.3).
 
-Prints one JSON object for tests/test_community_vibevoice.py: the shipped policy's plan for the
+Prints one JSON object for tests/convert/test_community_vibevoice.py: the shipped policy's plan for the
 full-size community model on meta, and parity checks of streamed community modules on CPU.
 """
 

@@ -31,13 +31,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # module -> the tests that state its behaviour (run against each of its mutants)
 MODULES = {
-    "runtime/plan/auto.py": ["tests/test_auto_policy.py"],
-    "runtime/plan/precedence.py": ["tests/test_precedence.py"],
-    "runtime/plan/selectors.py": ["tests/test_selectors.py", "tests/test_precedence.py"],
-    "runtime/engine/kinds.py": ["tests/test_kinds.py", "tests/test_generic.py", "tests/test_probe.py"],
-    "runtime/engine/probe.py": ["tests/test_probe.py"],
-    "runtime/checkpoint/readers.py": ["tests/test_hostile_checkpoints.py"],
-    "runtime/policy/limits.py": ["tests/test_hostile_policies.py"],
+    "runtime/plan/auto.py": ["tests/plan/test_auto_policy.py"],
+    "runtime/plan/precedence.py": ["tests/plan/test_precedence.py"],
+    "runtime/plan/selectors.py": ["tests/plan/test_selectors.py", "tests/plan/test_precedence.py"],
+    "runtime/engine/kinds.py": [
+        "tests/engine/test_kinds.py", "tests/engine/test_generic.py", "tests/engine/test_probe.py"],
+    "runtime/engine/probe.py": ["tests/engine/test_probe.py"],
+    "runtime/checkpoint/readers.py": ["tests/checkpoint/test_hostile_checkpoints.py"],
+    "runtime/policy/limits.py": ["tests/policy/test_hostile_policies.py"],
 }
 # The plausible bugs: comparisons, boolean logic, negation, constants, loop control. Arithmetic swaps (every `+` as
 # each of ten other operators) would multiply the run for mutants a reviewer would not call plausible.

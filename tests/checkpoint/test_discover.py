@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamwise.runtime.checkpoint import discover as model_files
+from streamwise.runtime.checkpoint import discover
 from streamwise.runtime.checkpoint.weight_files import SHARD_INDEX
 
 from helpers import tiny_qwen2
@@ -26,7 +26,7 @@ def model_folder(folder: Path, *weights: str) -> Path:
 
 
 def labels(root: Path, key: str = "k") -> list[str]:
-    return list(model_files.list_models({key: [root]}))
+    return list(discover.list_models({key: [root]}))
 
 
 def test_a_gguf_beside_config_json_is_offered_and_loads_with_that_config(tmp_path):
@@ -37,13 +37,13 @@ def test_a_gguf_beside_config_json_is_offered_and_loads_with_that_config(tmp_pat
     tiny_qwen2().save_pretrained(folder)
     assert main(["quantize", str(folder), str(folder / "model.gguf"), "--policy", "decoder-llm"]) == 0
     roots = {"LLM": [tmp_path]}
-    assert list(model_files.list_models(roots)) == ["LLM/qwen", "LLM/qwen/model.gguf", "LLM/qwen/model.safetensors"]
+    assert list(discover.list_models(roots)) == ["LLM/qwen", "LLM/qwen/model.gguf", "LLM/qwen/model.safetensors"]
 
-    picked = model_files.resolve_model("LLM/qwen/model.gguf", roots)
+    picked = discover.resolve_model("LLM/qwen/model.gguf", roots)
     assert picked == folder / "model.gguf"
     assert Path(load_pretrained(picked, "decoder-llm").report.file).name == "model.gguf"
     # The folder's own label keeps loading what it loaded before the .gguf sat beside it.
-    whole = load_pretrained(model_files.resolve_model("LLM/qwen", roots), "decoder-llm")
+    whole = load_pretrained(discover.resolve_model("LLM/qwen", roots), "decoder-llm")
     assert Path(whole.report.file).name == "model.safetensors"
 
 
@@ -123,7 +123,7 @@ def test_symlinked_folders_and_files_are_followed(tmp_path):
         "k/linked", "k/linked/model.gguf", "k/snapshot", "k/snapshot/model.gguf",
         "k/store/deep", "k/store/deep/model.safetensors",
     ]
-    assert model_files.resolve_model("k/linked/model.gguf", {"k": [root]}) == root / "linked" / "model.gguf"
+    assert discover.resolve_model("k/linked/model.gguf", {"k": [root]}) == root / "linked" / "model.gguf"
 
 
 def test_a_link_to_a_listed_folder_never_takes_over_its_label(tmp_path):
@@ -150,11 +150,11 @@ def test_labels_resolve_only_to_what_was_listed(tmp_path):
     model_folder(root / "m", "model.gguf")
     model_folder(tmp_path / "outside", "model.gguf")
     roots = {"k": [root]}
-    assert model_files.resolve_model("k/m", roots) == root / "m"
+    assert discover.resolve_model("k/m", roots) == root / "m"
     for label in ("k/../outside", "k/../outside/model.gguf", "k/m/../m", str(tmp_path / "outside"), "m", "x/m",
                   "k/m/config.json", "k/"):
         with pytest.raises(FileNotFoundError, match="no model"):
-            model_files.resolve_model(label, roots)
+            discover.resolve_model(label, roots)
 
 
 def test_the_first_root_of_a_key_wins_a_shared_label(tmp_path):
@@ -162,7 +162,7 @@ def test_the_first_root_of_a_key_wins_a_shared_label(tmp_path):
     model_folder(tmp_path / "second" / "m", "model.gguf")
     model_folder(tmp_path / "other" / "m", "model.gguf")
     roots = {"k": [tmp_path / "first", tmp_path / "second", tmp_path / "missing"], "LLM": [tmp_path / "other"]}
-    assert model_files.list_models(roots) == {
+    assert discover.list_models(roots) == {
         "LLM/m": tmp_path / "other" / "m", "LLM/m/model.gguf": tmp_path / "other" / "m" / "model.gguf",
         "k/m": first, "k/m/model.gguf": first / "model.gguf",
     }
@@ -182,15 +182,15 @@ def test_diffusers_model_folders_are_offered_whole_and_load(tmp_path):
     for variant in ("fp16", "bf16"):  # no plain file: the folder loads with a dtype, and says so without one
         model.save_pretrained(tmp_path / "variants", variant=variant)
     roots = {"k": [tmp_path]}
-    assert list(model_files.list_models(roots)) == [
+    assert list(discover.list_models(roots)) == [
         "k/sharded", "k/vae", "k/vae/diffusion_pytorch_model.fp16.safetensors",
         "k/vae/diffusion_pytorch_model.safetensors", "k/variants",
         "k/variants/diffusion_pytorch_model.bf16.safetensors", "k/variants/diffusion_pytorch_model.fp16.safetensors",
     ]
     for label in ("k/sharded", "k/vae", "k/vae/diffusion_pytorch_model.fp16.safetensors"):
-        report = load_pretrained(model_files.resolve_model(label, roots), "any-module", progress=False).report
+        report = load_pretrained(discover.resolve_model(label, roots), "any-module", progress=False).report
         assert report.built == "AutoencoderKL (diffusers `_class_name`)"
-    report = load_pretrained(model_files.resolve_model("k/variants", roots), "any-module", dtype=torch.bfloat16,
+    report = load_pretrained(discover.resolve_model("k/variants", roots), "any-module", dtype=torch.bfloat16,
                              progress=False).report
     assert report.file.endswith("diffusion_pytorch_model.bf16.safetensors")
 
@@ -210,7 +210,7 @@ def test_a_listing_is_cached_on_the_folders_walked_and_walks_again_when_one_chan
     settled(root), settled(elsewhere)
     scans = []
     real_scandir = os.scandir
-    monkeypatch.setattr(model_files.os, "scandir", lambda path: scans.append(path) or real_scandir(path))
+    monkeypatch.setattr(discover.os, "scandir", lambda path: scans.append(path) or real_scandir(path))
     first = labels(root)
     walked = len(scans)
     assert first == ["k/a", "k/a/model.gguf", "k/linked/b", "k/linked/b/model.gguf"] and walked >= 4
@@ -226,10 +226,10 @@ def test_symlinks_are_followed_within_the_depth_and_folder_bounds(tmp_path, monk
     for index in range(50):  # a link to a large tree (`/`, say)
         (elsewhere / f"f{index:02d}").mkdir(parents=True)
     root.joinpath("everything").symlink_to(elsewhere, target_is_directory=True)
-    monkeypatch.setattr(model_files, "MAX_DEPTH", 3)
-    monkeypatch.setattr(model_files, "MAX_FOLDERS", 20)
+    monkeypatch.setattr(discover, "MAX_DEPTH", 3)
+    monkeypatch.setattr(discover, "MAX_FOLDERS", 20)
     scans = []
     real_scandir = os.scandir
-    monkeypatch.setattr(model_files.os, "scandir", lambda path: scans.append(path) or real_scandir(path))
+    monkeypatch.setattr(discover.os, "scandir", lambda path: scans.append(path) or real_scandir(path))
     assert labels(root) == ["k/1/2/shallow", "k/1/2/shallow/model.gguf"]  # `deep` is 5 folders down
     assert len(scans) == 20

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from quantized_zoo import ENVELOPE as STACKED
 from quantized_zoo import cosine
 from torch import nn
 
@@ -59,7 +60,7 @@ class DirectReads(nn.Module):
 READS = ["T5 guard", "F.linear", ".T", ".to(dtype)", ".float() and shape"]
 
 
-def _quantized(module: nn.Module, fmt: str, tmp_path) -> nn.Module:
+def _quantized(module: nn.Module, fmt: str, tmp_path, build=None) -> nn.Module:
     """`module` with its Linear made a resident of `fmt`: by a policy in memory, or for GGUF through the file
     `streamwise quantize` writes (Q8_0), loaded back."""
     if fmt != "gguf":
@@ -76,7 +77,7 @@ def _quantized(module: nn.Module, fmt: str, tmp_path) -> nn.Module:
     policy = gguf_policy(tmp_path, "Q8_0", "any-module")
     quantize_to_gguf(tmp_path / "float.safetensors", tmp_path / "q.gguf", policy, module)
     with streamwise.skeleton():
-        loaded = DirectReads(module.read)
+        loaded = build() if build is not None else DirectReads(module.read)
     streamwise.load(loaded, tmp_path / "q.gguf", policy)
     return loaded
 
@@ -162,6 +163,32 @@ def test_the_dtype_shown_is_the_float_weights_it_replaces(tmp_path, fmt):
     else:
         module = _quantized(module, fmt, tmp_path)
     assert module.proj.weight.dtype == torch.bfloat16 and not module.proj._parameters["weight"].is_floating_point()
+
+
+class TimeEmbedding(nn.Module):
+    """Casts its input to its first parameter's dtype, as diffusers' Wan and Stable Audio time embedders do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_1, self.linear_2 = nn.Linear(IN, OUT), nn.Linear(OUT, OUT)
+
+    def forward(self, x):
+        x = x.to(next(iter(self.parameters())).dtype)
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+@pytest.mark.parametrize("fmt", list(ENVELOPE))
+def test_code_taking_a_residents_first_parameter_for_its_dtype_gets_the_compute_dtype(tmp_path, fmt):
+    torch.manual_seed(0)
+    module = TimeEmbedding()
+    x = torch.randn(4, IN)
+    with torch.no_grad():
+        expected = module(x)
+        quantized = _quantized(copy.deepcopy(module), fmt, tmp_path, build=TimeEmbedding)
+        got = quantized(x)
+    assert next(iter(quantized.parameters())).dtype == torch.float32
+    assert cosine(got, expected) >= STACKED[fmt if fmt != "gguf" else "Q8_0"]  # two layers: the zoo's envelope
+    assert not quantized.linear_1._parameters["weight"].is_floating_point()  # quantized, its bias first
 
 
 def test_a_compiled_block_reading_a_quantized_weights_dtype_breaks_no_graph(tmp_path):

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_gguf_dequant import random_bytes
+from gguf_blocks import random_bytes
 from torch import nn
 
 import streamwise

@@ -106,3 +106,18 @@ def test_the_moved_modules_still_export_what_they_did():
 
     assert (moved_skeleton.register_builder, moved_skeleton.build_skeleton, moved_skeleton.skeleton) == (
         build.register_builder, build.build_skeleton, build.skeleton)
+
+
+def test_tests_hold_one_folder_per_stage_and_pytest_walks_every_one():
+    """tests/<stage>/ for each stage (project-wide checks in tests/project/, a real core's in tests/comfy/); pytest's
+    `norecursedirs` must pass over none of them (its default leaves out any folder named `build`)."""
+    import fnmatch
+
+    import tomllib
+
+    tests = REPO / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders == STAGES | {"project", "comfy"}
+    assert [p.name for p in tests.glob("test_*.py")] == []  # every test lives in its stage's folder
+    skipped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["norecursedirs"]
+    assert [name for name in folders if any(fnmatch.fnmatch(name, pattern) for pattern in skipped)] == []

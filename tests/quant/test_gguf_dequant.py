@@ -10,11 +10,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, random_bytes
 
 from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, UnsupportedQuantType, dequantize
-
-Q = gguf.GGMLQuantizationType
-FLOATS = (Q.F32, Q.F16, Q.BF16)
 
 
 def reference_dequantizes(qtype: Q) -> bool:
@@ -28,52 +26,10 @@ def reference_dequantizes(qtype: Q) -> bool:
 
 GGUF_TYPES = [qtype for qtype in gguf.GGML_QUANT_SIZES if reference_dequantizes(qtype)]
 QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ1_0, Q.TQ2_0, Q.MXFP4)  # gguf.quants.quantize has these
-# Byte offsets of the float16 d / dmin / m fields inside one block (ggml-common.h). MXFP4 and NVFP4 scales are
-# 8-bit floats without NaN; IQ1_M keeps d's bits in the top nibbles of its last four u16 (see `write_iq1_m_scales`).
-SCALE_OFFSETS = {
-    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.IQ1_S: (0,), Q.IQ1_M: (), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,),
-    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.TQ1_0: (52,), Q.TQ2_0: (64,), Q.MXFP4: (), Q.NVFP4: (),
-}
-# float16 scales every random-bytes test plants: quiet and signalling NaNs with payloads, both infinities,
-# subnormals, negative zero, the largest finite.
-SPECIAL_HALVES = np.array([0x7E01, 0xFE00, 0x7D55, 0x7C00, 0xFC00, 0x0001, 0x83FF, 0x8000, 0x7BFF], dtype=np.uint16)
 SHAPES = [(4, 256), (3, 512)]
 SUPPORTED = [*FLOATS, *SCALE_OFFSETS]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 by_name = {"ids": lambda t: t.name}
-
-
-def write_iq1_m_scales(raw: np.ndarray, scales: np.ndarray) -> None:
-    """Write float16 `scales` into the top nibbles of each IQ1_M block's last four u16, lowest nibble first."""
-    words = raw[:, 48:56].copy().view(np.uint16)
-    bits = scales.view(np.uint16)[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)
-    raw[:, 48:56] = ((words & 0x0FFF) | ((bits & 0xF) << 12)).view(np.uint8)
-
-
-def random_bytes(qtype: Q, shape: tuple[int, int], seed: int = 0, finite: bool = True) -> np.ndarray:
-    """Raw blocks of `shape`, one row per tensor row: random bits, with finite float scales unless not `finite`
-    (then the first blocks' float16 scales are SPECIAL_HALVES)."""
-    rng = np.random.default_rng(seed)
-    if qtype in FLOATS and finite:
-        return gguf.quants.quantize(rng.standard_normal(shape, dtype=np.float32), qtype).view(np.uint8)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    n_blocks = shape[0] * shape[1] // block_size
-    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    if not finite:
-        planted = min(n_blocks, len(SPECIAL_HALVES))
-        for shift, offset in enumerate(SCALE_OFFSETS.get(qtype, ())):  # shifted: d and m NaN with other payloads
-            raw[:planted, offset : offset + 2] = np.roll(SPECIAL_HALVES, shift)[:planted, None].view(np.uint8)
-        if qtype == Q.IQ1_M:
-            write_iq1_m_scales(raw[:planted], SPECIAL_HALVES[:planted].view(np.float16))
-        return raw.reshape(shape[0], -1)
-    for offset in SCALE_OFFSETS[qtype]:
-        scales = rng.uniform(-2, 2, n_blocks).astype(np.float16)
-        raw[:, offset : offset + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
-    if qtype == Q.IQ1_M:
-        write_iq1_m_scales(raw, rng.uniform(-2, 2, n_blocks).astype(np.float16))
-    return raw.reshape(shape[0], -1)
 
 
 def same_bits(result: torch.Tensor, expected: torch.Tensor) -> bool:

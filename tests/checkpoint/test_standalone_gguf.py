@@ -148,13 +148,60 @@ def test_quantize_stopped_by_a_file_size_limit_says_why_and_leaves_no_file(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no partial file, no destination
 
 
-def test_quantize_refuses_a_model_with_tensors_a_gguf_cannot_hold_before_writing(tmp_path):
-    """A Conv3d patch embedding (GLM-4V's) has 5 dimensions; llama.cpp's GGUF holds 4: refused, nothing written."""
+def test_a_tensor_of_more_dimensions_than_a_gguf_holds_is_written_in_rows_and_read_back_whole(tmp_path):
+    """A Conv3d patch embedding (Wan's, GLM-4V's) has 5 dimensions, a GGUF at most 4: written as rows of its first
+    dimension with its shape under ComfyUI-GGUF's `comfy.gguf.orig_shape.<name>` (an INT32 array, as that reader
+    checks), and read back in its own shape."""
     folder = tmp_path / "model"
     model = tiny_qwen2()
-    model.register_buffer("patch", torch.zeros(2, 3, 2, 2, 2))  # persistent: saved beside the weights
+    patch = torch.randn(2, 3, 2, 2, 2)
+    model.register_buffer("patch", patch.clone())  # persistent: saved beside the weights
     model.save_pretrained(folder)
-    with pytest.raises(CheckpointError, match=r"a GGUF holds tensors of at most 4 dimensions \(llama.cpp's limit\), "
-                                              r"and 1 here have more: patch; keep this model in safetensors"):
-        quantize_to_gguf(folder, tmp_path / "q.gguf", "decoder-llm", tiny_qwen2())
-    assert not (tmp_path / "q.gguf").exists()
+    quantize_to_gguf(folder, tmp_path / "q.gguf", "decoder-llm", model)
+    reader = gguf.GGUFReader(tmp_path / "q.gguf")
+    field = reader.get_field("comfy.gguf.orig_shape.patch")
+    assert field.types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]
+    assert [int(field.parts[i][0]) for i in field.data] == [2, 3, 2, 2, 2]
+    assert [list(t.shape) for t in reader.tensors if t.name == "patch"] == [[24, 2]]  # GGUF order: 2 rows of 24
+    with streamwise.skeleton():
+        loaded = tiny_qwen2()
+    loaded.register_buffer("patch", torch.zeros(2, 3, 2, 2, 2))
+    streamwise.load(loaded, tmp_path / "q.gguf", "decoder-llm", progress=False)
+    assert torch.equal(loaded.patch, patch)
+
+
+def test_quantized_blocks_stored_in_another_shape_are_expanded_and_reshaped_or_refused_when_it_lies(tmp_path):
+    """ComfyUI-GGUF's converter regroups some weights as rows of 256 (`comfy.gguf.orig_shape`): such blocks are
+    dequantized into the model's shape, with the reason in the load report; a recorded shape of another element count
+    is refused naming the key."""
+    torch.manual_seed(0)
+    source = tiny_qwen2()
+    name = "model.layers.0.mlp.down_proj.weight"  # 64 x 128: rows of 128 values, regrouped as rows of 256
+    weight = source.state_dict()[name]
+
+    def write(path, shape):
+        writer = gguf.GGUFWriter(path, arch="streamwise")
+        for key, tensor in source.state_dict().items():
+            if key == name:
+                writer.add_array(f"comfy.gguf.orig_shape.{key}", shape)
+                blocks = gguf.quants.quantize(tensor.reshape(-1, 256).numpy(), gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(key, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                writer.add_tensor(key, tensor.numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    write(tmp_path / "regrouped.gguf", [64, 128])
+    with streamwise.skeleton():
+        loaded = tiny_qwen2()
+    report = streamwise.load(loaded, tmp_path / "regrouped.gguf", "decoder-llm", progress=False)
+    assert (loaded.state_dict()[name] - weight).abs().max() < 0.01  # Q8_0's error, in the model's shape
+    assert "stored as [32, 256], its shape is [64, 128]" in report.dequantized_tensors[name]
+    write(tmp_path / "lying.gguf", [64, 64])
+    with streamwise.skeleton():
+        loaded = tiny_qwen2()
+    with pytest.raises(CheckpointError, match=r"metadata `comfy.gguf.orig_shape.model.layers.0.mlp.down_proj.weight`:"
+                                              r" .* is no shape of the 8192 elements"):
+        streamwise.load(loaded, tmp_path / "lying.gguf", "decoder-llm", progress=False)

@@ -8,7 +8,7 @@ import gc
 import gguf
 import pytest
 import torch
-from test_gguf_dequant import random_bytes
+from gguf_blocks import random_bytes
 from torch import nn
 
 import streamwise
