@@ -255,6 +255,33 @@ def test_apply_never_changes_its_input_and_converts_it_again_under_any_policy(no
     assert applied_state(outputs["int8-linears"].model).plan.policy == "int8-linears"
 
 
+@pytest.mark.parametrize("unload", ["unpatch_model", "partially_unload"])
+def test_an_unloaded_copy_shares_its_weights_with_its_input_again(nodes, unload):
+    """Core moves a weight back from a device as a new host tensor: a copy unloaded from a GPU would hold a second
+    host copy of every weight. Simulated here (no GPU): the copy's weights replaced by equal new tensors, as an unload
+    leaves them; after core's unload each shares its input's tensor again, but a weight whose values differ does not."""
+    import comfy.model_patcher
+
+    mappings, _ = nodes
+    model = tiny_qwen2()
+    plain = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    copy = mappings["ApplyStreamwisePolicy"].execute(plain, "decoder-llm").args[0]
+    copy.load(torch.device("cpu"))
+    source = dict(model.named_parameters())
+    copied = dict(copy.model.named_parameters())
+    assert all(copied[name].data_ptr() == tensor.data_ptr() for name, tensor in source.items())  # one copy to start
+    for tensor in copied.values():
+        tensor.data = tensor.data.clone()  # as an unload from a device leaves them
+    changed = "model.layers.0.mlp.up_proj.weight"
+    copied[changed].data += 1
+    if unload == "unpatch_model":
+        copy.unpatch_model(device_to=torch.device("cpu"))
+    else:
+        copy.partially_unload(torch.device("cpu"), 0)
+    apart = sorted(name for name, tensor in source.items() if copied[name].data_ptr() != tensor.data_ptr())
+    assert apart == [changed]
+
+
 def test_a_stranding_plan_is_refused_by_model_patcher_and_the_apply_node_unless_accepted(nodes):
     import comfy.model_patcher
 

@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -64,11 +65,15 @@ def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> A
     weight it shares. Stranding is refused as by `model_patcher`, before anything is made.
     """
     tree = unconverted_copy(patcher.model)
+    shared = {joined(path, name): weakref.ref(tensor) for path, module in walk_modules(patcher.model)
+              for name, tensor in module._parameters.items() if tensor is not None}
     for key, saved in getattr(patcher, "backup", {}).items():  # a weight core patched in place: its unpatched one
         owner, _, name = key.rpartition(".")
         module = tree.get_submodule(owner)
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(saved.weight.detach(), requires_grad=False)
+            shared[key] = weakref.ref(saved.weight)
+    tree.__dict__[protocol.SHARED] = shared
     if "current_weight_patches_uuid" in tree.__dict__:
         tree.current_weight_patches_uuid = None  # core patches the copy afresh
     policy = _host(tree, policy, allow_stranded)
@@ -142,6 +147,26 @@ def patcher_class(base: type) -> type:
     return derived_class(patcher_class, (base,), f"Streamwise{base.__name__}", base, dict, mixins=(_TreeKeeping,))
 
 
+def _share_again(model: nn.Module) -> None:
+    """After an unload, a copied tree's weights share their host tensors with the tree they were copied from again.
+    Core moves a weight back by making a new host tensor, so a copy loaded on a device and unloaded would otherwise
+    hold a second host copy of every weight it shares. Only a weight whose values are the shared tensor's, on its
+    device, shares it again (one still patched, or quantized by the copy's policy, keeps its own); a shared tensor
+    its tree let go of is not kept alive for this."""
+    shared = model.__dict__.get(protocol.SHARED)
+    if not shared:
+        return
+    for path, module in walk_modules(model):
+        for name, tensor in module._parameters.items():
+            reference = shared.get(joined(path, name))
+            home = reference() if reference is not None else None
+            if (home is None or tensor is None or not (file_tier.in_memory(tensor) and file_tier.in_memory(home))
+                    or tensor.device != home.device or tensor.data_ptr() == home.data_ptr()
+                    or tensor.shape != home.shape or tensor.dtype != home.dtype or not torch.equal(tensor, home)):
+                continue
+            tensor.data = home.detach()
+
+
 def _patched_at_fetch(module: nn.Module) -> bool:
     """Whether core leaves `module`'s patches to this host: a streamed container, or a module reading its weights
     from the file (neither is in core's load list), gets them as weight functions."""
@@ -186,6 +211,7 @@ class _TreeKeeping:
 
     def partially_unload(self, device_to, *args, **kwargs):
         freed = super().partially_unload(device_to, *args, **kwargs)
+        _share_again(self.model)
         for module in self.model.modules():
             merged = module.__dict__.get(protocol.MERGED_PATCH)
             if merged is not None and not module.__dict__.get(protocol.PATCHED_FLAG, False):
@@ -206,6 +232,7 @@ class _TreeKeeping:
                     module.weight_function, module.bias_function = [], []
         if device_to is not None:
             offload_relocated(self.model, device_to)
+            _share_again(self.model)
         return result
 
     def patch_weight_to_device(self, key, device_to=None, inplace_update=False, *args, **kwargs):
