@@ -86,8 +86,19 @@ def small_model(name: str):
     return model, inputs
 
 
+MEMORY = 6 << 30
+"""The most a case's process may allocate: a class the generic shrink leaves huge (Qwen3-Omni-MoE's talker took 23 GB
+and the kernel's OOM killer) fails alone with a MemoryError, instead of starving everything else on the machine."""
+
+
 def _child(name: str, queue) -> None:
-    """Every format for one class, in one process (imports once); each result put as it comes."""
+    """Every format for one class, in one process (imports once), its memory bounded; each result put as it comes."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (MEMORY, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+    except (ImportError, ValueError, OSError):  # not on this platform: bounded by time alone
+        pass
     import quantized_zoo
 
     if name not in quantized_zoo.CASES:
