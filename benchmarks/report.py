@@ -69,14 +69,15 @@ def recorded(name: str, folder: Path = RESULTS) -> Iterator[None]:
     """Print as usual, and write what was printed to `folder/<name>-<date>.md` when the run ends, headed by the
     command, the commit, torch's version, the machine and the load average before and after."""
     started, load_before, printed = datetime.datetime.now(datetime.UTC), _load(), io.StringIO()
+    shown = sys.stdout  # where printing went before: a terminal, a pipe, a caller's capture
 
     class Tee(io.TextIOBase):
         def write(self, text: str) -> int:
             printed.write(text)
-            return sys.__stdout__.write(text)
+            return shown.write(text)
 
         def flush(self) -> None:
-            sys.__stdout__.flush()
+            shown.flush()
 
     with redirect_stdout(Tee()):
         yield

@@ -35,6 +35,7 @@ _SCALARS = {  # value type -> struct format
 _INTEGERS = frozenset(t for t, f in _SCALARS.items() if f in "BbHhIiQq")
 _SMALLEST_ITEM = 8  # a string's length field; every other value is at least one byte
 _CHUNK = 1 << 20
+_LISTING_CHUNK = 4096  # a listing reads a few short keys: one page, not a header's chunk
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,8 @@ class GGUFHeader:
 class _Cursor:
     """Reads the header forward, in chunks, never past the file's end nor `limits.MAX_GGUF_HEADER`."""
 
-    def __init__(self, path, handle, size: int) -> None:
-        self.path, self.handle, self.size = path, handle, size
+    def __init__(self, path, handle, size: int, chunk: int = _CHUNK) -> None:
+        self.path, self.handle, self.size, self.chunk = path, handle, size, chunk
         self.buffer = bytearray()
         self.at = 0
 
@@ -95,7 +96,7 @@ class _Cursor:
         if end > limits.MAX_GGUF_HEADER:
             raise self.error(f"the metadata and tensor table run past {limits.MAX_GGUF_HEADER} bytes, the limit")
         if end > len(self.buffer):
-            wanted = min(max(end - len(self.buffer), _CHUNK), self.size - len(self.buffer))
+            wanted = min(max(end - len(self.buffer), self.chunk), self.size - len(self.buffer))
             chunk = self.handle.read(wanted)
             self.buffer += chunk
             if len(self.buffer) < end:
@@ -164,7 +165,7 @@ def leading_strings(path, keys: int = 8, longest: int = 256) -> dict[str, str]:
     found: dict[str, str] = {}
     try:
         with open(path, "rb") as handle:
-            cursor = _Cursor(path, handle, os.fstat(handle.fileno()).st_size)
+            cursor = _Cursor(path, handle, os.fstat(handle.fileno()).st_size, chunk=_LISTING_CHUNK)
             if cursor.unpack("I", "the magic") != gguf.GGUF_MAGIC or cursor.unpack("I", "the version") not in (2, 3):
                 return found
             cursor.unpack("Q", "the tensor count")

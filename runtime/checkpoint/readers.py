@@ -17,6 +17,7 @@ import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -374,6 +375,11 @@ def _original_shape(path: Path, metadata: dict[str, Value], name: str, stored: t
     return tuple(dims)
 
 
+def _expanded(blocks: FileRange, qtype, stored: tuple[int, ...], original: tuple[int, ...]) -> Tensor:
+    """Quantized blocks laid out as `stored`, as float32 values of the tensor's own shape."""
+    return dequantize(blocks(), qtype, stored).reshape(original)
+
+
 def _gguf(path: Path) -> Checkpoint:
     """A GGUF file, its header checked in full (`gguf_header`), its tensors read on demand."""
     plain = {  # stored as they compute: never residents, read as tensors of their dtype
@@ -400,9 +406,7 @@ def _gguf(path: Path) -> Checkpoint:
         elif original is not None:  # blocks laid out in another shape than the model's: expanded, then reshaped
             blocks = FileRange(checked, offset, torch.uint8, (info.nbytes,))
             tensors[info.name] = StoredTensor(
-                info.name, str(path), original, torch.float32,
-                lambda blocks=blocks, qtype=info.qtype, shape=shape, original=original:
-                    dequantize(blocks(), qtype, shape).reshape(original),
+                info.name, str(path), original, torch.float32, partial(_expanded, blocks, info.qtype, shape, original),
                 note=f"dequantized from {info.qtype.name}: stored as {list(shape)}, its shape is {list(original)} "
                      f"(`{ORIGINAL_SHAPE}`)")
         else:
