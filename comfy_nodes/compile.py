@@ -3,13 +3,15 @@
 Its node id stays `INT8LazyTorchCompile`, the name saved workflows use. Input names are the policy's `[compile]`
 keys (`dynamic_shape_tracing` is `dynamic`); their defaults and tooltips come from that table's schema, so the node
 and a policy file cannot disagree. It shows what it armed and any warning; a compile that stops later is told on the
-node that runs the model (`runtime/hosts/comfyui/compile.py`)."""
+node that runs the model (`runtime/hosts/comfyui/compile.py`). Like every node, it never changes its input: it arms a
+copy of the tree (`copied`), converted as the input is, over the same weights."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
 from ..runtime.compile.settings import runnable_backends
+from ..runtime.hosts.comfyui import copied
 from ..runtime.hosts.comfyui.compile import armed_with_report
 from ..schemas.policy import CompileSettings
 from ..schemas.vocabulary import COMPILE_MODES
@@ -51,11 +53,13 @@ class QuantizedLazyTorchCompile(io.ComfyNode):
                 _setting(io.Boolean, "disable_dynamic_vram"),
                 _setting(io.Boolean, "verbose"),
             ],
-            outputs=[io.Model.Output("model_out", display_name="model", tooltip="The same model, armed to compile.")],
+            outputs=[io.Model.Output("model_out", display_name="model",
+                                     tooltip="A copy of the model (the same weights), armed to compile; the input "
+                                             "stays as it was.")],
         )
 
     @classmethod
     def execute(cls, model, compile_transformer_blocks_only: bool, **settings) -> io.NodeOutput:
         compiled, report = armed_with_report(
-            model.clone(), compile_transformer_blocks_only=compile_transformer_blocks_only, **settings)
+            copied(model), compile_transformer_blocks_only=compile_transformer_blocks_only, **settings)
         return io.NodeOutput(compiled, ui=ui.PreviewText(report))

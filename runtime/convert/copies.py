@@ -7,17 +7,23 @@ memory holds one copy of the weights. Ties (one Parameter, or one module, in two
 
 A source Streamwise converted before is copied as it was before: every conversion record is undone on the copy
 (classes and attributes back), except quantized residents, whose float weights are gone: they stay residents, which
-any policy takes as they are. What the source's tree shares with its copies (its file-tier reads, host budget and
-the folder it came from) carries over; its plan and records do not.
+any policy takes as they are. What the source's tree was loaded with (the weights left in its file, its host budget,
+the folder it came from) carries over, the file read through staging of the copy's own; its plan and records do not.
+A forward set on one module (a hook's `functools.partial(new_forward, module)`, a bound method) is bound to the
+module's copy, so the copy never runs its source.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import types
 from collections import OrderedDict
 
 from torch import Tensor, nn
 
 from ..engine import protocol
+from ..engine.file_tier import FileTier, Sources
 from ..engine.journal import Record
 from .state import AppliedState, applied_state
 
@@ -37,7 +43,7 @@ def unconverted_copy(model: nn.Module) -> nn.Module:
     carried = (state.source, state.tree.file_tier, state.tree.host_budget)
     if residents or any(value is not None for value in carried):  # else the copy is as one never converted
         fresh = AppliedState(source=state.source)
-        fresh.tree.file_tier, fresh.tree.host_budget = state.tree.file_tier, state.tree.host_budget
+        fresh.tree.file_tier, fresh.tree.host_budget = _tier(state.tree.file_tier, copies), state.tree.host_budget
         for module in residents:
             module.__dict__[protocol.TREE] = fresh.tree
         copied.__dict__[protocol.STATE] = fresh
@@ -47,20 +53,41 @@ def unconverted_copy(model: nn.Module) -> nn.Module:
 def _copy_module(module: nn.Module, copies: dict[int, object]) -> nn.Module:
     if id(module) in copies:
         return copies[id(module)]
-    copy = object.__new__(type(module))
-    copies[id(module)] = copy
-    copy.__dict__.update({name: _own(value) for name, value in module.__dict__.items()})
-    copy._parameters = {name: _shared(p, copies) for name, p in module._parameters.items()}
-    copy._buffers = dict(module._buffers)
-    copy._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-    copy._modules = {name: None if child is None else _copy_module(child, copies)
+    twin = object.__new__(type(module))
+    copies[id(module)] = twin
+    twin.__dict__.update({name: _own(value, module, twin, copies) for name, value in module.__dict__.items()})
+    twin._parameters = {name: _shared(p, copies) for name, p in module._parameters.items()}
+    twin._buffers = dict(module._buffers)
+    twin._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    twin._modules = {name: None if child is None else _copy_module(child, copies)
                      for name, child in module._modules.items()}
-    return copy
+    return twin
 
 
-def _own(value: object) -> object:
-    """A container attribute (hook tables, a weight-function list) as a container of the copy's own; else `value`."""
-    return type(value)(value) if type(value) in (dict, OrderedDict, list, set) else value
+def _own(value: object, module: nn.Module, twin: nn.Module, copies: dict[int, object]) -> object:
+    """An attribute of `module` as its copy `twin` holds it: a container (hook tables, a weight-function list) of
+    its own, a callable bound to `module` bound to `twin`, its file-tier sources read through the copy's tier;
+    else `value`."""
+    if type(value) in (dict, OrderedDict, list, set):
+        return type(value)(value)
+    if isinstance(value, Sources):  # a dtype cast of the copy rewrites its own record, never the source's
+        return Sources(_tier(value.tier, copies), dict(value.tensors))
+    if isinstance(value, types.MethodType) and value.__self__ is module:
+        return types.MethodType(value.__func__, twin)
+    if isinstance(value, functools.partial) and value.args and value.args[0] is module:
+        rebound = functools.partial(value.func, twin, *value.args[1:], **value.keywords)
+        rebound.__dict__.update(value.__dict__)  # what `functools.update_wrapper` gave it (`__wrapped__`, names)
+        return rebound
+    return value
+
+
+def _tier(tier: FileTier | None, copies: dict[int, object]) -> FileTier | None:
+    """The copy's reads of the file `tier` reads: staging and read-ahead of its own (one per source tier)."""
+    if tier is None:
+        return None
+    if id(tier) not in copies:
+        copies[id(tier)] = copy.copy(tier)
+    return copies[id(tier)]
 
 
 def _shared(parameter: Tensor | None, copies: dict[int, object]) -> Tensor | None:

@@ -11,12 +11,15 @@ import torch
 
 import streamwise
 from streamwise.runtime.convert import applied_state
-from streamwise.runtime.engine import protocol
+from streamwise.runtime.engine import file_tier, protocol
 from streamwise.runtime.generation import generation_config
 from streamwise.schemas import Policy
 
 from comfy_harness import load_custom_node
 from helpers import REPO, tiny_qwen2, tiny_tokenizer, write_policy
+
+COMPILE = dict(backend="aot_eager", fullgraph=False, mode="default", dynamic_shape_tracing=False,
+               dynamo_cache_size_limit=64, use_guard_filter=True, disable_dynamic_vram=False, verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,70 @@ def test_a_compiled_model_generates_text(nodes):
     (text,) = generate(compiled, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50).args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
     assert streamwise.compile_stats(compiled).graphs >= 1 and streamwise.compile_stats(compiled).fallbacks == []
+
+
+def test_the_compile_node_never_changes_its_input(nodes):
+    """The compile node arms a copy of the tree, converted as its input is, over the same weights: while the compiled
+    MODEL is loaded and runs, its input's blocks run their own forward, the input's file-tier reads stay eager, and
+    the input computes as before."""
+    import comfy.model_management
+
+    mappings, root = nodes
+    loaded, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "decoder-llm", "auto", False,
+                                                          "160KiB").args  # most blocks stay in their file
+    (compiled,) = mappings["INT8LazyTorchCompile"].execute(loaded, True, **COMPILE).args
+    source, tree = loaded.model, compiled.model
+    assert tree is not source and type(tree.model.layers[1]) is type(source.model.layers[1])  # converted alike
+    held = {name: t for name, t in source.named_parameters() if file_tier.in_memory(t)}
+    copy = dict(tree.named_parameters())
+    assert held and all(copy[name].data_ptr() == t.data_ptr() for name, t in held.items())  # one set of weights
+    left = [path for path, module in source.named_modules() if file_tier.in_file(module)]
+    assert left and left == [path for path, module in tree.named_modules() if file_tier.in_file(module)]
+    assert all(tree.get_submodule(path).comfy_cast_weights for path in left)  # they read their file at each forward
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        expected = streamwise.load_pretrained(root / "tiny-qwen2", "decoder-llm", progress=False).model(
+            ids, use_cache=False).logits
+        comfy.model_management.load_models_gpu([compiled])
+        result = compiled.model(ids, use_cache=False).logits
+        assert streamwise.compile_stats(compiled).graphs >= 1
+        assert not any(isinstance(layer.__dict__.get("forward"), functools.partial) for layer in source.model.layers)
+        assert "read" not in vars(applied_state(source).tree.file_tier)  # not wrapped to break graphs: eager
+        with pytest.raises(ValueError, match="not armed"):
+            streamwise.compile_stats(loaded)
+        comfy.model_management.load_models_gpu([loaded])
+        again = loaded.model(ids, use_cache=False).logits
+    assert torch.allclose(result, expected, atol=1e-5) and torch.equal(again, expected)
+
+
+@pytest.mark.parametrize("node", ["ApplyStreamwisePolicy", "INT8LazyTorchCompile"])
+def test_a_copy_keeps_its_own_backups_so_its_patched_input_unpatches_right(nodes, node):
+    """Core's clone shares its backups with the patcher it came from (both patch one tree). A copy's are its own:
+    sharing them, the copy's unload would empty the input's, and the input, patched meanwhile, would keep its LoRA
+    merged for good."""
+    import comfy.model_patcher
+
+    mappings, _ = nodes
+    cpu = torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    plain = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    original = model[0].weight.detach().clone()
+    plain.add_patches({"0.weight": ("diff", (torch.ones(8, 8),))}, 1.0)
+    plain.patch_model(device_to=cpu)
+    assert torch.equal(model[0].weight, original + 1)  # the input is loaded, its LoRA merged
+    inputs = {"policy": "any-module"} if node == "ApplyStreamwisePolicy" else dict(
+        compile_transformer_blocks_only=True, **COMPILE)
+    (copy,) = mappings[node].execute(plain, **inputs).args
+    assert torch.equal(copy.model[0].weight, original)  # the copy starts from the unpatched weight
+    copy.patch_model(device_to=cpu)
+    x = torch.randn(2, 8)
+    expected = model[1](x @ (original + 1).T + model[0].bias)
+    with torch.no_grad():
+        assert torch.allclose(copy.model(x), expected, atol=1e-6)  # the copy applies its LoRA too
+    copy.unpatch_model(cpu)
+    assert torch.equal(copy.model[0].weight, original) and torch.equal(model[0].weight, original + 1)
+    plain.unpatch_model(cpu)
+    assert torch.equal(model[0].weight, original)
 
 
 def test_gguf_files_load_through_the_loader(nodes, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -63,3 +65,45 @@ def test_quantized_residents_stay_residents_in_a_copy_and_compute_the_same(tmp_p
     assert plan.coverage.complete and plan.coverage.stranded == ()
     assert torch.equal(logits(copy), expected)
     assert snapshot(source) == before and torch.equal(logits(source), expected)
+
+
+def test_a_forward_bound_to_a_module_runs_the_copy_not_its_source():
+    """A hook library's per-instance forward (`functools.partial(new_forward, module)`, as accelerate's hooks, with
+    the old bound forward kept beside it) is bound to the copy: the copy never computes with its source's tensors."""
+    source = nn.Sequential(nn.Linear(4, 4))
+    leaf = source[0]
+    leaf._old_forward = leaf.forward
+
+    def new_forward(module, x):
+        return module._old_forward(x) * 2
+
+    leaf.forward = functools.update_wrapper(functools.partial(new_forward, leaf), leaf._old_forward)
+    x = torch.randn(2, 4)
+    expected = source(x)
+    copy = unconverted_copy(source)
+    with torch.no_grad():
+        copy[0].weight.data = torch.zeros(4, 4)  # a move swaps the copy's data; the source keeps its own
+    assert torch.equal(copy(x), copy[0].bias.expand(2, 4) * 2)
+    assert torch.equal(source(x), expected)
+
+
+def test_a_copy_reads_the_file_through_its_own_tier_and_casts_apart(tmp_path):
+    """A loaded tree's weights left in their file: the copy reads them through staging of its own, and a dtype cast
+    of the copy (which rewrites the file-tier records it casts) leaves the source's records and numbers alone."""
+    import streamwise
+    from streamwise.runtime.engine import file_tier
+
+    torch.manual_seed(0)
+    tiny_qwen2().save_pretrained(tmp_path)
+    source = streamwise.load_pretrained(tmp_path, "decoder-llm", progress=False, max_memory={"cpu": 160 << 10}).model
+    expected = logits(source)
+    copy = unconverted_copy(source)
+    left = [(path, m) for path, m in source.named_modules() if file_tier.in_file(m)]
+    assert left
+    for path, module in left:
+        theirs, ours = module.__dict__[protocol.SOURCES], copy.get_submodule(path).__dict__[protocol.SOURCES]
+        assert ours.tier is applied_state(copy).tree.file_tier is not theirs.tier
+    apply_policy(copy, "decoder-llm")
+    copy.to(torch.bfloat16)
+    assert all(source.dtype == torch.float32 for _, m in left for source in file_tier.sources(m).values())
+    assert logits(copy).dtype == torch.bfloat16 and torch.equal(logits(source), expected)

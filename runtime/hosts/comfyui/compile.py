@@ -3,8 +3,8 @@
 Invariants:
 - the compile stage learns of MODELs only through the target this module registers (`HOST_TARGETS["comfyui"]`),
   on import: importing the ComfyUI host (`hosts.comfyui`) registers it;
-- core sets object patches while the MODEL is loaded and undoes them on unload, so the tree it shares with
-  other MODELs (the one it was cloned from) is left alone;
+- core sets object patches while the MODEL is loaded and undoes them on unload; the compile node arms a MODEL over
+  a copy of its input's tree (`patcher.copied`), so even a loaded compiled MODEL leaves its input's tree alone;
 - guards on core's per-call dictionaries are dropped (their contents change every call);
 - when compiling stops during a prompt, the user is told where ComfyUI shows a node's news: as text on the node
   that is executing (core's `send_progress_text`, which the frontend draws on that node) and in the log, which

@@ -1,5 +1,6 @@
 """The ComfyUI host's patcher: `model_patcher(model, ...)` hands a converted foreign tree to core's `ModelPatcher`,
-and `adopt(patcher, policy)` converts the tree of a MODEL another pack loaded.
+`adopt(patcher, policy)` converts the tree of a MODEL another pack loaded, and `copied(patcher)` is a MODEL over a
+copy of a tree, converted as it was, for a node to change (compile) while its input stays as it was.
 
 Invariants:
 - the patcher sees the model's own state-dict keys, so `add_patches` (LoRA) addresses them;
@@ -34,6 +35,11 @@ from ...plan import plan_for
 from ...plan.selectors import joined, walk_modules
 from .fetcher import ComfyFetcher
 
+#: What core's `clone` shares with a clone because both patch one tree (the unpatched weights, buffers and object
+#: attributes it put back on unload, pinned weights, patched weights cached per hook group); a clone over a copied
+#: tree keeps its own, else an unload of one would restore the other's tree, or empty its backups.
+PER_TREE = ("backup", "backup_buffers", "object_patches_backup", "pinned", "hook_backup", "cached_hook_patches")
+
 
 def model_patcher(
     model: nn.Module,
@@ -64,6 +70,27 @@ def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> A
     wrappers, callbacks, options); only its class gains this host's load and unload steps, which never write into a
     weight it shares. Stranding is refused as by `model_patcher`, before anything is made.
     """
+    tree = _copied_tree(patcher)
+    policy = _host(tree, policy, allow_stranded)
+    return _armed(_clone_over(patcher, tree), policy)
+
+
+def copied(patcher: Any) -> Any:
+    """A clone of a MODEL over a copy of its tree converted as its tree is (by the same plan; a tree Streamwise never
+    converted stays unconverted), for a node that changes the model it returns (compiling arms its blocks) while
+    its input, like `adopt`'s, stays exactly as it was."""
+    state = applied_state(patcher.model)
+    tree = _copied_tree(patcher)
+    if state is not None:
+        if state.plan is not None:
+            apply(state.plan, tree)
+        _host(tree, None, allow_stranded=True)  # the input's conversion was accepted where it was made
+    return _clone_over(patcher, tree)
+
+
+def _copied_tree(patcher: Any) -> nn.Module:
+    """An unconverted copy of a MODEL's tree (`convert.copies`), over its unpatched weights, remembering which
+    tensors it shares with the input (`_share_again`)."""
     tree = unconverted_copy(patcher.model)
     shared = {joined(path, name): weakref.ref(tensor) for path, module in walk_modules(patcher.model)
               for name, tensor in module._parameters.items() if tensor is not None}
@@ -76,11 +103,19 @@ def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> A
     tree.__dict__[protocol.SHARED] = shared
     if "current_weight_patches_uuid" in tree.__dict__:
         tree.current_weight_patches_uuid = None  # core patches the copy afresh
-    policy = _host(tree, policy, allow_stranded)
-    adopted = patcher.clone()
-    adopted.model, adopted.size = tree, 0  # core sizes the copy anew (a policy may have quantized it)
-    adopted.__class__ = patcher_class(protocol.original_class(type(patcher)))
-    return _armed(adopted, policy)
+    return tree
+
+
+def _clone_over(patcher: Any, tree: nn.Module) -> Any:
+    """`patcher`'s clone over `tree`, with this host's load and unload steps."""
+    clone = patcher.clone()
+    clone.model, clone.size = tree, 0  # core sizes the copy anew (a policy may have quantized it)
+    clone.weight_inplace_update = False  # core would merge a patch into a weight the copy shares
+    for name in PER_TREE:
+        if hasattr(clone, name):
+            setattr(clone, name, type(getattr(clone, name))())
+    clone.__class__ = patcher_class(protocol.original_class(type(patcher)))
+    return clone
 
 
 def _host(model: nn.Module, policy: Policy | str | None, allow_stranded: bool) -> Policy | None:
@@ -100,8 +135,8 @@ def _host(model: nn.Module, policy: Policy | str | None, allow_stranded: bool) -
     walk = walk_modules(model)
     state.tree.fetcher = ComfyFetcher({id(module): path for path, module in walk})
     for _, module in walk:
-        if protocol.kind_of(module) is not None and holds_parameters_below(module):
-            protocol.set_fetching(module, True)  # a streamed container: core places leaves only, never its tensors
+        if _patched_at_fetch(module):  # never core's to place: a streamed container, a module reading its file
+            protocol.set_fetching(module, True)
     if not isinstance(type(model).__dict__.get("device"), _SettableDevice):
         state.records.append(swap_class(model, _patchable_class(type(model)), {}, "host", root=True))
     archive = getattr(comfy.model_management, "archive_model_dtypes", None)
@@ -178,10 +213,12 @@ class _TreeKeeping:
 
     def load(self, device_to=None, *args, **kwargs):
         device = device_to if device_to is not None else self.load_device
-        tree = applied_state(self.model).tree
-        tree.compute_device = device
+        state = applied_state(self.model)  # None: a copy of a tree Streamwise never converted (`copied`)
+        if state is not None:
+            state.tree.compute_device = device
         loaded = super().load(device_to, *args, **kwargs)
-        self._patch_what_core_skips(tree, device)
+        if state is not None:
+            self._patch_what_core_skips(state.tree, device)
         return loaded
 
     def _patch_what_core_skips(self, tree, device) -> None:
@@ -224,8 +261,9 @@ class _TreeKeeping:
     def unpatch_model(self, device_to=None, *args, **kwargs):
         unpatch_weights = kwargs.get("unpatch_weights", args[0] if args else True)
         result = super().unpatch_model(device_to, *args, **kwargs)
-        if unpatch_weights:
-            applied_state(self.model).tree.fetcher.patches = None
+        state = applied_state(self.model)
+        if unpatch_weights and state is not None:
+            state.tree.fetcher.patches = None
             for module in self.model.modules():
                 module.__dict__.pop(protocol.MERGED_PATCH, None)
                 if _patched_at_fetch(module):
