@@ -61,7 +61,7 @@ class StreamwiseGenerateText(io.ComfyNode):
         comfy.model_management.load_models_gpu([model])
         ids = fit.ids.to(model.load_device)
         pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-        config = generation_config(tree, fit.max_new_tokens, do_sample, pad,
+        config = generation_config(tree, fit.max_new_tokens, do_sample, pad, prompt_length=ids.shape[1],
                                    temperature=temperature, top_p=top_p, top_k=top_k)
         check_interrupt = getattr(comfy.model_management, "throw_exception_if_processing_interrupted", lambda: None)
         steps = TokenSteps(comfy.utils.ProgressBar(fit.max_new_tokens).update, check_interrupt)

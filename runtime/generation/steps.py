@@ -1,6 +1,6 @@
 """Where a host's interrupt is checked during generation: at every new token (`TokenSteps`, which also moves a
-progress bar) and before every block of a forward (`interrupt_at_blocks`), so a long prompt's prefill stops within
-one block's compute instead of at its end."""
+progress bar), before every forward (a prefill chunk, a new token) and before every block of one
+(`interrupt_at_blocks`), so a long prompt's prefill stops within one block's compute instead of at its end."""
 
 from __future__ import annotations
 
@@ -27,18 +27,20 @@ class TokenSteps:
 
 @contextmanager
 def interrupt_at_blocks(model: nn.Module, check_interrupt: Callable[[], object]) -> Iterator[int]:
-    """While inside, `check_interrupt()` runs before the forward of each of `model`'s blocks (the classes transformers
-    names in `_no_split_modules`: a decoder layer, an encoder block); yields how many. Hooks only: nothing of the
-    model changes, and they are gone after. A compiled graph traces nothing of them."""
+    """While inside, `check_interrupt()` runs before each forward of `model` (a prefill chunk) and of each of its
+    blocks (the classes transformers names in `_no_split_modules`: a decoder layer, an encoder block); yields how many
+    blocks. Hooks only: nothing of the model changes, and they are gone after. A compiled graph traces nothing of
+    them."""
 
     def before(module, args):
         if not torch.compiler.is_compiling():
             check_interrupt()
 
     names = set(getattr(model, "_no_split_modules", None) or ())
-    handles = [m.register_forward_pre_hook(before) for m in model.modules() if type(m).__name__ in names]
+    blocks = [m.register_forward_pre_hook(before) for m in model.modules() if type(m).__name__ in names]
+    handles = [*blocks, model.register_forward_pre_hook(before)]
     try:
-        yield len(handles)
+        yield len(blocks)
     finally:
         for handle in handles:
             handle.remove()

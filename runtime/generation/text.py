@@ -15,13 +15,39 @@ from ...errors import Error
 GREEDY_FLAGS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
 
 
-def generation_config(model, max_new_tokens: int, do_sample: bool, pad_token_id, **sampling):
-    """The model's own generation defaults with these flags. Sampling flags apply only when sampling; a greedy run
-    sets them neutral, so neither the caller's flags nor the checkpoint's generation_config.json log a warning."""
+#: Tokens per forward of a long prompt's prefill, where the model's cache can resume one: its activations stay
+#: those of this many tokens (a whole 32k-token prompt's MLP activations take gigabytes), and a host's interrupt is
+#: checked between chunks. Large, since each chunk's forward fetches every streamed weight again.
+PREFILL_CHUNK = 2048
+
+
+def generation_config(model, max_new_tokens: int, do_sample: bool, pad_token_id, prompt_length: int = 0,
+                      **sampling):
+    """The model's own generation defaults with these flags, and the prefill in chunks for a prompt of
+    `prompt_length` tokens where `prefill_chunk` says so. Sampling flags apply only when sampling; a greedy run sets
+    them neutral, so neither the caller's flags nor the checkpoint's generation_config.json log a warning."""
     config = copy.deepcopy(model.generation_config)
     config.update(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id,
-                  **(sampling if do_sample else GREEDY_FLAGS))
+                  prefill_chunk_size=prefill_chunk(model, prompt_length), **(sampling if do_sample else GREEDY_FLAGS))
     return config
+
+
+def prefill_chunk(model, prompt_length: int) -> int | None:
+    """`PREFILL_CHUNK` for a prompt longer than it, on a causal model whose cache has attention layers to resume
+    from; None (one forward) otherwise: an encoder-decoder's encoder takes its input whole, and a recurrent state
+    (Mamba, RWKV) has no length to continue at."""
+    if prompt_length <= PREFILL_CHUNK or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is None or not supports():
+        return None
+    import transformers
+
+    try:
+        transformers.DynamicCache(config=model.config.get_text_config(decoder=True)).get_seq_length()
+    except (ValueError, TypeError, AttributeError):  # no attention layer (its error), or an older transformers
+        return None
+    return PREFILL_CHUNK
 
 
 _NOT_TEXT = re.compile("[\0\ud800-\udfff]")

@@ -9,8 +9,9 @@ import pytest
 import torch
 import transformers
 
-from streamwise.runtime.generation import PromptError, fit_prompt, interrupt_at_blocks, new_tokens
-from streamwise.runtime.generation.text import CHARACTERS_PER_POSITION, DEFAULT_CONTEXT
+from streamwise.runtime.generation import PromptError, fit_prompt, generation_config, interrupt_at_blocks, new_tokens
+from streamwise.runtime.generation import text as text_module
+from streamwise.runtime.generation.text import CHARACTERS_PER_POSITION, DEFAULT_CONTEXT, prefill_chunk
 
 from helpers import tiny_qwen2, tiny_tokenizer
 
@@ -99,10 +100,48 @@ def test_an_interrupt_is_honoured_before_each_block_of_a_forward():
 
     def check() -> None:
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 4:
             raise InterruptedError("interrupted")
 
     with pytest.raises(InterruptedError), interrupt_at_blocks(model, check) as blocks:
-        model(torch.tensor([[3, 1, 4, 1, 5]]))  # one prefill: stopped before its third block
-    assert blocks == 4 and len(calls) == 3
+        model(torch.tensor([[3, 1, 4, 1, 5]]))  # one prefill: checked before it, stopped before its third block
+    assert blocks == 4 and len(calls) == 4
     assert not any(m._forward_pre_hooks for m in model.modules())  # the hooks are gone after
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_giving_the_same_tokens_with_an_interrupt_between_them(monkeypatch):
+    """Past `PREFILL_CHUNK` tokens a causal model's prefill runs chunk by chunk (bounded activations), with the
+    tokens one forward gives; a host's interrupt is checked before each chunk, even in a model naming no blocks."""
+    monkeypatch.setattr(text_module, "PREFILL_CHUNK", 8)
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    ids = torch.randint(3, 120, (1, 30))
+    config = generation_config(model, 5, False, 0, prompt_length=ids.shape[1])
+    assert config.prefill_chunk_size == 8
+    assert generation_config(model, 5, False, 0, prompt_length=8).prefill_chunk_size is None  # one chunk: whole
+    lengths = []
+    model.register_forward_hook(lambda module, args, kwargs, output: lengths.append(kwargs["input_ids"].shape[1]),
+                                with_kwargs=True)  # forwards that ran to their end
+    with torch.no_grad():
+        chunked = model.generate(ids, generation_config=config)
+        assert lengths[:4] == [8, 8, 8, 6] and len(lengths) == 8  # the prefill in 4 chunks, then 4 new tokens
+        assert torch.equal(chunked, model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0))
+    model._no_split_modules, calls = None, []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise InterruptedError("interrupted")
+
+    lengths.clear()
+    with pytest.raises(InterruptedError), torch.no_grad(), interrupt_at_blocks(model, check) as blocks:
+        model.generate(ids, generation_config=config)
+    assert blocks == 0 and lengths == [8]  # stopped before the second chunk
+
+
+def test_a_prefill_is_whole_where_no_chunk_can_resume_it():
+    """An encoder-decoder's encoder takes its input whole; a recurrent state (Mamba) has no length to continue at."""
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=64, num_hidden_layers=2,
+                                                                   vocab_size=128, state_size=8))
+    assert prefill_chunk(tiny_qwen2(), 10_000) == text_module.PREFILL_CHUNK
+    assert prefill_chunk(tiny_t5(), 10_000) is None and prefill_chunk(mamba, 10_000) is None
