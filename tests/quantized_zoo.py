@@ -117,6 +117,81 @@ CASES["WanTransformer3DModel"] = _diffusers(
     lambda g: dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([10]),
                    encoder_hidden_states=torch.randn(1, 8, 256, generator=g)))
 
+CASES["LTXVideoTransformer3DModel"] = _diffusers(  # declares `_repeated_blocks` only
+    "LTXVideoTransformer3DModel",
+    dict(in_channels=64, out_channels=64, patch_size=1, patch_size_t=1, num_attention_heads=4, attention_head_dim=64,
+         cross_attention_dim=256, num_layers=2, caption_channels=256),
+    lambda g: dict(hidden_states=torch.randn(1, 32, 64, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g), encoder_attention_mask=torch.ones(1, 8),
+                   num_frames=2, height=4, width=4))
+CASES["QwenImageTransformer2DModel"] = _diffusers(
+    "QwenImageTransformer2DModel",
+    dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=64, num_attention_heads=4,
+         joint_attention_dim=256, axes_dims_rope=(16, 24, 24)),
+    lambda g: dict(hidden_states=torch.randn(1, 16, 64, generator=g), timestep=torch.tensor([0.5]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g),
+                   encoder_hidden_states_mask=torch.ones(1, 8), img_shapes=[(1, 4, 4)]))
+CASES["HunyuanVideoTransformer3DModel"] = _diffusers(
+    "HunyuanVideoTransformer3DModel",
+    dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=64, num_layers=1,
+         num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1, text_embed_dim=256,
+         pooled_projection_dim=256, rope_axes_dim=(16, 24, 24)),
+    lambda g: dict(hidden_states=torch.randn(1, 4, 1, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g), encoder_attention_mask=torch.ones(1, 8),
+                   pooled_projections=torch.randn(1, 256, generator=g), guidance=torch.tensor([3500.0])))
+CASES["PixArtTransformer2DModel"] = _diffusers(
+    "PixArtTransformer2DModel",
+    dict(sample_size=8, num_layers=2, patch_size=2, attention_head_dim=64, num_attention_heads=4, in_channels=4,
+         out_channels=8, cross_attention_dim=256, caption_channels=256, norm_num_groups=32),
+    lambda g: dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g),
+                   added_cond_kwargs={"resolution": None, "aspect_ratio": None}))
+CASES["SanaTransformer2DModel"] = _diffusers(
+    "SanaTransformer2DModel",
+    dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=64, num_layers=2,
+         num_cross_attention_heads=4, cross_attention_head_dim=64, cross_attention_dim=256, caption_channels=256,
+         sample_size=8, patch_size=1),
+    lambda g: dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g)))
+CASES["CogVideoXTransformer3DModel"] = _diffusers(
+    "CogVideoXTransformer3DModel",
+    dict(num_attention_heads=4, attention_head_dim=64, in_channels=4, out_channels=4, text_embed_dim=256,
+         time_embed_dim=256, num_layers=2, sample_width=8, sample_height=8, sample_frames=5, patch_size=2,
+         temporal_compression_ratio=4, max_text_seq_length=8),
+    lambda g: dict(hidden_states=torch.randn(1, 2, 4, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g)))
+CASES["AuraFlowTransformer2DModel"] = _diffusers(
+    "AuraFlowTransformer2DModel",
+    dict(sample_size=8, patch_size=2, in_channels=16, num_mmdit_layers=1, num_single_dit_layers=1,
+         attention_head_dim=64, num_attention_heads=4, joint_attention_dim=256, caption_projection_dim=256,
+         out_channels=16, pos_embed_max_size=16),
+    lambda g: dict(hidden_states=torch.randn(1, 16, 8, 8, generator=g), timestep=torch.tensor([10]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g)))
+CASES["Lumina2Transformer2DModel"] = _diffusers(
+    "Lumina2Transformer2DModel",
+    dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, hidden_size=256, num_layers=2,
+         num_refiner_layers=1, num_attention_heads=4, num_kv_heads=4, multiple_of=256, cap_feat_dim=256,
+         axes_dim_rope=(16, 24, 24), axes_lens=(64, 64, 64)),
+    lambda g: dict(hidden_states=torch.randn(1, 16, 8, 8, generator=g), timestep=torch.tensor([0.5]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g),
+                   encoder_attention_mask=torch.ones(1, 8, dtype=torch.bool)))
+CASES["ChromaTransformer2DModel"] = _diffusers(
+    "ChromaTransformer2DModel",
+    dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=64,
+         num_attention_heads=4, joint_attention_dim=256, axes_dims_rope=(16, 24, 24), approximator_num_channels=64,
+         approximator_hidden_dim=256, approximator_layers=1),
+    lambda g: dict(hidden_states=torch.randn(1, 16, 64, generator=g), timestep=torch.tensor([0.5]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g), img_ids=torch.zeros(16, 3),
+                   txt_ids=torch.zeros(8, 3)))
+CASES["Flux2Transformer2DModel"] = _diffusers(
+    "Flux2Transformer2DModel",
+    dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=64,
+         num_attention_heads=4, joint_attention_dim=256, axes_dims_rope=(16, 16, 16, 16),
+         timestep_guidance_channels=256),
+    lambda g: dict(hidden_states=torch.randn(1, 16, 64, generator=g), timestep=torch.tensor([0.5]),
+                   encoder_hidden_states=torch.randn(1, 8, 256, generator=g), img_ids=torch.zeros(16, 4),
+                   txt_ids=torch.zeros(8, 4), guidance=torch.tensor([3.5])))
+
 
 def output(model: nn.Module, inputs: dict) -> torch.Tensor:
     with torch.no_grad():
