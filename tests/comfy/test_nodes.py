@@ -177,6 +177,7 @@ def test_a_copy_keeps_its_own_backups_so_its_patched_input_unpatches_right(nodes
     inputs = {"policy": "any-module"} if node == "ApplyStreamwisePolicy" else dict(
         compile_transformer_blocks_only=True, **COMPILE)
     (copy,) = mappings[node].execute(plain, **inputs).args
+    assert plain.loaded_size() > 0 and copy.loaded_size() == 0  # the copy is loaded nowhere yet
     assert torch.equal(copy.model[0].weight, original)  # the copy starts from the unpatched weight
     copy.patch_model(device_to=cpu)
     x = torch.randn(2, 8)

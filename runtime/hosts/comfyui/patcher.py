@@ -39,6 +39,10 @@ from .fetcher import ComfyFetcher
 #: attributes it put back on unload, pinned weights, patched weights cached per hook group); a clone over a copied
 #: tree keeps its own, else an unload of one would restore the other's tree, or empty its backups.
 PER_TREE = ("backup", "backup_buffers", "object_patches_backup", "pinned", "hook_backup", "cached_hook_patches")
+#: Core's load state on a model (as `ModelPatcher.__init__` starts it), which a copied tree starts afresh: it is loaded
+#: nowhere yet, and core patches it anew.
+LOAD_STATE = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "model_lowvram": False,
+              "current_weight_patches_uuid": None, "model_offload_buffer_memory": 0}
 
 
 def model_patcher(
@@ -101,8 +105,9 @@ def _copied_tree(patcher: Any) -> nn.Module:
             module._parameters[name] = nn.Parameter(saved.weight.detach(), requires_grad=False)
             shared[key] = weakref.ref(saved.weight)
     tree.__dict__[protocol.SHARED] = shared
-    if "current_weight_patches_uuid" in tree.__dict__:
-        tree.current_weight_patches_uuid = None  # core patches the copy afresh
+    for name, value in LOAD_STATE.items():
+        if name in tree.__dict__:
+            tree.__dict__[name] = value
     return tree
 
 
