@@ -61,6 +61,28 @@ def tiny_qwen2(**overrides):
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).eval()
 
 
+def tiny_t5():
+    """An encoder-decoder: relative position buckets (no limit in its config), the decoder's output alone."""
+    import transformers
+
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def tiny_llava(max_position_embeddings: int = 256):
+    """A vision-language model (a CLIP vision tower, a Llama decoder), used for text from a text prompt."""
+    import transformers
+
+    text = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=max_position_embeddings)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=127)
+    return transformers.LlavaForConditionalGeneration(config).eval()
+
+
 def tiny_tokenizer(vocabulary: int = 128):
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

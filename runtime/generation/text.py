@@ -73,11 +73,15 @@ class PromptFit:
 
 def context_of(model, tokenizer) -> tuple[int, str]:
     """The positions `model` can attend over, and where that figure comes from."""
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_target_positions", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value, f"its config's `{name}`"
+    config, parts = model.config, [(model.config, "")]
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if text is not config:  # a vision-language model: the limit is its text decoder's
+        parts.insert(0, (text, "text_config."))
+    for part, prefix in parts:
+        for name in ("max_position_embeddings", "n_positions", "max_target_positions", "n_ctx"):
+            value = getattr(part, name, None)
+            if isinstance(value, int) and value > 0:
+                return value, f"its config's `{prefix}{name}`"
     stated = getattr(tokenizer, "model_max_length", None)
     if isinstance(stated, int) and 0 < stated < 10**8:  # transformers writes "no limit" as a huge number
         return stated, "its tokenizer's `model_max_length`"

@@ -16,7 +16,7 @@ from streamwise.runtime.generation import generation_config
 from streamwise.schemas import Policy
 
 from comfy_harness import load_custom_node
-from helpers import REPO, tiny_qwen2, tiny_tokenizer, write_policy
+from helpers import REPO, tiny_llava, tiny_qwen2, tiny_t5, tiny_tokenizer, write_policy
 
 COMPILE = dict(backend="aot_eager", fullgraph=False, mode="default", dynamic_shape_tracing=False,
                dynamo_cache_size_limit=64, use_guard_filter=True, disable_dynamic_vram=False, verbose=False)
@@ -460,19 +460,20 @@ def test_generate_text_stops_within_a_token_of_an_interrupt(nodes, monkeypatch):
     assert text == reference_text(root / "tiny-qwen2", "a cat", 4)
 
 
-def test_generate_text_on_an_encoder_decoder_equals_transformers_greedy_and_sampled(nodes):
-    """T5's output is the decoder's alone: none of it is cut off as if it began with the prompt."""
+@pytest.mark.parametrize("build", [tiny_t5, tiny_llava], ids=["encoder-decoder", "vision-language"])
+def test_generate_text_equals_transformers_greedy_and_sampled(nodes, build):
+    """T5's output is the decoder's alone (none of it cut off as if it began with the prompt); a vision-language
+    model (Llava) generates from a text prompt alone, bounded by its text decoder's context."""
     import transformers
 
     mappings, root = nodes
-    folder = root / "tiny-t5"
+    folder = root / f"tiny-{build.__name__}"
     torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
-                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    transformers.T5ForConditionalGeneration(config).save_pretrained(folder)
+    build().save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-t5", "auto", "auto").args
-    reference = transformers.T5ForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
+    patcher, _ = mappings["StreamwiseModelLoader"].execute(f"streamwise/{folder.name}", "auto", "auto").args
+    reference = transformers.AutoModelForImageTextToText if build is tiny_llava else transformers.AutoModelForSeq2SeqLM
+    reference = reference.from_pretrained(folder, local_files_only=True).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     prompt = "a cat sat on the mat and looked at the dog " * 3  # longer than the output: all of it was cut before
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -482,7 +483,8 @@ def test_generate_text_on_an_encoder_decoder_equals_transformers_greedy_and_samp
         with torch.no_grad():
             out = reference.generate(ids, max_new_tokens=8, do_sample=do_sample, pad_token_id=tokenizer.pad_token_id,
                                      **(dict(temperature=0.7, top_p=0.9, top_k=50) if do_sample else {}))
-        expected = tokenizer.decode(out[0], skip_special_tokens=True)
+        made = out[0] if build is tiny_t5 else out[0, ids.shape[1]:]
+        expected = tokenizer.decode(made, skip_special_tokens=True)
         assert text and text == expected, do_sample
 
 

@@ -13,7 +13,7 @@ from streamwise.runtime.generation import PromptError, fit_prompt, generation_co
 from streamwise.runtime.generation import text as text_module
 from streamwise.runtime.generation.text import CHARACTERS_PER_POSITION, DEFAULT_CONTEXT, prefill_chunk
 
-from helpers import tiny_qwen2, tiny_tokenizer
+from helpers import tiny_llava, tiny_qwen2, tiny_t5, tiny_tokenizer
 
 
 class Counted:
@@ -25,12 +25,6 @@ class Counted:
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return self.tokenizer(*args, **kwargs)
-
-
-def tiny_t5():
-    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
-                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    return transformers.T5ForConditionalGeneration(config).eval()
 
 
 def test_text_a_tokenizer_cannot_take_is_refused_naming_the_input_and_the_place():
@@ -80,7 +74,13 @@ def test_a_model_stating_no_limit_takes_its_tokenizers_or_the_default():
     assert fit_prompt("a cat", tokenizer, model, 10**6).max_new_tokens == DEFAULT_CONTEXT
 
 
-@pytest.mark.parametrize("build", [tiny_qwen2, tiny_t5], ids=["causal", "encoder-decoder"])
+def test_a_vision_language_models_context_is_its_text_decoders():
+    fit = fit_prompt("a cat sat", tiny_tokenizer(), tiny_llava(max_position_embeddings=16), 8192)
+    assert "16 positions (its config's `text_config.max_position_embeddings`)" in fit.note
+
+
+@pytest.mark.parametrize("build", [tiny_qwen2, tiny_t5, tiny_llava],
+                         ids=["causal", "encoder-decoder", "vision-language"])
 def test_new_tokens_are_what_generate_made_for_causal_and_encoder_decoder_models(build):
     torch.manual_seed(0)
     model, tokenizer = build(), tiny_tokenizer()
