@@ -1,9 +1,12 @@
 """What only a GPU can show: real streaming from pinned host memory, side-stream prefetch,
-relocated tensors following CUDA, and two trees on two devices in one process.
+relocated tensors following CUDA, two trees on two devices in one process, and the three tiers.
 
 A Qwen2-style decoder in bf16 runs (1) fully resident on the GPU, (2) under the standalone host
 with a quarter of its weights resident and the rest streamed, with and without prefetch. Outputs
-must be bit-identical to the resident run. Run on a CUDA machine:
+must be bit-identical to the resident run. (3) The same decoder saved with `save_pretrained` and
+loaded under a host budget that leaves half its blocks in the file: streamed onto the GPU, its
+logits equal the resident run's, and its host tier is pinned as one region of exactly its bytes.
+Run on a CUDA machine:
 
     python benchmarks/gpu_check.py [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
 """
@@ -134,7 +137,40 @@ def main() -> None:
         tied_reference.model.layers[0].mlp.down_proj.weight.zero_()
         results["in_place_update_seen_after_prefetch"] = bool(torch.allclose(
             tied(tokens.to(device)).logits.cpu(), tied_reference(tokens).logits, atol=1e-4))
+    results["three_tiers"] = three_tiers(host, ids, device)
     emit(results, args.out)
+
+
+def three_tiers(host: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
+    """Device <- pinned host memory <- file: half the streamed bytes left in the file by the host budget, against
+    transformers' own load of the same folder, resident on the device (a model loaded in bf16 keeps its rotary
+    frequencies in float32, where `host`, cast after it was built, holds them in bf16)."""
+    import tempfile
+
+    from streamwise.runtime.engine import file_tier
+
+    with tempfile.TemporaryDirectory() as folder:
+        host.save_pretrained(folder)
+        reference = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=host.dtype).eval().to(device)
+        expected, resident_seconds = timed(reference, ids, 3)
+        del reference
+        total = sum(p.nbytes for p in host.parameters())
+        loaded = streamwise.load_pretrained(folder, "decoder-llm", progress=False, max_memory={"cpu": total // 2})
+        model = loaded.model
+        report = streamwise.offload(model, "decoder-llm", device=device, budget=total // 4)
+        logits, seconds = timed(model, ids, 3)
+        in_file = [m for m in model.modules() if file_tier.in_file(m)]
+        pinned = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for m in model.modules()
+                  for p in m.parameters(recurse=False) if file_tier.in_memory(p) and p.is_pinned()}
+        held = sum(p.nbytes for m in model.modules() for p in m.parameters(recurse=False)
+                   if file_tier.in_memory(p) and p.is_pinned())
+        return {
+            "load": str(loaded.report).splitlines()[-1], "placing": str(report).splitlines()[0],
+            "modules reading their file": len(in_file), "identical_to_resident": bool(torch.equal(logits, expected)),
+            "ms": seconds * 1e3, "resident_ms": resident_seconds * 1e3,
+            "pinned regions": len(pinned), "pinned region bytes": sum(pinned.values()),
+            "pinned tensor bytes": held,
+        }
 
 
 if __name__ == "__main__":
