@@ -111,11 +111,13 @@ def copies(mm, device: torch.device, ids: torch.Tensor) -> dict:
     result["apply int8 cosine with the input"] = cosine(outputs["apply int8"], outputs["input"])
     mm.unload_all_models()
     made["apply float"].load(device, lowvram_model_memory=1)  # low-VRAM: everything streamed from the host
-    result["apply float streamed identical to the input"] = bool(
-        torch.equal(logits(made["apply float"], device, ids), outputs["input"]))
+    streamed = logits(made["apply float"], device, ids)
+    result["apply float streamed identical to the input"] = bool(torch.equal(streamed, outputs["input"]))
+    result["apply float streamed max difference from the input"] = float((streamed - outputs["input"]).abs().max())
     made["apply float"].unpatch_model(CPU)
     mm.unload_all_models()
     gc.collect()
+    result["models core still holds loaded after unloading all"] = len(mm.current_loaded_models)
     after = model.state_dict()
     result["input host weights bit-identical after unload"] = all(
         after[name].device == CPU and torch.equal(after[name], tensor) for name, tensor in original.items())

@@ -1,16 +1,15 @@
 """`load(model, path, policy)`: fill a skeleton tree from a checkpoint, converting it as it goes.
 
-Everything is checked before the first change (missing, extra and misshapen tensors, dtype
-mismatches, unknown quant formats, a plan that does not fit): on any problem the model is left
-exactly as it was and a `CheckpointError` names the file and every offending tensor. What fails after
-that (memory, Ctrl-C) is undone through the same journal as `apply`: the model is again as it was, an
-interrupt stays an interrupt, and any other error becomes a `CheckpointError` caused by it. Tensors
-are read into memory of their own, or left in the file within a host budget (`tiers`); GGUF tensors that a `gguf` rule selects stay in
-their raw blocks as residents (other quantized GGUF tensors, embeddings and convolutions, are
-dequantized once, each with its reason in the report); `.comfy_quant` layers load as INT8 residents;
-int8-family rules quantize the float weights on load. A GGUF in llama.cpp's layout (`blk.0.attn_q.weight`)
-is seen under the model's own keys first (`llama_cpp.Mapped`), and so is a transformers checkpoint in its published
-layout (`conversion`: renamed keys, stacked experts, the base model's prefix).
+Everything is checked before the first change (missing, extra and misshapen tensors, dtype mismatches, unknown quant
+formats, a plan that does not fit): on any problem the model is left exactly as it was and a `CheckpointError` names
+the file and every offending tensor. What fails after that (memory, Ctrl-C) is undone through the same journal as
+`apply`: the model is again as it was, an interrupt stays an interrupt, and any other error becomes a
+`CheckpointError` caused by it. Tensors are read into memory of their own, or left in the file within a host budget
+(`tiers`); GGUF tensors that a `gguf` rule selects stay in their raw blocks as residents (other quantized GGUF
+tensors, embeddings and convolutions, are dequantized once, each with its reason in the report); `.comfy_quant`
+layers load as INT8 residents; int8-family rules quantize the float weights on load. A GGUF in llama.cpp's layout
+(`blk.0.attn_q.weight`) is seen under the model's own keys first (`llama_cpp.Mapped`), and so is a transformers
+checkpoint in its published layout (`conversion`: renamed keys, stacked experts, the base model's prefix).
 """
 
 from __future__ import annotations

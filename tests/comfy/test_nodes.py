@@ -350,6 +350,37 @@ def test_an_unloaded_copy_shares_its_weights_with_its_input_again(nodes, unload)
     assert apart == [changed]
 
 
+def test_a_copy_unloaded_before_its_input_shares_the_inputs_new_host_tensors(nodes):
+    """The other order, as core's unload of every model takes them: the copy comes back while its input is still on
+    the device (simulated: the input's weights are other tensors, of other values), then the input comes back as new
+    host tensors, which the copy takes, so host memory again holds one copy of the weights."""
+    mappings, _ = nodes
+    source = streamwise.model_patcher(tiny_qwen2(), load_device=torch.device("cpu"),
+                                      offload_device=torch.device("cpu"), policy="decoder-llm")
+    copy = mappings["ApplyStreamwisePolicy"].execute(source, "decoder-llm").args[0]
+    mine, theirs = dict(source.model.named_parameters()), dict(copy.model.named_parameters())
+    values = {name: tensor.detach().clone() for name, tensor in mine.items()}
+    for name, tensor in mine.items():
+        tensor.data = values[name] + 1  # the input, loaded on the device: not these host tensors
+        theirs[name].data = values[name].clone()  # the copy, back from the device
+    copy.unpatch_model(device_to=torch.device("cpu"))
+    assert not any(theirs[name].data_ptr() == tensor.data_ptr() for name, tensor in mine.items())
+    for name, tensor in mine.items():
+        tensor.data = values[name].clone()  # the input, back from the device
+    source.unpatch_model(device_to=torch.device("cpu"))
+    assert all(theirs[name].data_ptr() == tensor.data_ptr() for name, tensor in mine.items())
+    assert all(torch.equal(tensor, values[name]) for name, tensor in theirs.items())
+
+
+def test_a_device_without_an_index_is_the_current_one_so_core_unloads_it(nodes, monkeypatch):
+    """Core unloads only models whose load device equals its own `cuda:0`, and `cuda` does not."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    patcher = streamwise.model_patcher(tiny_qwen2(), load_device=torch.device("cuda"),
+                                       offload_device=torch.device("cpu"), policy="decoder-llm")
+    assert patcher.load_device == torch.device("cuda", 0) and patcher.offload_device == torch.device("cpu")
+
+
 def test_a_stranding_plan_is_refused_by_model_patcher_and_the_apply_node_unless_accepted(nodes):
     import comfy.model_patcher
 

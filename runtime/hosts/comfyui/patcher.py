@@ -43,6 +43,9 @@ PER_TREE = ("backup", "backup_buffers", "object_patches_backup", "pinned", "hook
 #: nowhere yet, and core patches it anew.
 LOAD_STATE = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "model_lowvram": False,
               "current_weight_patches_uuid": None, "model_offload_buffer_memory": 0}
+#: The copies made of each tree, held weakly on both sides (the tree itself is never marked), so that a tree coming
+#: back from a device after its copies did shares its new host tensors with them (`_share_again`).
+_COPIES: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def model_patcher(
@@ -54,7 +57,9 @@ def model_patcher(
     allow_stranded: bool = False,
 ):
     """A ComfyUI `ModelPatcher` for a converted tree (converted here first when `policy` is given; `"auto"` picks
-    the policy by `[match]`).
+    the policy by `[match]`). A device named without an index is the current one of its kind (`"cuda"` is
+    `cuda:0` where that is current), as core names its own: core unloads a model only from a device equal to its
+    own, and `cuda` is not equal to `cuda:0`.
 
     A plan that strands tensors is refused (`Plan.refuse_stranded`), since core's first partial load on a GPU would
     crash on them, unless `allow_stranded`; the tree is then unchanged."""
@@ -62,7 +67,18 @@ def model_patcher(
 
     policy = _host(model, policy, allow_stranded)
     base = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)
-    return _armed(patcher_class(base)(model, load_device=load_device, offload_device=offload_device), policy)
+    patcher = patcher_class(base)(model, load_device=_indexed(load_device), offload_device=_indexed(offload_device))
+    return _armed(patcher, policy)
+
+
+def _indexed(device: torch.device | str) -> torch.device:
+    """`device` with the index of its kind's current device where it names none and the kind has one."""
+    device = torch.device(device)
+    backend = getattr(torch, device.type, None)
+    if device.index is not None or not callable(getattr(backend, "is_available", None)) or not backend.is_available():
+        return device
+    index = backend.current_device()
+    return torch.device(device.type, index) if isinstance(index, int) else device  # the CPU's has none
 
 
 def adopt(patcher: Any, policy: Policy | str, allow_stranded: bool = False) -> Any:
@@ -105,6 +121,7 @@ def _copied_tree(patcher: Any) -> nn.Module:
             module._parameters[name] = nn.Parameter(saved.weight.detach(), requires_grad=False)
             shared[key] = weakref.ref(saved.weight)
     tree.__dict__[protocol.SHARED] = shared
+    _COPIES.setdefault(patcher.model, weakref.WeakSet()).add(tree)
     for name, value in LOAD_STATE.items():
         if name in tree.__dict__:
             tree.__dict__[name] = value
@@ -188,15 +205,23 @@ def patcher_class(base: type) -> type:
 
 
 def _share_again(model: nn.Module) -> None:
-    """After an unload, a copied tree's weights share their host tensors with the tree they were copied from again.
-    Core moves a weight back by making a new host tensor, so a copy loaded on a device and unloaded would otherwise
-    hold a second host copy of every weight it shares. Only a weight whose values are the shared tensor's, on its
-    device, shares it again (one still patched, or quantized by the copy's policy, keeps its own); a shared tensor
-    its tree let go of is not kept alive for this."""
-    shared = model.__dict__.get(protocol.SHARED)
+    """After `model` came back from a device, host tensors it shares with another tree are shared again, whichever
+    came back first: `model`'s weights take the host tensors of the tree it was copied from, and every copy of
+    `model` already back takes `model`'s new ones. Core moves a weight back by making a new host tensor, so a copy
+    loaded on a device beside its input would otherwise hold a second host copy of every weight they share."""
+    _take_shared(model)
+    for copy in list(_COPIES.get(model, ())):
+        _take_shared(copy)
+
+
+def _take_shared(copy: nn.Module) -> None:
+    """Each weight of a copied tree whose values are those of the tensor it was copied over, on that tensor's device,
+    shares it again (one still patched, or quantized by the copy's policy, keeps its own); a tree still on a device,
+    or a shared tensor its tree let go of, is left alone."""
+    shared = copy.__dict__.get(protocol.SHARED)
     if not shared:
         return
-    for path, module in walk_modules(model):
+    for path, module in walk_modules(copy):
         for name, tensor in module._parameters.items():
             reference = shared.get(joined(path, name))
             home = reference() if reference is not None else None
