@@ -12,7 +12,7 @@ and unload, and a tree reading from its file loaded by core onto CUDA.
 
 Run on a CUDA machine, once per core (one core per process):
 
-    python benchmarks/gpu_comfy.py --core PATH/TO/ComfyUI [--out FILE]
+    python benchmarks/gpu_comfy.py --core PATH/TO/ComfyUI [--dynamic-vram] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,15 +46,33 @@ format = "int8"
 """
 
 
-def boot(core: Path, device: torch.device):
-    """Core's model management and patcher, on `device` (`--cpu` where there is no GPU: a dry run of this script)."""
+def boot(core: Path, device: torch.device, dynamic_vram: bool):
+    """Core's model management and patcher, on `device` (`--cpu` where there is no GPU: a dry run of this script);
+    with `dynamic_vram`, core's dynamic-VRAM patcher switched on as its `main.py` does (newer cores, CUDA)."""
     sys.path.insert(0, str(core))
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = device.type == "cpu"
+    if dynamic_vram:  # before CUDA starts, as core's main.py does
+        import comfy_aimdo.control
+
+        comfy_aimdo.control.init()
     import comfy.model_management
     import comfy.model_patcher
 
+    if dynamic_vram:
+        import comfy.memory_management
+
+        devices = comfy.model_management.get_all_torch_devices()
+        headroom = int(comfy.cli_args.args.vram_headroom * 1024**3)
+        try:
+            ready = comfy_aimdo.control.init_devices((d.index, headroom) for d in devices)
+        except TypeError:  # comfy-aimdo 0.4.9 takes the indices alone
+            ready = comfy_aimdo.control.init_devices(d.index for d in devices)
+        if not ready:
+            raise SystemExit("comfy-aimdo found no device to manage")
+        comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
     return comfy.model_management, comfy.model_patcher
 
 
@@ -156,13 +174,15 @@ def file_tier(mm, device: torch.device, ids: torch.Tensor) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--core", type=Path, required=True)
+    parser.add_argument("--dynamic-vram", action="store_true", help="core's dynamic-VRAM patcher (newer cores)")
     parser.add_argument("--out")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    mm, mp = boot(args.core.resolve(), device)
+    mm, mp = boot(args.core.resolve(), device, args.dynamic_vram)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-               "core": str(args.core), "core's cast_bias_weight takes offloadable": "offloadable" in inspect.signature(
+               "core": str(args.core), "dynamic VRAM": args.dynamic_vram,
+               "core's cast_bias_weight takes offloadable": "offloadable" in inspect.signature(
                    importlib.import_module("comfy.ops").cast_bias_weight).parameters}
     results["copies"] = copies(mm, device, ids)
     results["file tier"] = file_tier(mm, device, ids)
