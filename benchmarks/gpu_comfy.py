@@ -128,7 +128,7 @@ def copies(mm, device: torch.device, ids: torch.Tensor) -> dict:
         result[f"{name} identical to the input"] = bool(torch.equal(outputs[name], outputs["input"]))
     result["apply int8 cosine with the input"] = cosine(outputs["apply int8"], outputs["input"])
     mm.unload_all_models()
-    made["apply float"].load(device, lowvram_model_memory=1)  # low-VRAM: everything streamed from the host
+    made["apply float"].load(made["apply float"].load_device, lowvram_model_memory=1)  # low-VRAM: all streamed
     streamed = logits(made["apply float"], device, ids)
     result["apply float streamed identical to the input"] = bool(torch.equal(streamed, outputs["input"]))
     result["apply float streamed max difference from the input"] = float((streamed - outputs["input"]).abs().max())
