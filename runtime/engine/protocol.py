@@ -28,6 +28,8 @@ BIAS_FUNCTIONS = "bias_function"
 PATCHED_FLAG = "comfy_patched_weights"
 #: Where a host keeps a patch it would have merged into a weight, were the storage float (quantized residents).
 MERGED_PATCH = "_sw_merged_patch"
+#: Where newer cores' dynamic-VRAM loading puts a weight's LoRA patch, applied before the weight functions.
+LOWVRAM_FUNCTION = "{}_lowvram_function"
 
 ORIGINAL_CLASS = "_sw_original_class"  # on derived classes: the class they were derived from
 KIND = "_sw_kind"  # on streamed classes: the name of the compute kind
@@ -95,16 +97,24 @@ def set_fetching(module: nn.Module, fetching: bool) -> None:
 
 
 def weight_functions(module: nn.Module) -> list:
-    """The functions to apply to a fetched weight: a patch the host kept aside (raw storage cannot take a merged
-    one) while core counts the weight as patched, then the weight functions."""
+    """The functions to apply to a fetched weight: its patch (one the host kept aside while core counts the weight as
+    patched, since raw storage cannot take a merged one; else one core's dynamic-VRAM loading set), then the weight
+    functions."""
     merged = module.__dict__.get(MERGED_PATCH)
     if merged is not None and module.__dict__.get(PATCHED_FLAG, False):
         return [merged, *module.weight_function]
-    return module.weight_function
+    return _with_lowvram_patch(module, "weight", module.weight_function)
 
 
 def bias_functions(module: nn.Module) -> list:
-    return module.bias_function
+    return _with_lowvram_patch(module, "bias", module.bias_function)
+
+
+def _with_lowvram_patch(module: nn.Module, name: str, functions: list) -> list:
+    """`functions` after the dynamic-VRAM patch, which applies, as in core, only while the module is cast per use
+    (core sets it at a load and never clears it)."""
+    patch = module.__dict__.get(LOWVRAM_FUNCTION.format(name))
+    return functions if patch is None or not module.__dict__.get(FETCH_FLAG, False) else [patch, *functions]
 
 
 def stored_dtype_attributes(tensors: dict[str, Any]) -> dict[str, object]:

@@ -131,6 +131,28 @@ def test_weight_functions_apply_to_the_dequantized_weight(fmt, group_size):
 
 
 @pytest.mark.parametrize("fmt, group_size", [("int8", None), ("convrot_int4", 16)])
+def test_a_patch_core_dynamic_vram_sets_beside_the_weight_applies_before_the_weight_functions(fmt, group_size):
+    """Newer cores' dynamic-VRAM loading puts a weight's LoRA in `weight_lowvram_function` (and the bias's in
+    `bias_lowvram_function`), not in the weight functions: a resident that ignored it computed without the LoRA."""
+    model = quantized(two_layers(), fmt, group_size)
+    layer = model[0]
+    from streamwise.runtime.quant.formats import FORMATS
+
+    dequantized = FORMATS[fmt].dequantize(layer, {n: layer._parameters[n] for n in FORMATS[fmt].stored},
+                                          torch.float32)
+    delta, shift = torch.randn_like(dequantized) * 0.01, torch.randn_like(layer.bias)
+    layer.weight_lowvram_function = lambda w: w + delta
+    layer.bias_lowvram_function = lambda b: b + shift
+    layer.weight_function = [lambda w: w * 2]  # after the patch, as core applies them
+    layer.comfy_cast_weights = True  # core's dynamic loading streams the modules it patches so
+    x = torch.randn(4, 64)
+    expected = nn.functional.linear(x, (dequantized + delta) * 2, layer.bias + shift)
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+    layer.comfy_cast_weights = False  # unloaded: core never clears the patch, and applies it only when casting
+    assert torch.allclose(layer(x), nn.functional.linear(x, dequantized * 2, layer.bias), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, group_size", [("int8", None), ("convrot_int4", 16)])
 def test_in_place_bias_functions_never_touch_the_stored_bias(fmt, group_size):
     model = quantized(two_layers(), fmt, group_size)
     layer = model[0]
