@@ -233,11 +233,11 @@ def run_case(name: str, fmt: str, workdir: Path) -> dict:
         model = streamwise.load_pretrained(folder / f"model.{fmt}.gguf", policy, progress=False).model
     residents = [m for m in model.modules() if protocol.is_resident(m)]
     float_bytes = sum(t.nbytes for t in float_model.state_dict().values())
-    quantized = sum(m.in_features * m.out_features * 4 for m in residents)  # their float32 weights' bytes
+    quantized = sum(int(m.in_features) * int(m.out_features) * 4 for m in residents)  # their float32 weights' bytes
     got = output(model, inputs)
     similarity = cosine(got, expected)
     streamwise.offload(model, policy, device="cpu", budget=0)
-    identical = torch.equal(output(model, inputs), got)
+    identical = bool(torch.equal(output(model, inputs), got))
     return dict(case=name, format=fmt, residents=len(residents), quantized_share=quantized / float_bytes,
                 cosine=similarity, budget0_identical=identical,
                 within=bool(residents) and similarity >= ENVELOPE[fmt] and identical)
