@@ -28,8 +28,9 @@ BIAS_FUNCTIONS = "bias_function"
 PATCHED_FLAG = "comfy_patched_weights"
 #: Where a host keeps a patch it would have merged into a weight, were the storage float (quantized residents).
 MERGED_PATCH = "_sw_merged_patch"
-#: Where newer cores' dynamic-VRAM loading puts a weight's LoRA patch, applied before the weight functions.
-LOWVRAM_FUNCTION = "{}_lowvram_function"
+#: Where newer cores' dynamic-VRAM loading puts a weight's (a bias's) LoRA patch, applied before the functions.
+WEIGHT_LOWVRAM_FUNCTION = "weight_lowvram_function"
+BIAS_LOWVRAM_FUNCTION = "bias_lowvram_function"
 
 ORIGINAL_CLASS = "_sw_original_class"  # on derived classes: the class they were derived from
 KIND = "_sw_kind"  # on streamed classes: the name of the compute kind
@@ -103,17 +104,17 @@ def weight_functions(module: nn.Module) -> list:
     merged = module.__dict__.get(MERGED_PATCH)
     if merged is not None and module.__dict__.get(PATCHED_FLAG, False):
         return [merged, *module.weight_function]
-    return _with_lowvram_patch(module, "weight", module.weight_function)
+    return _with_lowvram_patch(module, WEIGHT_LOWVRAM_FUNCTION, module.weight_function)
 
 
 def bias_functions(module: nn.Module) -> list:
-    return _with_lowvram_patch(module, "bias", module.bias_function)
+    return _with_lowvram_patch(module, BIAS_LOWVRAM_FUNCTION, module.bias_function)
 
 
-def _with_lowvram_patch(module: nn.Module, name: str, functions: list) -> list:
+def _with_lowvram_patch(module: nn.Module, attribute: str, functions: list) -> list:
     """`functions` after the dynamic-VRAM patch, which applies, as in core, only while the module is cast per use
     (core sets it at a load and never clears it)."""
-    patch = module.__dict__.get(LOWVRAM_FUNCTION.format(name))
+    patch = module.__dict__.get(attribute)
     return functions if patch is None or not module.__dict__.get(FETCH_FLAG, False) else [patch, *functions]
 
 

@@ -73,10 +73,10 @@ class PromptFit:
 
 def context_of(model, tokenizer) -> tuple[int, str]:
     """The positions `model` can attend over, and where that figure comes from."""
-    config, parts = model.config, [(model.config, "")]
+    config = model.config
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if text is not config:  # a vision-language model: the limit is its text decoder's
-        parts.insert(0, (text, "text_config."))
+    # a vision-language model's limit is its text decoder's
+    parts = [(config, "")] if text is config else [(text, "text_config."), (config, "")]
     for part, prefix in parts:
         for name in ("max_position_embeddings", "n_positions", "max_target_positions", "n_ctx"):
             value = getattr(part, name, None)
