@@ -66,7 +66,7 @@ def host_memory(*, root: str | os.PathLike[str] = "/") -> HostMemory:
 # --- reading ---------------------------------------------------------------------------------------------------
 
 
-def _read(path: Path, limit: int = _READ_LIMIT) -> str | None:
+def read_bounded(path: str | os.PathLike[str], limit: int = _READ_LIMIT) -> str | None:
     """The text of a small file, at most `limit` bytes; None when it cannot be read."""
     try:
         with open(path, "rb") as file:
@@ -113,7 +113,7 @@ def _shown(path: Path, root: Path) -> str:
 def _meminfo(root: Path) -> tuple[int, int, str] | None:
     """`MemAvailable` and `MemTotal`: the kernel's estimate of what new allocations get without swapping."""
     path = root / "proc" / "meminfo"
-    values = _parse_keyed(_read(path))
+    values = _parse_keyed(read_bounded(path))
     available, total = values.get("MemAvailable"), values.get("MemTotal")
     if available is None or not total:
         return None  # kernels before 3.14 have no MemAvailable: psutil estimates it instead
@@ -198,7 +198,7 @@ def _headroom(limit: int, usage: int, reclaimable: int | None, where: str, limit
 def _own_cgroups(root: Path) -> tuple[str | None, str | None]:
     """The process's v2 cgroup path (`0::/path`) and v1 memory cgroup path (`N:...memory...:/path`)."""
     v2 = v1 = None
-    for line in (_read(root / "proc" / "self" / "cgroup") or "").splitlines():
+    for line in (read_bounded(root / "proc" / "self" / "cgroup") or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3 or not parts[2].startswith("/"):
             continue
@@ -212,7 +212,7 @@ def _own_cgroups(root: Path) -> tuple[str | None, str | None]:
 def _mounts(root: Path, fstype: str, option: str | None) -> list[tuple[str, str]]:
     """(cgroup seen at the mount, mount point) of each `fstype` mount in /proc/self/mountinfo with `option`."""
     found = []
-    for line in (_read(root / "proc" / "self" / "mountinfo", _MOUNTINFO_LIMIT) or "").splitlines():
+    for line in (read_bounded(root / "proc" / "self" / "mountinfo", _MOUNTINFO_LIMIT) or "").splitlines():
         fields = line.split()
         if "-" not in fields[6:]:
             continue
@@ -257,11 +257,11 @@ def _cgroup_v2(root: Path) -> list[tuple[int, int, str]]:
         return []
     figures = []
     for level in _levels(root, own, _mounts(root, "cgroup2", None), "/sys/fs/cgroup"):
-        limit = _parse_int(_read(level / "memory.max"))  # "max" (no limit) and malformed both skip the level
-        usage = _parse_int(_read(level / "memory.current"))
+        limit = _parse_int(read_bounded(level / "memory.max"))  # "max" (no limit) and malformed both skip the level
+        usage = _parse_int(read_bounded(level / "memory.current"))
         if limit is None or usage is None:
             continue
-        stat = _parse_keyed(_read(level / "memory.stat"))
+        stat = _parse_keyed(read_bounded(level / "memory.stat"))
         reclaimable = _reclaimable(stat, "", "file_dirty", "file_writeback", "file_mapped")
         figures.append(_headroom(limit, usage, reclaimable, f"cgroup v2 {_shown(level, root)}", "memory.max"))
     return figures
@@ -274,11 +274,11 @@ def _cgroup_v1(root: Path) -> list[tuple[int, int, str]]:
         return []
     figures = []
     for level in _levels(root, own, _mounts(root, "cgroup", "memory"), "/sys/fs/cgroup/memory"):
-        limit = _parse_int(_read(level / "memory.limit_in_bytes"))
-        usage = _parse_int(_read(level / "memory.usage_in_bytes"))
+        limit = _parse_int(read_bounded(level / "memory.limit_in_bytes"))
+        usage = _parse_int(read_bounded(level / "memory.usage_in_bytes"))
         if limit is None or usage is None or limit >= _V1_UNLIMITED:
             continue
-        stat = _parse_keyed(_read(level / "memory.stat"))  # the total_* keys count the level's descendants too
+        stat = _parse_keyed(read_bounded(level / "memory.stat"))  # the total_* keys count the level's descendants too
         reclaimable = _reclaimable(stat, "total_", "dirty", "writeback", "mapped_file")
         figures.append(_headroom(limit, usage, reclaimable, f"cgroup v1 {_shown(level, root)}",
                                  "memory.limit_in_bytes"))

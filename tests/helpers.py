@@ -380,3 +380,18 @@ def memory_cgroup() -> Iterator[MemoryCgroup]:
         yield MemoryCgroup(path, limit_file)
     finally:
         path.rmdir()
+
+
+def leases_here(folder: Path) -> bool:
+    """Whether a load in `folder` maps its host tier under a read lease (`checkpoint.leased`): Linux, a local file
+    system, leases on."""
+    from streamwise.runtime.checkpoint.checked_file import CheckedFile
+    from streamwise.runtime.checkpoint.leased import map_ranges
+
+    path = folder / f"lease-probe-{uuid.uuid4().hex}"
+    path.write_bytes(bytes(4096))
+    try:
+        with open(path, "rb") as handle:
+            return map_ranges(CheckedFile(path, handle), [(0, 4096)]) is not None
+    finally:
+        path.unlink()

@@ -86,7 +86,7 @@ class CheckedFile:
         kept in memory is not charged twice under a memory limit."""
         descriptor = self._open()
         with open(descriptor, "rb", buffering=0) as handle:
-            self._check(os.fstat(descriptor))
+            self.check(os.fstat(descriptor))
             for offset, out in ranges:
                 nbytes = out.nbytes
                 if nbytes == 0:
@@ -98,10 +98,20 @@ class CheckedFile:
                     if not count:
                         raise self.changed(f"it ends at byte {offset + done}, inside a tensor's data")
                     done += count
-            self._check(os.fstat(descriptor))
+            self.check(os.fstat(descriptor))
             if drop_cache and _FADVISE is not None:
                 for offset, out in ranges:
                     _FADVISE(descriptor, offset, out.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def open_checked(self) -> int:
+        """A fresh read-only descriptor on the path, the file on it still the one that was checked."""
+        descriptor = self._open()
+        try:
+            self.check(os.fstat(descriptor))
+        except CheckpointError:
+            os.close(descriptor)
+            raise
+        return descriptor
 
     def _open(self) -> int:
         """A fresh read-only descriptor on the path. Where the platform has `O_NONBLOCK`, a FIFO put in the file's
@@ -147,9 +157,10 @@ class CheckedFile:
             status = os.stat(self.path)
         except OSError as exc:
             raise self.changed(f"it cannot be found again ({exc.strerror})") from None
-        self._check(status)
+        self.check(status)
 
-    def _check(self, status: os.stat_result) -> None:
+    def check(self, status: os.stat_result) -> None:
+        """A CheckpointError if `status` is not the identity the header was read under."""
         now = _identity(status)
         if now == self.identity:
             return

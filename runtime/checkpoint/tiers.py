@@ -24,6 +24,7 @@ from ..engine.file_tier import FileSource, FileTier
 from ..host_memory import HostMemoryError, host_memory
 from ..sizes import SizeError, human, parse_size
 from .errors import CheckpointError
+from .leased import map_ranges
 
 CHUNK = 64 << 20
 """Bytes one read of a load copies at most: large enough for the disk's sequential rate, small enough to spread."""
@@ -165,12 +166,26 @@ def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudg
 
 
 def read_in(sources: list[FileSource], *, drop_cache: bool) -> list[Tensor]:
-    """Each source's tensor read into memory of its own, in chunks of `CHUNK` bytes spread over a few threads (the
-    copy out of the page cache is most of a warm load, and reads release the GIL); any CheckpointError raised as is."""
-    raws = [torch.empty(source.range.nbytes, dtype=torch.uint8) for source in sources]
+    """Each source's tensor in host memory: where a lease keeps its file as it is (`leased`), the file's own bytes
+    in the page cache, mapped; else read into memory of its own, in chunks of `CHUNK` bytes spread over a few threads
+    (the copy out of the page cache is most of a warm load, and reads release the GIL); any CheckpointError raised
+    as is."""
+    raws: list[Tensor | None] = [None] * len(sources)
+    mappable: dict[int, tuple[object, list[int]]] = {}
+    for index, source in enumerate(sources):
+        if _stored_as_is(source):
+            mappable.setdefault(id(source.range.file), (source.range.file, []))[1].append(index)
+    for file, indexes in mappable.values():
+        views = map_ranges(file, [(sources[index].range.offset, sources[index].range.nbytes) for index in indexes])
+        for index, view in zip(indexes, views or (), strict=False):
+            raws[index] = view
+    copied = [index for index, raw in enumerate(raws) if raw is None]
+    for index in copied:
+        raws[index] = torch.empty(sources[index].range.nbytes, dtype=torch.uint8)
     batches: list[tuple[object, list[tuple[int, Tensor]]]] = []
     size = CHUNK
-    for source, raw in zip(sources, raws, strict=True):
+    for index in copied:
+        source, raw = sources[index], raws[index]
         for start in range(0, source.range.nbytes, CHUNK):
             piece = raw[start:start + CHUNK]
             if size + piece.numel() > CHUNK or batches[-1][0] is not source.range.file:
@@ -187,6 +202,13 @@ def read_in(sources: list[FileSource], *, drop_cache: bool) -> list[Tensor]:
         for file, ranges in batches:
             file.read_into(ranges, drop_cache=drop_cache)
     return [source.as_model_tensor(raw) for source, raw in zip(sources, raws, strict=True)]
+
+
+def _stored_as_is(source: FileSource) -> bool:
+    """Whether the model takes the file's bytes as they are (no cast on the way), aligned for their dtype: then they
+    can be mapped."""
+    as_stored = source.dtype == source.range.dtype or source.dtype == torch.uint8  # uint8: a resident's raw storage
+    return as_stored and source.range.nbytes > 0 and source.range.offset % source.range.dtype.itemsize == 0
 
 
 def _nbytes(value: object) -> int:

@@ -25,7 +25,7 @@ from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
 from streamwise.runtime.cli import policy_validate
 from streamwise.runtime.cli import streamwise as streamwise_cli
 
-from helpers import REPO, tiny_qwen2
+from helpers import REPO, leases_here, tiny_qwen2
 from llama_cpp_files import float_model, train_tokenizer_parts, write_llama_cpp_gguf
 
 INT32, UINT32, UINT64, STRING = (gguf.GGUFValueType.INT32, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT64,
@@ -184,12 +184,27 @@ def test_the_bound_json_option_still_reads_a_config(capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_no_loaded_tensor_is_a_view_of_the_file(llama_gguf, tmp_path):
-    """The weights are the process's own memory: nothing keeps the file mapped (`checked_file`)."""
+@pytest.mark.parametrize("lease", [False, True], ids=["copied", "leased"])
+def test_a_loaded_tensor_views_the_file_only_while_a_lease_holds_it(llama_gguf, tmp_path, monkeypatch, lease):
+    """Without a lease the weights are the process's own memory from the start (`checked_file`); with one they are
+    the file's page cache (`leased`) until someone opens the file to write, and then the process's own memory,
+    with the same values, before the writer gets it."""
+    if lease and not leases_here(tmp_path):
+        pytest.skip(f"no read lease on {tmp_path}'s file system here")
+    monkeypatch.setenv("STREAMWISE_LEASE", "1" if lease else "0")
     path = tmp_path / "fresh.gguf"  # a copy no other test's gguf reader has mapped
     path.write_bytes(llama_gguf.read_bytes())
     model = streamwise.load_pretrained(path, "auto", progress=False).model
-    with open("/proc/self/maps", encoding="utf-8") as maps:
-        assert str(path) not in maps.read()
+
+    def mapped() -> bool:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return str(path) in maps.read()
+
+    assert mapped() == lease
     assert all(isinstance(t, torch.Tensor) for t in model.state_dict().values())
-    assert np.isfinite(model(torch.arange(4).reshape(1, 4)).logits.detach().numpy()).all()
+    before = model(torch.arange(4).reshape(1, 4)).logits.detach()
+    with open(path, "r+b") as handle:  # a writer: the kernel holds it until the lease is given back
+        handle.write(bytes(64))
+        assert not mapped()
+    assert torch.equal(model(torch.arange(4).reshape(1, 4)).logits.detach(), before)
+    assert np.isfinite(before.numpy()).all()

@@ -1,7 +1,8 @@
 """Every platform ComfyUI users run: with the Unix-only APIs taken away as on Windows (`os.O_NONBLOCK`,
-`os.memfd_create`, `os.posix_fadvise`, `os.sysconf`, the `resource` module, and every `/proc`, `/dev/fd` and cgroup
-path), the loads (safetensors, sharded, GGUF written by `streamwise quantize`, a llama.cpp GGUF alone and its
-tokenizer), the quantize command and the demo run, and give exactly the numbers they give with those APIs present.
+`os.memfd_create`, `os.posix_fadvise`, `os.sysconf`, the `resource` and `fcntl` modules (so no read leases), and
+every `/proc`, `/dev/fd` and cgroup path), the loads (safetensors, sharded, GGUF written by `streamwise quantize`, a
+llama.cpp GGUF alone and its tokenizer), the quantize command and the demo run, and give exactly the numbers they give
+with those APIs present.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.checkpoint import checked_file, llama_cpp, load_tokenizer
+from streamwise.runtime.checkpoint import checked_file, leased, llama_cpp, load_tokenizer
 from streamwise.runtime.checkpoint.checked_file import CheckedFile
 from streamwise.runtime.convert import applied_state
 
@@ -88,6 +89,7 @@ def windows_like():
         for name in UNIX_ONLY:
             patch.delattr(os, name, raising=False)
         patch.setattr(checked_file, "_FADVISE", None)  # captured at import
+        patch.setattr(leased, "fcntl", None)  # Windows has no `fcntl`: no leases, private copies
         patch.setitem(sys.modules, "resource", None)  # `import resource` is an ImportError
         for module, name in ((os, "open"), (os, "stat"), (builtins, "open"), (io, "open")):
             patch.setattr(module, name, _refusing(getattr(module, name)))

@@ -1,0 +1,268 @@
+"""The host tier on the page cache: a checkpoint's bytes mapped under a read lease, copied the moment anyone would
+change them.
+
+A private copy of every weight (`checked_file`) keeps a loaded model's numbers whatever happens to its file, but it
+costs fresh memory the kernel cannot drop, and on many machines faulting that memory in takes longer than a forward.
+A memory map costs neither, and transformers and llama.cpp use one, but a file rewritten under it changes the numbers
+and a truncated one is a SIGBUS. Linux has the missing piece: a read lease (`fcntl(F_SETLEASE, F_RDLCK)`). While it
+is held, nobody has the file open for writing, and whoever opens it to write or truncates it is held by the kernel
+until the lease is given back (`/proc/sys/fs/lease-break-time`, 45 s by default). A watcher thread sees the lease
+break, copies each mapped region into anonymous memory and moves it over the mapping's own addresses (`mremap`), so
+every tensor viewing it keeps its address and values; then it gives the lease back and the writer goes on. The model
+computes the same numbers, as with a private copy; it paid for the copy only if the file was changed.
+
+Leases are taken only where they see every change: a local file system (`LOCAL_FILE_SYSTEMS`, from
+/proc/self/mountinfo; a network file system's other clients write past a local lease), a file this process may lease
+(its owner, or CAP_LEASE), nobody writing it now, and no more bytes in all than the watcher can surely copy within
+the break time (`COPY_RATE`). Elsewhere (Windows, macOS, NFS, FUSE, a file another user owns), or with
+`STREAMWISE_LEASE=0`, `map_ranges` says no and the load copies. What a lease cannot cover: a disk that fails
+reading a page the kernel dropped under memory pressure (a SIGBUS, as with every memory map), and writes to the block
+device under the file system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..host_memory import read_bounded
+from .checked_file import CheckedFile
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+_log = logging.getLogger("streamwise.load")
+
+LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "zfs", "bcachefs", "jfs"})
+"""File systems whose every write goes through this kernel, so a local lease sees it."""
+COPY_RATE = 500_000_000
+"""Bytes a second the watcher surely copies (a slow machine faulting in fresh memory): what may be leased at once is
+what it copies in half the break time."""
+POLL_SECONDS = 0.02
+"""How often the watcher looks for a broken lease: a writer waits this long at most before the copy starts."""
+_SIGNAL = getattr(__import__("signal"), "SIGURG", None)
+"""The signal a lease break sends (`F_SETSIG`): SIGURG, which every process ignores unless it asks for it (the default
+SIGIO would end the process)."""
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_CHUNK = 64 << 20
+
+
+def map_ranges(file: CheckedFile, ranges: list[tuple[int, int]]) -> list[Tensor] | None:
+    """Each (offset, nbytes) of `file` as a uint8 tensor viewing its bytes in the page cache, under a lease that
+    keeps them as they are; None where no lease is possible here (the caller copies instead)."""
+    total = sum(nbytes for _, nbytes in ranges)
+    if not total or not _leasing_possible(file):
+        return None
+    with _WATCHER.lock:
+        if _WATCHER.leased + total > _lease_cap():
+            return None
+        descriptor = _lease(file)
+        if descriptor is None:
+            return None
+        try:
+            views = _Lease(file.path, descriptor, total).map(ranges)
+        except (OSError, ValueError) as exc:  # out of address space, or the mapping refused: copy instead
+            _log.debug("streamwise: mapping %s failed (%s); copying instead", file.path, exc)
+            _release(descriptor)
+            return None
+        _WATCHER.leased += total
+    return views
+
+
+@dataclass
+class _Lease:
+    """One leased descriptor and the regions mapped from it (weakly: the tensors viewing a region keep it)."""
+
+    path: object
+    descriptor: int
+    nbytes: int
+    regions: list[tuple[weakref.ref, int, int]] = field(default_factory=list)
+    """(the region's mmap, its address, its length)."""
+
+    def map(self, ranges: list[tuple[int, int]]) -> list[Tensor]:
+        """Map the ranges, neighbours within a page sharing one region, and register the lease with the watcher
+        (which must hold its lock)."""
+        views: list[Tensor | None] = [None] * len(ranges)
+        order = sorted(range(len(ranges)), key=lambda index: ranges[index][0])
+        granule = mmap.ALLOCATIONGRANULARITY
+        group: list[int] = []
+        for index in order + [None]:
+            if group and (index is None or ranges[index][0] > _end(ranges, group) + granule):
+                start = ranges[group[0]][0] // granule * granule
+                length = _end(ranges, group) - start
+                region = mmap.mmap(self.descriptor, length, offset=start, access=mmap.ACCESS_COPY)
+                if hasattr(mmap, "MADV_WILLNEED"):
+                    region.madvise(mmap.MADV_WILLNEED)  # a cold file: the kernel reads ahead while the load goes on
+                self.regions.append((weakref.ref(region), _address(region), length))
+                for member in group:
+                    offset, nbytes = ranges[member]
+                    views[member] = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset - start)
+                group = []
+            if index is not None:
+                group.append(index)
+        _WATCHER.add(self)
+        return views
+
+    def live(self) -> list[tuple[int, int]]:
+        return [(address, length) for region, address, length in self.regions if region() is not None]
+
+    def copy_out(self) -> None:
+        """Every live region moved into anonymous memory of its own at the same address, then the lease given back:
+        the writer the kernel holds goes on, and the tensors keep the values they had."""
+        copied = 0
+        for address, length in self.live():
+            fresh = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                               mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+            if fresh in (None, ctypes.c_void_p(-1).value):
+                _log.error("streamwise: %s is being changed, but there is no memory to copy what the model maps of "
+                           "it; a truncation of it will now stop this process", self.path)
+                break
+            _copy(fresh, address, length)
+            if _LIBC.mremap(fresh, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) != address:
+                _log.error("streamwise: %s is being changed, but moving the copy of a region over its mapping failed "
+                           "(errno %d); a truncation of it will now stop this process", self.path, ctypes.get_errno())
+                break
+            copied += length
+        _release(self.descriptor)
+        if copied:
+            _log.info("streamwise: %s is being changed: the %d MiB the model maps of it were copied into memory of its "
+                      "own, so its numbers stay the same", self.path, copied >> 20)
+
+
+def _copy(destination: int, source: int, length: int) -> None:
+    """`memmove` in `_CHUNK`-byte pieces over a few threads: faulting in fresh memory is most of the copy, and
+    one thread does it several times slower than a few."""
+    starts = range(0, length, _CHUNK)
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1, len(starts)), thread_name_prefix="streamwise-copy") as pool:
+        for _ in pool.map(lambda start: ctypes.memmove(destination + start, source + start,
+                                                       min(_CHUNK, length - start)), starts):
+            pass
+
+
+def _end(ranges: list[tuple[int, int]], group: list[int]) -> int:
+    return max(ranges[index][0] + ranges[index][1] for index in group)
+
+
+def _address(region: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(region)  # an export of the buffer, dropped at once: the region can close later
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+class _Watcher:
+    """The thread that looks after every lease of the process: a broken one is copied out and given back, one whose
+    regions are all gone is given back; it ends when no lease is left."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.leases: list[_Lease] = []
+        self.leased = 0
+        self.thread: threading.Thread | None = None
+
+    def add(self, lease: _Lease) -> None:
+        self.leases.append(lease)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="streamwise-lease-watcher", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                if not self.leases:
+                    self.thread = None
+                    return
+                for lease in list(self.leases):
+                    try:
+                        if fcntl.fcntl(lease.descriptor, fcntl.F_GETLEASE) != fcntl.F_RDLCK:
+                            lease.copy_out()
+                        elif lease.live():
+                            continue
+                        else:
+                            _release(lease.descriptor)
+                    except Exception:  # never the thread's end: the other leases still need it
+                        _log.exception("streamwise: looking after the lease on %s failed", lease.path)
+                    self.leases.remove(lease)
+                    self.leased -= lease.nbytes
+            time.sleep(POLL_SECONDS)
+
+
+_WATCHER = _Watcher()
+
+
+def _leasing_possible(file: CheckedFile) -> bool:
+    if fcntl is None or _LIBC is None or _SIGNAL is None or not hasattr(fcntl, "F_SETLEASE"):
+        return False
+    if os.environ.get("STREAMWISE_LEASE", "1").strip() in ("0", "no", "off", "false"):
+        return False
+    return _file_system(file.identity[0]) in LOCAL_FILE_SYSTEMS
+
+
+def _file_system(device: int) -> str | None:
+    """The type of the mounted file system device number `device` is on (/proc/self/mountinfo), or None."""
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    for line in (read_bounded("/proc/self/mountinfo", 1 << 20) or "").splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == wanted and " - " in line:
+            return line.split(" - ", 1)[1].split()[0]
+    return None
+
+
+def _lease(file: CheckedFile) -> int | None:
+    """A read-only descriptor on `file` holding a read lease, the file still the one that was checked; None where
+    the kernel refuses one (not the owner, a writer has it open, leases off) or the file changed."""
+    try:
+        descriptor = file.open_checked()
+    except Exception:  # changed or gone: the copying read says so, with the file named
+        return None
+    try:
+        fcntl.fcntl(descriptor, fcntl.F_SETSIG, _SIGNAL)
+        fcntl.fcntl(descriptor, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        file.check(os.fstat(descriptor))  # changed between the last check and the lease: copy, and be told there
+    except Exception:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def _release(descriptor: int) -> None:
+    try:
+        fcntl.fcntl(descriptor, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    finally:
+        os.close(descriptor)
+
+
+def _lease_cap() -> int:
+    """Bytes that may be leased at once: what the watcher copies in half the break time."""
+    seconds = read_bounded("/proc/sys/fs/lease-break-time", 64)
+    seconds = int(seconds) if seconds and seconds.strip().isdigit() else 45
+    return seconds * COPY_RATE // 2
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.mremap.restype = ctypes.c_void_p
+        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError, TypeError):  # no C library by that name, or no mremap (not Linux)
+        return None
+
+
+_LIBC = _libc()
