@@ -13,6 +13,7 @@ import torch
 
 import streamwise
 from streamwise.runtime.checkpoint import leased
+from streamwise.runtime.checkpoint.errors import CheckpointError
 
 from helpers import leases_here, tiny_qwen2
 
@@ -102,3 +103,26 @@ def test_no_more_is_leased_than_the_watcher_can_copy_within_the_break_time(folde
     model = streamwise.load_pretrained(folder, "auto", progress=False).model
     assert not _mapped(_shards(folder)) and not _leased(folder)
     assert torch.isfinite(_logits(model)).all()
+
+
+def test_a_file_changed_just_before_its_lease_is_refused_not_mapped(folder, monkeypatch):
+    """A writer that opened, wrote and closed the file between the load's last check and its lease leaves nothing
+    for the lease to refuse: the identity is checked again under the lease, and the load then copies, which names
+    the changed file."""
+    real = leased.fcntl
+
+    class Damaging:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def fcntl(descriptor, command, argument=0):
+            if command == real.F_SETLEASE and argument == real.F_RDLCK:
+                shard = _shards(folder)[0]
+                shard.write_bytes(bytes(reversed(shard.read_bytes())))
+            return real.fcntl(descriptor, command, argument)
+
+    monkeypatch.setattr(leased, "fcntl", Damaging())
+    with pytest.raises(CheckpointError, match="the file changed after its header was read"):
+        streamwise.load_pretrained(folder, "auto", progress=False)
+    assert not _mapped(_shards(folder))
