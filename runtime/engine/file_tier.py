@@ -236,7 +236,8 @@ class FileTier:
         key, current = id(module), self._current  # once: another thread's forward may replace it meanwhile
         if current is not None and current[0] == key:
             return current[1]
-        self._current = None  # the unit before is done: its buffer is free for what is read next
+        del current  # the unit before is done: neither this frame nor the tier may keep its staging from reuse
+        self._current = None
         pending = self._ahead.pop(key, None)
         if pending is not None:
             tensors = pending.taken()

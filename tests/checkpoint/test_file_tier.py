@@ -251,14 +251,20 @@ def test_a_budget_that_cannot_hold_what_must_be_in_memory_is_refused_with_its_fi
     assert "staging buffer of the largest unit" in message and "raise the host budget" in message
 
 
-def test_memory_too_short_for_two_staging_buffers_reads_with_one_and_no_read_ahead(tmp_path):
+def test_memory_too_short_for_two_staging_buffers_reads_with_one_and_no_read_ahead(tmp_path, monkeypatch):
+    """One staging buffer then serves every read: each unit's read waits for nothing, since the unit before is done
+    with it (a read taking a buffer outside the pool would exceed the budget the load counted)."""
     path, policy = _saved(tmp_path, "safetensors")
     expected, _ = _logits_and_tokens(streamwise.load_pretrained(path, policy, progress=False).model)
     largest = 128 * 64 * 4  # the float32 embedding and output head
     tight = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": largest + largest // 2})
     tiers = tight.report.tiers
     assert tiers.slabs == 1 and tiers.staging_bytes == largest and "no read-ahead" in str(tight.report)
+    taken, buffer = [], file_tier.FileTier._buffer
+    monkeypatch.setattr(file_tier.FileTier, "_buffer", lambda self, nbytes, *, pooled: (
+        taken.append(pooled), buffer(self, nbytes, pooled=pooled))[1])
     assert torch.equal(_logits_and_tokens(tight.model)[0], expected)
+    assert taken and all(taken), "a read took a buffer outside the pool"
 
 
 def test_the_split_leaving_the_fewest_bytes_in_the_file_is_taken():
