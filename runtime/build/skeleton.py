@@ -36,7 +36,9 @@ def _on_meta(register: Callable, on_meta: Callable[[], bool | None]) -> Callable
     def register_parameter(module: nn.Module, name: str, parameter) -> None:
         register(module, name, parameter)
         if parameter is not None and not parameter.is_meta and on_meta():
-            module._parameters[name] = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
+            placeholder = nn.Parameter(parameter.to("meta"), requires_grad=parameter.requires_grad)
+            placeholder._is_hf_initialized = True  # transformers' init functions skip it, as they skip loaded ones
+            module._parameters[name] = placeholder
 
     return register_parameter
 

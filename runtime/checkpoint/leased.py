@@ -95,23 +95,23 @@ class _Lease:
         """Map the ranges, neighbours within a page sharing one region, and register the lease with the watcher
         (which must hold its lock)."""
         views: list[Tensor | None] = [None] * len(ranges)
-        order = sorted(range(len(ranges)), key=lambda index: ranges[index][0])
         granule = mmap.ALLOCATIONGRANULARITY
         group: list[int] = []
-        for index in order + [None]:
-            if group and (index is None or ranges[index][0] > _end(ranges, group) + granule):
+        end = 0
+        for index in sorted(range(len(ranges)), key=lambda index: ranges[index][0]) + [None]:
+            if group and (index is None or ranges[index][0] > end + granule):
                 start = ranges[group[0]][0] // granule * granule
-                length = _end(ranges, group) - start
-                region = mmap.mmap(self.descriptor, length, offset=start, access=mmap.ACCESS_COPY)
+                region = mmap.mmap(self.descriptor, end - start, offset=start, access=mmap.ACCESS_COPY)
                 if hasattr(mmap, "MADV_WILLNEED"):
                     region.madvise(mmap.MADV_WILLNEED)  # a cold file: the kernel reads ahead while the load goes on
-                self.regions.append((weakref.ref(region), _address(region), length))
+                self.regions.append((weakref.ref(region), _address(region), end - start))
                 for member in group:
                     offset, nbytes = ranges[member]
                     views[member] = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset - start)
-                group = []
+                group, end = [], 0
             if index is not None:
                 group.append(index)
+                end = max(end, ranges[index][0] + ranges[index][1])
         _WATCHER.add(self)
         return views
 
@@ -149,10 +149,6 @@ def _copy(destination: int, source: int, length: int) -> None:
         for _ in pool.map(lambda start: ctypes.memmove(destination + start, source + start,
                                                        min(_CHUNK, length - start)), starts):
             pass
-
-
-def _end(ranges: list[tuple[int, int]], group: list[int]) -> int:
-    return max(ranges[index][0] + ranges[index][1] for index in group)
 
 
 def _address(region: mmap.mmap) -> int:
