@@ -6,12 +6,12 @@ hand-built cases of `tests/quantized_zoo.py` (encoder-decoder, encoders, vision,
         [--limit N] [--timeout S]
 
 Each class runs its formats in a child process bounded by `--timeout` seconds a case, each result one JSON line
-appended to `OUT.jsonl`, so a run that stops resumes at the next class; `OUT.md` is written from all lines at the
-end: per format, the classes tried, within the envelope, outside (with the cosine), errors (a refusal's message or
-a failure's), timeouts, and per case the share of weight bytes quantized. Every class gets token ids (and decoder
-ids where its config is an encoder-decoder's); a class whose default config does not build, or does not run on those
-inputs, at the small size (`no-build`: the library's own constraints, or a model that needs images or audio) is
-listed, never hidden.
+appended to `OUT.jsonl`, so a run that stops resumes at the next class; `OUT.md` is written from all lines after
+every class: per format, the classes tried, within the envelope, outside (with the cosine), errors (a refusal's
+message or a failure's), timeouts, and per case the share of weight bytes quantized. Every class gets token ids
+(and decoder ids where its config is an encoder-decoder's); a class whose default config does not build, or does not
+run on those inputs, at the small size (`no-build`: the library's own constraints, or a model that needs images or
+audio) is listed, never hidden.
 """
 
 from __future__ import annotations
@@ -198,6 +198,7 @@ def main() -> None:
             with results.open("a") as handle:
                 handle.write(json.dumps(result) + "\n")
             print(f"{name} {result['format']}: {result['outcome']} {result.get('cosine', '')}", flush=True)
+        Path(args.out + ".md").write_text(report(done))  # after every class: a run stopped anywhere has its table
     Path(args.out + ".md").write_text(report(done))
     print(f"wrote {args.out}.jsonl and {args.out}.md")
 
