@@ -3,8 +3,9 @@ changed since is refused.
 
 A memory map would make the loaded model depend on the file staying as it was: a file rewritten in place (a
 re-download, a sync client) changes the next forward's numbers, and a truncated one kills the process with SIGBUS
-on the next touch of a page past its new end. So nothing is mapped: each tensor is read with plain reads into a
-fresh allocation when the loader asks for it, and the file's identity (device, inode, size, modification and change
+on the next touch of a page past its new end. So nothing is mapped here (`leased` maps only under a read lease, which
+copies before anyone can change the file): each tensor is read with plain reads into a fresh allocation when the
+loader asks for it, and the file's identity (device, inode, size, modification and change
 times) is compared with the one its header was read under, before and after every read. A file replaced, truncated
 or rewritten meanwhile is a `CheckpointError` naming it (a short read is one too, never a signal), and a loaded model
 holds nothing of the file at all. The price: the bytes are copied once, as a map's pages would have been faulted in

@@ -3,8 +3,9 @@
 A header is checked in full before any tensor is placed, at least as strictly as the format's own library checks
 it (a file the library accepts loads; one it refuses is refused here), because a tensor placed from a lying header
 misreads another tensor's bytes. Headers are parsed in one linear pass whose every count is bounded first (`limits`).
-Tensors are read into memory of their own when the loader asks (`checked_file`), never mapped: a loaded model does
-not depend on the file, and a file that changed after its header was read is refused. GGUF tensors keep their raw
+Tensors are read into memory of their own when the loader asks (`checked_file`), or mapped only under a read lease
+that copies them before anyone changes the file (`leased`): a loaded model does not depend on the file, and a file
+that changed after its header was read is refused. GGUF tensors keep their raw
 GGML blocks and quant type. Every problem is a `CheckpointError` that names the file, the tensor and the reason.
 """
 
