@@ -13,7 +13,9 @@ round once with the checkpoint in the page cache (warm: read once before) and on
   (Windows, macOS, a network file system).
 - `streamwise-half`: `max_memory={"cpu": half the checkpoint + the staging buffers}`, so about half the weights
   stay on the file tier; a first forward (it learns the order the read-ahead follows), then the steady forward
-  timed; in cold rounds the checkpoint is evicted again and a third, cold steady forward timed.
+  timed; in cold rounds the checkpoint is evicted again and a third, cold steady forward timed. Its host tier is
+  copied (`STREAMWISE_LEASE=0`): a leased one is page cache the eviction would drop too, and the forward would then
+  read more than the file tier's bytes that the raw read it is compared with reads.
 - `raw-read`: the whole checkpoint read sequentially with `readinto` into one reused 64 MiB buffer.
 - `raw-read-half`: the same, for as many bytes as the half-budget load left on the file tier.
 - `raw-copy`: the whole checkpoint read into fresh anonymous memory of its own, 64 MiB chunks over as many threads as
@@ -273,7 +275,7 @@ def child(args: argparse.Namespace) -> None:
         from transformers import AutoModelForCausalLM, Qwen2ForCausalLM  # noqa: F401  (the modeling code too)
 
         if mode != "transformers":
-            if mode == "streamwise-copied":
+            if mode in ("streamwise-copied", "streamwise-half"):
                 os.environ["STREAMWISE_LEASE"] = "0"
             import streamwise
         if args.threads:
