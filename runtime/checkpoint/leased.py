@@ -32,6 +32,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -90,7 +91,7 @@ def map_ranges(file: CheckedFile, ranges: list[tuple[int, int]]) -> list[Tensor]
 class _Lease:
     """One leased descriptor and the regions mapped from it (weakly: the tensors viewing a region keep it)."""
 
-    path: object
+    path: Path
     descriptor: int
     nbytes: int
     regions: list[tuple[weakref.ref, int, int]] = field(default_factory=list)
@@ -178,8 +179,6 @@ class _Reader:
         self.lock = threading.Lock()
 
     def read_ahead(self, regions: list[tuple[weakref.ref, int, int]]) -> None:
-        if _LIBC is None:
-            return
         for region, address, length in regions:
             for start in range(0, length, _READ_AHEAD):
                 self.chunks.put((region, address + start, min(_READ_AHEAD, length - start)))

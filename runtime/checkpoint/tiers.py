@@ -177,8 +177,9 @@ def read_in(sources: list[FileSource], *, drop_cache: bool) -> list[Tensor]:
             mappable.setdefault(id(source.range.file), (source.range.file, []))[1].append(index)
     for file, indexes in mappable.values():
         views = map_ranges(file, [(sources[index].range.offset, sources[index].range.nbytes) for index in indexes])
-        for index, view in zip(indexes, views or (), strict=False):
-            raws[index] = view
+        if views is not None:
+            for index, view in zip(indexes, views, strict=True):
+                raws[index] = view
     copied = [index for index, raw in enumerate(raws) if raw is None]
     for index in copied:
         raws[index] = torch.empty(sources[index].range.nbytes, dtype=torch.uint8)
@@ -205,10 +206,8 @@ def read_in(sources: list[FileSource], *, drop_cache: bool) -> list[Tensor]:
 
 
 def _stored_as_is(source: FileSource) -> bool:
-    """Whether the model takes the file's bytes as they are (no cast on the way), aligned for their dtype: then they
-    can be mapped."""
-    as_stored = source.dtype == source.range.dtype or source.dtype == torch.uint8  # uint8: a resident's raw storage
-    return as_stored and source.range.nbytes > 0 and source.range.offset % source.range.dtype.itemsize == 0
+    """Whether the model takes the file's bytes as they are, aligned for their dtype: then they can be mapped."""
+    return source.uncast and source.range.nbytes > 0 and source.range.offset % source.range.dtype.itemsize == 0
 
 
 def _nbytes(value: object) -> int:

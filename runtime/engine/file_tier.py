@@ -56,6 +56,11 @@ class FileSource:
         """The bytes it takes in memory, in the model's dtype."""
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def uncast(self) -> bool:
+        """Whether the model's tensor is the file's bytes as they are: its dtype, or a resident's raw storage."""
+        return self.dtype == self.range.dtype or self.dtype == torch.uint8
+
     def as_model_tensor(self, raw: Tensor) -> Tensor:
         """The model's tensor from the range's raw bytes (`raw`, uint8)."""
         if self.dtype == torch.uint8 and self.range.dtype != torch.uint8:  # a resident keeps the raw storage

@@ -5,7 +5,9 @@ and what the model computes meanwhile. Truncations and in-place rewrites under a
 from __future__ import annotations
 
 import gc
+import json
 import os
+import struct
 import time
 
 import pytest
@@ -14,6 +16,9 @@ import torch
 import streamwise
 from streamwise.runtime.checkpoint import leased
 from streamwise.runtime.checkpoint.errors import CheckpointError
+from streamwise.runtime.checkpoint.readers import open_checkpoint
+from streamwise.runtime.checkpoint.tiers import read_in
+from streamwise.runtime.engine.file_tier import FileSource
 
 from helpers import leases_here, tiny_qwen2
 
@@ -126,3 +131,21 @@ def test_a_file_changed_just_before_its_lease_is_refused_not_mapped(folder, monk
     with pytest.raises(CheckpointError, match="the file changed after its header was read"):
         streamwise.load_pretrained(folder, "auto", progress=False)
     assert not _mapped(_shards(folder))
+
+
+def test_a_tensor_off_its_dtype_alignment_is_copied_beside_mapped_ones(tmp_path):
+    """An F16 tensor of odd length puts the next F32 tensor two bytes off its alignment (valid safetensors): a
+    view of the mapping could not hold it as float32, so it is copied; the aligned one is mapped."""
+    if not leases_here(tmp_path):
+        pytest.skip(f"no read lease on {tmp_path}'s file system here")
+    path = tmp_path / "odd.safetensors"
+    header = json.dumps({"a": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]},
+                         "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}).encode()
+    header += b" " * (-(8 + len(header)) % 8)  # the data starts 8-byte aligned: only `b` is off
+    path.write_bytes(struct.pack("<Q", len(header)) + header + struct.pack("<e", 1.5) + struct.pack("<f", 2.5))
+    stored = open_checkpoint(path).tensors
+    a, b = read_in([FileSource(stored[key].read, stored[key].dtype, stored[key].shape) for key in "ab"],
+                   drop_cache=False)
+    assert (a.item(), b.item()) == (1.5, 2.5)
+    assert all(tensor.data_ptr() % tensor.element_size() == 0 for tensor in (a, b))  # kernels may assume it
+    assert _mapped([path]) == {str(path)}
