@@ -5,7 +5,9 @@ A Qwen2-style decoder in bf16 runs (1) fully resident on the GPU, (2) under the 
 with a quarter of its weights resident and the rest streamed, with and without prefetch. Outputs
 must be bit-identical to the resident run. (3) The same decoder saved with `save_pretrained` and
 loaded under a host budget that leaves half its blocks in the file: streamed onto the GPU, its
-logits equal the resident run's, and its host tier is pinned as one region of exactly its bytes.
+logits equal the resident run's, and its host tier is pinned as one region of exactly its bytes. (4) Loaded whole
+with its host tier leased (viewing the page cache), placed on the GPU, then its file overwritten with zeros: the
+writer waits for the copy, and the logits stay the resident run's.
 Run on a CUDA machine:
 
     python benchmarks/gpu_check.py [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
@@ -19,7 +21,8 @@ import time
 
 import torch
 import transformers
-from report import emit  # this folder's: every GPU benchmark hands over its figures alike
+from leases import file_system, lease_folder, rewrite, viewing_file  # this folder's, as report's
+from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise
 from streamwise.runtime.engine.relocating import offload_relocated
@@ -137,7 +140,8 @@ def main() -> None:
         tied_reference.model.layers[0].mlp.down_proj.weight.zero_()
         results["in_place_update_seen_after_prefetch"] = bool(torch.allclose(
             tied(tokens.to(device)).logits.cpu(), tied_reference(tokens).logits, atol=1e-4))
-    results["three_tiers"] = three_tiers(host, ids, device)
+    section(results, "three_tiers", three_tiers, host, ids, device)
+    section(results, "leased_host_tier", leased_host_tier, host, ids, device)
     emit(results, args.out)
 
 
@@ -145,11 +149,9 @@ def three_tiers(host: torch.nn.Module, ids: torch.Tensor, device: torch.device) 
     """Device <- pinned host memory <- file: half the streamed bytes left in the file by the host budget, against
     transformers' own load of the same folder, resident on the device (a model loaded in bf16 keeps its rotary
     frequencies in float32, where `host`, cast after it was built, holds them in bf16)."""
-    import tempfile
-
     from streamwise.runtime.engine import file_tier
 
-    with tempfile.TemporaryDirectory() as folder:
+    with lease_folder() as folder:
         host.save_pretrained(folder)
         reference = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=host.dtype).eval().to(device)
         expected, resident_seconds = timed(reference, ids, 3)
@@ -170,6 +172,40 @@ def three_tiers(host: torch.nn.Module, ids: torch.Tensor, device: torch.device) 
             "ms": seconds * 1e3, "resident_ms": resident_seconds * 1e3,
             "pinned regions": len(pinned), "pinned region bytes": sum(pinned.values()),
             "pinned tensor bytes": held,
+        }
+
+
+
+def leased_host_tier(host: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict:
+    """The whole model on the host tier, mapped under a read lease, a quarter placed on the device and the rest
+    pinned; then the file overwritten with zeros under it. The logits must stay transformers' resident ones."""
+    from pathlib import Path
+
+    with lease_folder() as folder:
+        host.save_pretrained(folder)
+        reference = transformers.Qwen2ForCausalLM.from_pretrained(folder, dtype=host.dtype).eval().to(device)
+        expected, _ = timed(reference, ids, 1)
+        del reference
+        file = Path(folder, "model.safetensors")
+        started = time.perf_counter()
+        model = streamwise.load_pretrained(folder, "decoder-llm", progress=False).model
+        loaded = time.perf_counter() - started
+        weights = list(model.parameters())
+        mapped_at_load = viewing_file(weights, file)
+        total = sum(p.nbytes for p in weights)
+        streamwise.offload(model, "decoder-llm", device=device, budget=total // 4)
+        before, _ = timed(model, ids, 1)
+        mapped_after_placing = viewing_file(weights, file)
+        held = rewrite(file)
+        after, _ = timed(model, ids, 1)
+        return {
+            "file system": file_system(folder), "load seconds": loaded,
+            "weights viewing the file after the load": f"{mapped_at_load}/{len(weights)}",
+            "weights viewing the file after placing": f"{mapped_after_placing}/{len(weights)}",
+            "identical to resident before the rewrite": bool(torch.equal(before, expected)),
+            "writer held for (s)": held,
+            "weights viewing the file after the rewrite": viewing_file(weights, file),
+            "identical to resident after the rewrite": bool(torch.equal(after, expected)),
         }
 
 

@@ -9,6 +9,9 @@ and unload, and a tree reading from its file loaded by core onto CUDA.
    tensors again, and CUDA holds nothing of them.
 2. The same model saved with `save_pretrained` and loaded under a host budget that leaves most blocks in their file:
    core loads it onto CUDA and it generates the tokens transformers' resident model does there.
+3. The same model loaded whole with its host tier leased (viewing the page cache), loaded by core in low-VRAM mode
+   (core v0.33+ pins offloaded weights where they lie, `cudaHostRegister`), then its file overwritten with zeros:
+   the tokens stay transformers', and core's pins and unpins report no error.
 
 Run on a CUDA machine, once per core (one core per process):
 
@@ -21,13 +24,15 @@ import argparse
 import gc
 import importlib
 import inspect
+import logging
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import transformers
-from report import emit  # this folder's: every GPU benchmark hands over its figures alike
+from leases import file_system, lease_folder, rewrite, viewing_file  # this folder's, as report's
+from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise  # before core is on the path: the engine alone, not the nodes (which need core's front end)
 from streamwise.runtime.engine import file_tier as tier
@@ -171,6 +176,59 @@ def file_tier(mm, device: torch.device, ids: torch.Tensor) -> dict:
                 == left}
 
 
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def leased(mm, device: torch.device, ids: torch.Tensor) -> dict:
+    warnings = _Warnings()
+    logging.getLogger().addHandler(warnings)
+    try:
+        with lease_folder() as folder:
+            tiny(2).save_pretrained(folder)
+            file = Path(folder, "model.safetensors")
+            reference = transformers.Qwen2ForCausalLM.from_pretrained(folder).eval().to(device)
+            with torch.inference_mode():
+                expected = reference.generate(ids.to(device), max_new_tokens=8, do_sample=False)[0].tolist()
+            del reference
+            model = streamwise.load_pretrained(folder, "auto", progress=False).model
+            weights = list(model.parameters())
+            result = {"file system": file_system(folder),
+                      "weights viewing the file after the load": f"{viewing_file(weights, file)}/{len(weights)}"}
+            patcher = streamwise.model_patcher(model, load_device=device, offload_device=CPU)
+            patcher.load(patcher.load_device, lowvram_model_memory=1)  # low-VRAM: weights stay on the host, pinned
+            with torch.inference_mode():
+                before = model.generate(ids.to(device), max_new_tokens=8, do_sample=False)[0].tolist()
+            host = [p for p in model.parameters() if p.device == CPU]
+            result.update({
+                "weights on the host": f"{len(host)}/{len(weights)}",
+                "host weights pinned": f"{sum(p.is_pinned() for p in host)}/{len(host)}",
+                "core's pinned bytes": getattr(mm, "TOTAL_PINNED_MEMORY", None),
+                "weights viewing the file while loaded": f"{viewing_file(weights, file)}/{len(weights)}",
+                "tokens equal transformers' before the rewrite": before == expected,
+                "writer held for (s)": rewrite(file),
+            })
+            with torch.inference_mode():
+                after = model.generate(ids.to(device), max_new_tokens=8, do_sample=False)[0].tolist()
+            result["tokens equal transformers' after the rewrite"] = after == expected
+            patcher.unpatch_model(CPU)
+            mm.unload_all_models()
+            gc.collect()
+            result["core's pinned bytes after unload"] = getattr(mm, "TOTAL_PINNED_MEMORY", None)
+            with torch.inference_mode():
+                result["tokens equal transformers' after unload"] = model.generate(
+                    ids, max_new_tokens=8, do_sample=False)[0].tolist() == expected
+    finally:
+        logging.getLogger().removeHandler(warnings)
+    result["warnings"] = sorted(set(warnings.messages))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--core", type=Path, required=True)
@@ -184,8 +242,9 @@ def main() -> None:
                "core": str(args.core), "dynamic VRAM": args.dynamic_vram,
                "core's cast_bias_weight takes offloadable": "offloadable" in inspect.signature(
                    importlib.import_module("comfy.ops").cast_bias_weight).parameters}
-    results["copies"] = copies(mm, device, ids)
-    results["file tier"] = file_tier(mm, device, ids)
+    section(results, "copies", copies, mm, device, ids)
+    section(results, "file tier", file_tier, mm, device, ids)
+    section(results, "leased host tier pinned by core", leased, mm, device, ids)
     emit(results, args.out)
 
 

@@ -28,6 +28,17 @@ def emit(results: dict, out: str | None) -> None:
             handle.write(text + "\n")
 
 
+def section(results: dict, name: str, run, *args) -> None:
+    """`results[name] = run(*args)`, or the error it raised: one failing part of a GPU check never costs the
+    figures of the others (a device lease is short)."""
+    try:
+        results[name] = run(*args)
+    except Exception as exc:  # reported, not raised: the JSON must come back
+        import traceback
+
+        results[name] = {"error": "".join(traceback.format_exception(exc)[-6:])}
+
+
 def git_commit() -> str | None:
     """The checkout's commit, marked where the working tree differs from it."""
     try:
