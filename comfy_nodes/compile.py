@@ -13,16 +13,18 @@ from comfy_api.latest import io, ui
 from ..runtime.compile.settings import runnable_backends
 from ..runtime.hosts.comfyui import copied
 from ..runtime.hosts.comfyui.compile import armed_with_report
+from ..schemas.field_docs import field_descriptions
 from ..schemas.policy import CompileSettings
 from ..schemas.vocabulary import COMPILE_MODES
 from .schema import schema
 
 FIELDS = CompileSettings.model_fields
+TOOLTIPS = field_descriptions(CompileSettings)
 
 
 def _setting(kind: type[io.ComfyTypeIO], name: str, key: str | None = None, **options) -> io.Input:
     field = FIELDS[key or name]
-    return kind.Input(name, default=field.default, tooltip=field.description, **options)
+    return kind.Input(name, default=field.default, tooltip=TOOLTIPS[key or name], **options)
 
 
 class QuantizedLazyTorchCompile(io.ComfyNode):
@@ -39,7 +41,7 @@ class QuantizedLazyTorchCompile(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="A MODEL to compile: from the Streamwise loader, the Apply node, or "
                                                 "any loader."),
-                io.Combo.Input("backend", options=backends, tooltip=FIELDS["backend"].description + " Only the "
+                io.Combo.Input("backend", options=backends, tooltip=TOOLTIPS["backend"] + " Only the "
                                "backends that can run on this machine are offered.",
                                default="inductor" if "inductor" in backends else backends[0]),
                 _setting(io.Boolean, "fullgraph"),

@@ -132,7 +132,7 @@ Regexes = _entries(_checked("bad-regex", compile_regex), _text(maxLength=MAX_PAT
 
 class _Table(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", frozen=True, strict=True, populate_by_name=True, use_attribute_docstrings=True
+        extra="forbid", frozen=True, strict=True, populate_by_name=True
     )
 
     @model_validator(mode="before")
