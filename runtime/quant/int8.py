@@ -51,18 +51,21 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, group_
     return out if bias is None else out + bias.to(x.dtype)
 
 
-@torch.library.custom_op("streamwise::int8_w8a16", mutates_args=())
-def _w8a16(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """`torch._weight_int8pack_mm` in bf16 (float16 would flush small row scales to subnormals).
+_LIBRARY = torch.library.Library("streamwise", "FRAGMENT")
+_LIBRARY.define("int8_w8a16(Tensor rows, Tensor q, Tensor scale) -> Tensor")
+"""`torch._weight_int8pack_mm` in bf16 (float16 would flush small row scales to subnormals), as an operator of its own
+so that inductor calls it opaquely (it cannot lower the kernel after a scale cast) and so that gradients reach the
+activations, which the bare kernel does not allow. Defined with `Library` rather than `custom_op`, whose fake
+registration asks `inspect` for its caller's source: a search of every loaded module, 60 ms of each import."""
 
-    A custom op so that inductor calls it opaquely (it cannot lower the kernel after a scale
-    cast) and so that gradients reach the activations, which the bare kernel does not allow.
-    """
+
+@torch.library.impl(_LIBRARY, "int8_w8a16", "CPU")
+def _w8a16_cpu(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     return torch._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), q, scale.to(torch.bfloat16))
 
 
-@_w8a16.register_fake
-def _(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+@torch.library.impl(_LIBRARY, "int8_w8a16", "Meta")  # also what fake tensors (compile's tracing) run
+def _w8a16_meta(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     return rows.new_empty((rows.shape[0], q.shape[0]), dtype=torch.bfloat16)
 
 
@@ -77,7 +80,8 @@ def _w8a16_backward(ctx, grad: Tensor):
     return grad.to(ctx.rows_dtype) @ dequantize_int8(q, scale, None, ctx.rows_dtype), None, None
 
 
-_w8a16.register_autograd(_w8a16_backward, setup_context=_w8a16_context)
+torch.library.register_autograd("streamwise::int8_w8a16", _w8a16_backward, setup_context=_w8a16_context)
+_w8a16 = torch.ops.streamwise.int8_w8a16
 
 
 def _w8a8(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
