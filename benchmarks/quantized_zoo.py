@@ -1,6 +1,7 @@
-"""The quantized zoo (#34): every transformers `*ForCausalLM`, `*ForConditionalGeneration` and base-model class,
-shrunk to widths of 256, under every quant format by the route users take, compared with the float model; plus the
-hand-built cases of `tests/quantized_zoo.py` (encoder-decoder, encoders, vision, speech, diffusers).
+"""The quantized zoo (#34): every transformers `*ForCausalLM`, `*ForConditionalGeneration` and base-model class, and
+every diffusers model class, shrunk to widths of 256, under every quant format by the route users take, compared with
+the float model; plus the hand-built cases of `tests/quantized_zoo.py` (encoder-decoder, encoders, vision, speech,
+diffusers).
 
     python benchmarks/quantized_zoo.py --out benchmarks/results/quantized_zoo-DATE [--families causal-lm ...]
         [--limit N] [--timeout S]
@@ -9,9 +10,9 @@ Each class runs its formats in a child process bounded by `--timeout` seconds a 
 appended to `OUT.jsonl`, so a run that stops resumes at the next class; `OUT.md` is written from all lines after
 every class: per format, the classes tried, within the envelope, outside (with the cosine), errors (a refusal's
 message or a failure's), timeouts, and per case the share of weight bytes quantized. Every class gets token ids
-(and decoder ids where its config is an encoder-decoder's); a class whose default config does not build, or does not
-run on those inputs, at the small size (`no-build`: the library's own constraints, or a model that needs images or
-audio) is listed, never hidden.
+(and decoder ids where its config is an encoder-decoder's); a diffusers class gets the first of a few input layouts
+it runs on (`diffusers_inputs`). A class whose default config does not build, or does not run on those inputs, at the
+small size (`no-build`: the library's own constraints, or a model that needs images or audio) is listed, never hidden.
 """
 
 from __future__ import annotations
@@ -39,7 +40,27 @@ SMALL = {  # on the config and every sub-config holding the attribute: widths of
 }
 
 
-FAMILIES = ("causal-lm", "conditional-generation", "base-model")
+DIFFUSERS_SMALL = {  # on a diffusers model's `__init__` argument whose default is an int
+    **dict.fromkeys(("num_layers", "num_single_layers", "num_refiner_layers", "num_blocks", "depth", "n_layers",
+                     "n_refiner_layers", "num_transformer_layers", "num_encoder_layers", "num_decoder_layers",
+                     "num_noise_refiner_layers", "num_context_refiner_layers", "num_visual_blocks", "num_text_blocks",
+                     "num_text_layers"), 2),
+    **dict.fromkeys(("layers_per_block", "transformer_layers_per_block"), 1),
+    **dict.fromkeys(("cross_attention_dim", "joint_attention_dim", "caption_channels", "text_dim", "text_embed_dim",
+                     "pooled_projection_dim", "caption_projection_dim", "encoder_hid_dim", "hidden_size", "inner_dim",
+                     "freq_dim", "time_embed_dim", "cap_feat_dim", "text_hidden_dim", "context_dim", "context_in_dim",
+                     "dim", "model_dim", "in_text_dim", "in_text_dim2", "time_dim"), 256),
+    **dict.fromkeys(("ffn_dim", "intermediate_size", "ff_inner_dim", "mlp_hidden_dim", "ff_dim",
+                     "text_intermediate_size"), 512),
+    "sample_size": 8, "max_text_seq_len": 8,
+}
+"""Two layers and widths of 256; every head count is then set so that heads x the head width is 256 (`HEADS`)."""
+HEADS = ("num_attention_heads", "num_heads", "n_heads", "n_kv_heads", "num_key_value_heads",
+         "text_num_attention_heads", "text_num_key_value_heads")
+"""Head counts: the head width stays the class's own (`attention_head_dim`, else the sum of its rotary axes, which
+are sized to it, else 64)."""
+
+FAMILIES = ("causal-lm", "conditional-generation", "base-model", "diffusers")
 
 
 def class_names(family: str) -> list[str]:
@@ -47,6 +68,12 @@ def class_names(family: str) -> list[str]:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
+    if family == "diffusers":
+        import diffusers
+
+        return sorted(name for name in dir(diffusers) if isinstance(getattr(diffusers, name, None), type)
+                      and issubclass(getattr(diffusers, name), diffusers.ModelMixin)
+                      and getattr(diffusers, name) is not diffusers.ModelMixin)
     if family == "base-model":
         names = {name for value in MODEL_MAPPING_NAMES.values()
                  for name in ((value,) if isinstance(value, str) else value)}
@@ -86,6 +113,79 @@ def small_model(name: str):
     return model, inputs
 
 
+def small_diffusers(name: str):
+    """A diffusers model class at a small size (`DIFFUSERS_SMALL` on its defaults), and the first input layout it runs
+    on; raises with the last layout's error where none does."""
+    import inspect
+
+    import diffusers
+    import torch
+
+    cls = getattr(diffusers, name)
+    defaults = {key: p.default for key, p in inspect.signature(cls.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    config = {key: DIFFUSERS_SMALL[key] for key, value in defaults.items()
+              if key in DIFFUSERS_SMALL and isinstance(value, int) and not isinstance(value, bool)}
+    channels = defaults.get("block_out_channels")
+    if isinstance(channels, tuple) and channels and all(isinstance(c, int) for c in channels):
+        config["block_out_channels"] = (256,) * len(channels)
+    head = defaults.get("attention_head_dim")
+    rope = next((defaults[k] for k in ("axes_dims_rope", "axes_dims", "rope_dim_list")
+                 if isinstance(defaults.get(k), (tuple, list))), None)
+    width = head if isinstance(head, int) and head >= 32 else sum(rope) if rope else 64
+    config.update({heads: max(1, 256 // width) for heads in HEADS if isinstance(defaults.get(heads), int)})
+    torch.manual_seed(0)
+    model = cls(**config).eval()
+    errors = []
+    for layout, inputs in diffusers_inputs(model):
+        try:
+            with torch.no_grad():
+                model(**inputs)
+            return model, inputs
+        except Exception as exc:  # the next layout
+            errors.append(f"as {layout}: {type(exc).__name__}: {str(exc)[:100]}")
+    raise ValueError("; ".join(errors))
+
+
+def diffusers_inputs(model):
+    """(name, inputs) layouts for a diffusers model's forward, by its parameters' names: the latents as an image, a
+    video (channels or frames first), a token sequence and a signal (8 x 8 pixels, 2 frames, 16 tokens, 64 samples),
+    8 text tokens as wide as the config's text width, a timestep, and where named: pooled text, rotary ids, guidance
+    (where the config embeds it), masks."""
+    import inspect
+
+    import torch
+
+    config, wanted = model.config, inspect.signature(model.forward).parameters
+    channels = next((config[k] for k in ("in_channels", "latent_channels", "num_channels") if
+                     isinstance(config.get(k), int)), 4)
+    text = next((config[k] for k in ("joint_attention_dim", "cross_attention_dim", "caption_channels", "text_dim",
+                                     "text_embed_dim", "encoder_hid_dim", "cap_feat_dim", "context_dim")
+                 if isinstance(config.get(k), int)), 256)
+    pooled = next((config[k] for k in ("pooled_projection_dim", "projection_class_embeddings_input_dim")
+                   if isinstance(config.get(k), int)), 256)
+    latent_key = next((k for k in ("hidden_states", "sample", "x", "latents") if k in wanted), None)
+    for layout, latents, tokens in (("an image", (1, channels, 8, 8), 16), ("a video", (1, channels, 2, 8, 8), 32),
+                                    ("frames", (1, 2, channels, 8, 8), 32), ("tokens", (1, 16, channels), 16),
+                                    ("a signal", (1, channels, 64), 16)):
+        g = torch.Generator().manual_seed(1)
+        inputs = {latent_key: torch.randn(*latents, generator=g)} if latent_key else {}
+        extras = {
+            "timestep": torch.tensor([10.0]), "timesteps": torch.tensor([10.0]),
+            "encoder_hidden_states": torch.randn(1, 8, text, generator=g),
+            "pooled_projections": torch.randn(1, pooled, generator=g),
+            "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(8, 3),
+            "encoder_attention_mask": torch.ones(1, 8),
+            **({"guidance": torch.tensor([3.5])} if config.get("guidance_embeds") else {}),
+        }
+        inputs.update({k: v for k, v in extras.items() if k in wanted})
+        missing = [k for k, p in wanted.items() if p.default is inspect.Parameter.empty and k not in inputs
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if missing:
+            raise ValueError(f"its forward needs {', '.join(missing)}, which no input layout here gives")
+        yield layout, inputs
+
+
 MEMORY = 6 << 30
 """The most a case's process may allocate: a class the generic shrink leaves huge (Qwen3-Omni-MoE's talker took 23 GB
 and the kernel's OOM killer) fails alone with a MemoryError, instead of starving everything else on the machine."""
@@ -102,12 +202,15 @@ def _child(name: str, queue) -> None:
     import quantized_zoo
 
     if name not in quantized_zoo.CASES:
+        import transformers
+
+        small = small_model if hasattr(transformers, name) else small_diffusers
         try:
-            quantized_zoo.output(*small_model(name))  # the float model itself must build and run small
+            quantized_zoo.output(*small(name))  # the float model itself must build and run small
         except Exception as exc:
             queue.put(dict(case=name, format="*", outcome="no-build", detail=f"{type(exc).__name__}: {exc}"[:200]))
             return
-        quantized_zoo.CASES[name] = lambda: small_model(name)
+        quantized_zoo.CASES[name] = lambda: small(name)
     for fmt in quantized_zoo.FORMATS:
         try:
             with tempfile.TemporaryDirectory() as workdir:
