@@ -278,6 +278,7 @@ def child(args: argparse.Namespace) -> None:
             if mode in ("streamwise-copied", "streamwise-half"):
                 os.environ["STREAMWISE_LEASE"] = "0"
             import streamwise
+            from streamwise import load_pretrained  # noqa: F401  (the loader's code too, as transformers' above)
         if args.threads:
             torch.set_num_threads(args.threads)
         imported, cpu_imported = time.time(), cpu_seconds()
