@@ -104,6 +104,24 @@ class CheckedFile:
                 for offset, out in ranges:
                     _FADVISE(descriptor, offset, out.nbytes, os.POSIX_FADV_DONTNEED)
 
+    def advise(self, ranges: list[tuple[int, int]]) -> None:
+        """Ask the kernel to start reading each (offset, nbytes) into the page cache now (`POSIX_FADV_WILLNEED`):
+        reads queued ahead of the reads that will need them. Advice only, no check: where the platform has no
+        `posix_fadvise` or the file cannot be opened, nothing happens and the later read says what is wrong."""
+        if _FADVISE is None:
+            return
+        try:
+            descriptor = self._open()
+        except CheckpointError:
+            return
+        try:
+            for offset, nbytes in ranges:
+                _FADVISE(descriptor, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(descriptor)
+
     def open_checked(self) -> int:
         """A fresh read-only descriptor on the path, the file on it still the one that was checked."""
         descriptor = self._open()

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the journal moves tensors through `tree`, which reads throu
 class FileRange(Protocol):
     """A tensor's bytes in a checked file (the checkpoint stage's `FileRange`)."""
 
-    file: object  # has read_into(ranges) and verify(): the checkpoint stage's CheckedFile
+    file: object  # has read_into(ranges), advise(spans) and verify(): the checkpoint stage's CheckedFile
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -273,7 +273,9 @@ class FileTier:
         self._position.clear()
 
     def _follow(self, module: nn.Module) -> None:
-        """Learn the forward order; start reading the units after `module` in it while the pool has room."""
+        """Learn the forward order; start reading the units after `module` in it while the pool has room, and ask
+        the kernel to read the unit after those into its page cache meanwhile (a second request in flight on the
+        disk while the reader thread waits on its own; advice the kernel drops first under memory pressure)."""
         key = id(module)
         position = self._position.get(key)
         if position is None:
@@ -287,6 +289,7 @@ class FileTier:
                 continue
             buffer = self._buffer(_unit_bytes(following), pooled=True)
             if buffer is None:  # the pool is full: the read ahead goes on at the next fetch
+                _advise(following)
                 return
             if self._reader is None:
                 self._reader = queue.SimpleQueue()
@@ -358,6 +361,17 @@ class _Pending:
         if error is not None:
             raise error
         return tensors
+
+
+def _advise(module: nn.Module) -> None:
+    """Tell each file `module`'s file-tier tensors are in that their ranges will be read soon."""
+    ranges: dict[int, tuple[object, list]] = {}
+    for name, source in sources(module).items():
+        if on_file_tier(module, name):
+            ranges.setdefault(id(source.range.file), (source.range.file, []))[1].append(
+                (source.range.offset, source.range.nbytes))
+    for file, spans in ranges.values():
+        file.advise(spans)
 
 
 def _read_ahead(reads: queue.SimpleQueue) -> None:

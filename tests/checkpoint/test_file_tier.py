@@ -362,6 +362,23 @@ def test_reads_run_ahead_of_the_forward_as_far_as_the_staging_pool_allows(tmp_pa
     assert tier.staging_bytes <= tier.slabs * largest
 
 
+def test_the_kernel_is_asked_to_read_the_unit_past_the_staging_pool_before_it_is_needed(tmp_path, monkeypatch):
+    """Where the pool is full, the next unit in the forward's order is advised to the kernel (`POSIX_FADV_WILLNEED`,
+    its own ranges): a second read in flight beside the reader thread's; and that unit is then read as any other."""
+    path, policy = _saved(tmp_path, "safetensors")
+    model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
+    expected, _ = _logits_and_tokens(model)  # learns the order
+    checked = type(next(s for m in model.modules() for s in file_tier.sources(m).values()).range.file)
+    advised: list[tuple[int, int]] = []
+    monkeypatch.setattr(checked, "advise", lambda self, spans: advised.extend(spans))
+    with torch.no_grad():
+        logits = model(INPUTS).logits
+    in_file = {(s.range.offset, s.range.nbytes) for m in model.modules() if file_tier.in_file(m)
+               for name, s in file_tier.sources(m).items() if file_tier.on_file_tier(m, name)}
+    assert advised and set(advised) <= in_file
+    assert torch.equal(logits, expected)
+
+
 CHILD = textwrap.dedent('''
     import json, os, sys, threading, time
     import torch, streamwise
