@@ -274,8 +274,9 @@ class FileTier:
 
     def _follow(self, module: nn.Module) -> None:
         """Learn the forward order; start reading the units after `module` in it while the pool has room, and ask
-        the kernel to read the unit after those into its page cache meanwhile (a second request in flight on the
-        disk while the reader thread waits on its own; advice the kernel drops first under memory pressure)."""
+        the kernel to read the units after those into its page cache meanwhile, as many bytes as the pool holds
+        (more requests in flight on the disk while the reader thread waits on its own; page cache the kernel drops
+        first under memory pressure)."""
         key = id(module)
         position = self._position.get(key)
         if position is None:
@@ -283,14 +284,20 @@ class FileTier:
             self._order.append(weakref.ref(module))
         if not self.read_ahead or torch.compiler.is_compiling():
             return
+        advised = 0
         for step in range(1, len(self._order)):
             following = self._order[(position + step) % len(self._order)]()
             if following is None or id(following) in self._ahead or not in_file(following):
                 continue
+            if advised:  # the pool is full: the kernel reads on, as far as the pool again holds
+                if advised + _unit_bytes(following) > self.slabs * self._largest:
+                    return
+                advised += _advise(following)
+                continue
             buffer = self._buffer(_unit_bytes(following), pooled=True)
             if buffer is None:  # the pool is full: the read ahead goes on at the next fetch
-                _advise(following)
-                return
+                advised = _advise(following)
+                continue
             if self._reader is None:
                 self._reader = queue.SimpleQueue()
                 threading.Thread(target=_read_ahead, args=(self._reader,), name="streamwise-read-ahead",
@@ -363,8 +370,8 @@ class _Pending:
         return tensors
 
 
-def _advise(module: nn.Module) -> None:
-    """Tell each file `module`'s file-tier tensors are in that their ranges will be read soon."""
+def _advise(module: nn.Module) -> int:
+    """Tell each file `module`'s file-tier tensors are in that their ranges will be read soon; the bytes advised."""
     ranges: dict[int, tuple[object, list]] = {}
     for name, source in sources(module).items():
         if on_file_tier(module, name):
@@ -372,6 +379,7 @@ def _advise(module: nn.Module) -> None:
                 (source.range.offset, source.range.nbytes))
     for file, spans in ranges.values():
         file.advise(spans)
+    return max(1, _unit_bytes(module))
 
 
 def _read_ahead(reads: queue.SimpleQueue) -> None:

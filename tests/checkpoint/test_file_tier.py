@@ -362,9 +362,10 @@ def test_reads_run_ahead_of_the_forward_as_far_as_the_staging_pool_allows(tmp_pa
     assert tier.staging_bytes <= tier.slabs * largest
 
 
-def test_the_kernel_is_asked_to_read_the_unit_past_the_staging_pool_before_it_is_needed(tmp_path, monkeypatch):
-    """Where the pool is full, the next unit in the forward's order is advised to the kernel (`POSIX_FADV_WILLNEED`,
-    its own ranges): a second read in flight beside the reader thread's; and that unit is then read as any other."""
+def test_the_kernel_is_asked_to_read_the_units_past_the_staging_pool_before_they_are_needed(tmp_path, monkeypatch):
+    """Where the pool is full, the next units in the forward's order are advised to the kernel
+    (`POSIX_FADV_WILLNEED`, their own ranges, as many bytes as the pool holds): reads in flight beside the reader
+    thread's; and those units are then read as any other."""
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
     expected, _ = _logits_and_tokens(model)  # learns the order
