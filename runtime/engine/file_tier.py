@@ -221,6 +221,8 @@ class FileTier:
         self._order: list[weakref.ref] = []
         self._position: dict[int, int] = {}
         self._ahead: dict[int, _Pending] = {}
+        self._advised: set[int] = set()
+        """Units the kernel was asked to read ahead since they were last read."""
         self._current: tuple[int, dict[str, Tensor]] | None = None
         self._lock = threading.Lock()
         self._reader: queue.SimpleQueue | None = None
@@ -243,6 +245,7 @@ class FileTier:
             return current[1]
         del current  # the unit before is done: neither this frame nor the tier may keep its staging from reuse
         self._current = None
+        self._advised.discard(key)
         pending = self._ahead.pop(key, None)
         if pending is not None:
             tensors = pending.taken()
@@ -269,6 +272,7 @@ class FileTier:
         """Drop what was read ahead and the order learnt (the tree was placed anew)."""
         self._drop_read_ahead()
         self._current = None
+        self._advised.clear()
         self._order.clear()
         self._position.clear()
 
@@ -284,19 +288,20 @@ class FileTier:
             self._order.append(weakref.ref(module))
         if not self.read_ahead or torch.compiler.is_compiling():
             return
-        advised = 0
+        past_pool: int | None = None  # bytes past a full pool, as far as the kernel is asked to read
         for step in range(1, len(self._order)):
             following = self._order[(position + step) % len(self._order)]()
             if following is None or id(following) in self._ahead or not in_file(following):
                 continue
-            if advised:  # the pool is full: the kernel reads on, as far as the pool again holds
-                if advised + _unit_bytes(following) > self.slabs * self._largest:
+            nbytes = _unit_bytes(following)
+            buffer = None if past_pool is not None else self._buffer(nbytes, pooled=True)
+            if buffer is None:  # the pool is full: the reader goes on at a later fetch, the kernel meanwhile
+                past_pool = (past_pool or 0) + nbytes
+                if past_pool > self.slabs * self._largest:
                     return
-                advised += _advise(following)
-                continue
-            buffer = self._buffer(_unit_bytes(following), pooled=True)
-            if buffer is None:  # the pool is full: the read ahead goes on at the next fetch
-                advised = _advise(following)
+                if id(following) not in self._advised:  # once until it is read: no system calls each fetch
+                    self._advised.add(id(following))
+                    _advise(following)
                 continue
             if self._reader is None:
                 self._reader = queue.SimpleQueue()
@@ -316,15 +321,12 @@ class FileTier:
 
     @staticmethod
     def _read_unit(module: nn.Module, buffer: Tensor) -> dict[str, Tensor]:
-        found = [(name, source) for name, source in sources(module).items() if on_file_tier(module, name)]
-        by_file: dict[int, tuple[object, list]] = {}
+        found = _in_file(module)
         raws, start = [], 0
         for _, source in found:
-            raw = buffer[start:start + source.range.nbytes]
+            raws.append(buffer[start:start + source.range.nbytes])
             start += source.range.nbytes
-            by_file.setdefault(id(source.range.file), (source.range.file, []))[1].append((source.range.offset, raw))
-            raws.append(raw)
-        for file, ranges in by_file.values():
+        for file, ranges in _by_file(found, raws).items():
             file.read_into(ranges)
         return {name: source.as_model_tensor(raw) for (name, source), raw in zip(found, raws, strict=True)}
 
@@ -370,16 +372,24 @@ class _Pending:
         return tensors
 
 
-def _advise(module: nn.Module) -> int:
-    """Tell each file `module`'s file-tier tensors are in that their ranges will be read soon; the bytes advised."""
-    ranges: dict[int, tuple[object, list]] = {}
-    for name, source in sources(module).items():
-        if on_file_tier(module, name):
-            ranges.setdefault(id(source.range.file), (source.range.file, []))[1].append(
-                (source.range.offset, source.range.nbytes))
-    for file, spans in ranges.values():
+def _in_file(module: nn.Module) -> list[tuple[str, FileSource]]:
+    """`module`'s tensors on the file tier, by name, with their sources."""
+    return [(name, source) for name, source in sources(module).items() if on_file_tier(module, name)]
+
+
+def _by_file(found: list[tuple[str, FileSource]], values: list) -> dict[object, list[tuple[int, object]]]:
+    """Each file of `found`'s sources, with (offset, value) for its tensors: one call to the file per unit."""
+    grouped: dict[object, list[tuple[int, object]]] = {}
+    for (_, source), value in zip(found, values, strict=True):
+        grouped.setdefault(source.range.file, []).append((source.range.offset, value))
+    return grouped
+
+
+def _advise(module: nn.Module) -> None:
+    """Tell each file `module`'s file-tier tensors are in that their ranges will be read soon."""
+    found = _in_file(module)
+    for file, spans in _by_file(found, [source.range.nbytes for _, source in found]).items():
         file.advise(spans)
-    return max(1, _unit_bytes(module))
 
 
 def _read_ahead(reads: queue.SimpleQueue) -> None:
@@ -407,4 +417,4 @@ class _Arena:
 
 def _unit_bytes(module: nn.Module) -> int:
     """Bytes a read of `module`'s file-tier tensors takes (as stored in the file)."""
-    return sum(source.range.nbytes for name, source in sources(module).items() if on_file_tier(module, name))
+    return sum(source.range.nbytes for _, source in _in_file(module))

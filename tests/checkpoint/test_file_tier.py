@@ -365,7 +365,7 @@ def test_reads_run_ahead_of_the_forward_as_far_as_the_staging_pool_allows(tmp_pa
 def test_the_kernel_is_asked_to_read_the_units_past_the_staging_pool_before_they_are_needed(tmp_path, monkeypatch):
     """Where the pool is full, the next units in the forward's order are advised to the kernel
     (`POSIX_FADV_WILLNEED`, their own ranges, as many bytes as the pool holds): reads in flight beside the reader
-    thread's; and those units are then read as any other."""
+    thread's, each once until it is read; and those units are then read as any other."""
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
     expected, _ = _logits_and_tokens(model)  # learns the order
@@ -377,6 +377,7 @@ def test_the_kernel_is_asked_to_read_the_units_past_the_staging_pool_before_they
     in_file = {(s.range.offset, s.range.nbytes) for m in model.modules() if file_tier.in_file(m)
                for name, s in file_tier.sources(m).items() if file_tier.on_file_tier(m, name)}
     assert advised and set(advised) <= in_file
+    assert len(advised) == len(set(advised))  # a unit is advised once until it is read, not again at every fetch
     assert torch.equal(logits, expected)
 
 
