@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from streamwise.runtime.checkpoint.leased import LOCAL_FILE_SYSTEMS
+from streamwise.runtime.checkpoint import leased
 
 
 def lease_folder() -> tempfile.TemporaryDirectory:
@@ -19,24 +19,14 @@ def lease_folder() -> tempfile.TemporaryDirectory:
     is not one (an overlay root, as on container images), else the default."""
     default = tempfile.gettempdir()
     for candidate in (default, "/dev/shm"):
-        if os.path.isdir(candidate) and file_system(candidate) in LOCAL_FILE_SYSTEMS:
+        if os.path.isdir(candidate) and file_system(candidate) in leased.LOCAL_FILE_SYSTEMS:
             return tempfile.TemporaryDirectory(dir=candidate)
     return tempfile.TemporaryDirectory()
 
 
 def file_system(path: str | Path) -> str | None:
-    """The type of the file system `path` is on, from /proc/self/mountinfo (the longest mount point holding it)."""
-    path, best = os.path.realpath(path), (None, -1)
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        mount = fields[4] if len(fields) > 4 else ""
-        if " - " in line and (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > best[1]:
-            best = (line.split(" - ", 1)[1].split()[0], len(mount))
-    return best[0]
+    """The type of the file system `path` is on, as the lease decides it (its device's mount)."""
+    return leased.file_system(os.stat(path).st_dev)
 
 
 def viewing_file(tensors: list[torch.Tensor], path: Path) -> int:

@@ -244,10 +244,10 @@ def _leasing_possible(file: CheckedFile) -> bool:
         return False
     if os.environ.get("STREAMWISE_LEASE", "1").strip() in ("0", "no", "off", "false"):
         return False
-    return _file_system(file.identity[0]) in LOCAL_FILE_SYSTEMS
+    return file_system(file.identity[0]) in LOCAL_FILE_SYSTEMS
 
 
-def _file_system(device: int) -> str | None:
+def file_system(device: int) -> str | None:
     """The type of the mounted file system device number `device` is on (/proc/self/mountinfo), or None."""
     wanted = f"{os.major(device)}:{os.minor(device)}"
     for line in (read_bounded("/proc/self/mountinfo", 1 << 20) or "").splitlines():
