@@ -35,17 +35,15 @@ from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
 from ..quant import dequant_cache
 from ..quant.convrot import check_group_size
-from ..quant.gguf_dequant import STORED_FLOATS, check_blocks, dequantize
 from ..quant.residents import make_resident
 from ..sizes import human
 from . import comfy_quant
 from .conversion import under_model_keys
-from .llama_cpp import Mapped, is_llama_cpp_layout
 from .readers import Checkpoint, CheckpointError, FileRange, StoredTensor, open_checkpoint
 from .tiers import Tiers, Unit, host_budget, place, read_in
 
 _log = logging.getLogger("streamwise.load")
-_GGUF_HALVES = {dtype: qtype for qtype, dtype in STORED_FLOATS.items() if dtype.itemsize == 2}
+_HALF_FLOATS = (torch.float16, torch.bfloat16)  # what a `gguf` rule keeps as GGML F16/BF16 storage
 
 
 @dataclass(frozen=True)
@@ -131,7 +129,11 @@ def load(
         if not allow_stranded:
             plan.refuse_stranded()
         checkpoint = open_checkpoint(path, dtype)
-        mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
+        mapped = None
+        if checkpoint.kind == "gguf":  # imported for GGUF files alone, as `gguf_reader` is (readers.open_checkpoint)
+            from .llama_cpp import Mapped, is_llama_cpp_layout
+
+            mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
         checkpoint = mapped.checkpoint_view() if mapped is not None else under_model_keys(checkpoint, model)
         filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
         filling.collect()
@@ -235,6 +237,8 @@ class _Filling:
         module_path, _, attribute = name.rpartition(".")
         in_file = isinstance(stored.read, FileRange)  # nothing transformed it: it can be read back at a fetch
         if stored.qtype is not None:
+            from ..quant.gguf_dequant import check_blocks, dequantize  # a GGUF file's: gguf_reader imported it
+
             if not current.is_floating_point():
                 self.problem(name, f"a quantized {stored.qtype.name} tensor in the file, {current.dtype} in the model")
                 return
@@ -258,15 +262,18 @@ class _Filling:
             self.dequantized[name] = stored.note
             tensor = stored.read().to(target)
         else:
-            if (stored.dtype != target and stored.dtype in _GGUF_HALVES
+            if (stored.dtype != target and stored.dtype in _HALF_FLOATS
                     and self._keeps_gguf_storage(module_path, attribute)):
                 # a GGUF F16/BF16 weight under a `gguf` rule stays in the file's storage, like a quantized one
-                attributes = {"gguf_qtype": _GGUF_HALVES[stored.dtype], "gguf_shape": stored.shape}
+                from ..quant.gguf_dequant import STORED_FLOATS
+
+                qtype = next(qtype for qtype, dtype in STORED_FLOATS.items() if dtype == stored.dtype)
+                attributes = {"gguf_qtype": qtype, "gguf_shape": stored.shape}
                 nbytes = math.prod(stored.shape) * stored.dtype.itemsize
                 raw = (FileSource(stored.read, torch.uint8, (nbytes,)) if in_file
                        else stored.read().view(torch.uint8).reshape(-1))
                 self.residents[module_path] = ("gguf", {"weight": raw}, attributes)
-                self.kept[name] = _GGUF_HALVES[stored.dtype].name
+                self.kept[name] = qtype.name
                 return
             if stored.dtype != target and not (
                     self.dtype is not None and stored.dtype.is_floating_point and current.is_floating_point()):

@@ -30,8 +30,9 @@ from ..plan.selectors import CompiledSelector, walk_modules
 from ..quant.gguf_dequant import dequantize
 from . import carried_files
 from .conversion import under_model_keys
+from .gguf_reader import ORIGINAL_SHAPE
 from .limits import MAX_GGUF_DIMS
-from .readers import ORIGINAL_SHAPE, CheckpointError, StoredTensor, file_type, open_checkpoint
+from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 
 
 @dataclass(frozen=True)

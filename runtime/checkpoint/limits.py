@@ -19,7 +19,7 @@ MAX_TENSOR_NAME = 512
 MAX_GGUF_DIMS = 4
 """Dimensions of a GGUF tensor: llama.cpp's `GGML_MAX_DIMS` (none is a scalar, as llama.cpp reads it)."""
 MAX_ORIGINAL_DIMS = 8
-"""Dimensions of a tensor a GGUF stores in another shape (`readers.ORIGINAL_SHAPE`): a Conv3d's 5, with room."""
+"""Dimensions of a tensor a GGUF stores in another shape (`gguf_reader.ORIGINAL_SHAPE`): a Conv3d's 5, with room."""
 MAX_GGUF_TENSORS = 2**17
 """Tensors in one GGUF file (DeepSeek-V3 in llama.cpp's layout holds 1,025)."""
 MAX_GGUF_KEYS = 2**16

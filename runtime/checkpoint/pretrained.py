@@ -29,10 +29,10 @@ from ..convert import applied_state
 from ..plan.auto import choose_policy
 from . import carried_files
 from .fill import LoadReport, load
-from .llama_cpp import gguf_config
 from .readers import Checkpoint, CheckpointError, open_checkpoint
 
 _log = logging.getLogger("streamwise.load")
+
 
 class Pretrained(NamedTuple):
     model: nn.Module
@@ -81,6 +81,8 @@ def load_pretrained(
                     model, built = built_skeleton(carried, dtype, model_class)
                     kind = model_type(carried)
             else:
+                from .llama_cpp import gguf_config  # GGUF only, as `gguf_reader` (readers.open_checkpoint)
+
                 config = gguf_config(checkpoint.path)  # a CheckpointError naming an architecture it cannot map
                 with skeleton():
                     model, built = auto_model(config, dtype, model_class)

@@ -1,4 +1,4 @@
-"""Reading checkpoint files: `.safetensors` (one file or an HF shard folder) and `.gguf`.
+"""Reading checkpoint files: `.safetensors` (one file or an HF shard folder) and `.gguf` (`gguf_reader`).
 
 A header is checked in full before any tensor is placed, at least as strictly as the format's own library checks
 it (a file the library accepts loads; one it refuses is refused here), because a tensor placed from a lying header
@@ -18,20 +18,20 @@ import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import gguf
 import torch
 from torch import Tensor
 
-from ..quant.gguf_dequant import STORED_FLOATS, dequantize
 from . import limits
 from .checked_file import CheckedFile
 from .errors import CheckpointError as CheckpointError  # re-exported: callers name it here
-from .gguf_header import Value, read_header
 from .weight_files import SHARD_INDEX as SHARD_INDEX  # re-exported: callers and tests name it here
 from .weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
+
+if TYPE_CHECKING:
+    from .gguf_header import Value
 
 # The safetensors library's dtypes and their sizes in bits (its `Dtype::bitsize`).
 SAFETENSORS_BITS = {
@@ -94,7 +94,7 @@ def file_type(path: Path) -> int | None:
         raise CheckpointError([f"{str(path)!r}: not a usable path ({reason})"]) from None
 
 
-def _regular(path: Path) -> None:
+def check_regular(path: Path) -> None:
     """Refuse anything but a regular file before opening it: a FIFO would block the open forever."""
     kind = file_type(path)
     if kind is None:
@@ -116,7 +116,9 @@ def open_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     if is_shard_index(path.name):
         return _sharded(path)
     if path.suffix == ".gguf":
-        return _gguf(path)
+        from .gguf_reader import read_gguf  # the gguf package (20 ms to import) only for a GGUF file
+
+        return read_gguf(path)
     if path.suffix == ".safetensors":
         tensors, checked = _safetensors(path)
         return Checkpoint(str(path), tensors, "safetensors", file=checked)
@@ -125,7 +127,7 @@ def open_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -
 
 def _sharded(index: Path) -> Checkpoint:
     """Each tensor from the shard the index names for it; a shard's tensor the index does not list is an error."""
-    _regular(index)
+    check_regular(index)
     try:
         with open(index, "rb") as handle:
             raw = handle.read(limits.MAX_INDEX_BYTES + 1)
@@ -175,7 +177,7 @@ def _shard_name_problem(name: str) -> str | None:
 
 
 def _safetensors(path: Path) -> tuple[dict[str, StoredTensor], CheckedFile]:
-    _regular(path)
+    check_regular(path)
     try:
         with open(path, "rb") as handle:
             checked = CheckedFile(path, handle)
@@ -355,64 +357,3 @@ class FileRange:
         if self.nbytes == 0:
             return torch.empty(self.shape, dtype=self.dtype)
         return self.file.read(self.offset, self.nbytes).view(self.dtype).reshape(self.shape)
-
-
-ORIGINAL_SHAPE = "comfy.gguf.orig_shape.{name}"
-"""ComfyUI-GGUF's key for a tensor stored in another shape than its own (a 5-D Conv3d weight, which no GGUF holds,
-or rows regrouped by 256): an array of the tensor's dimensions. Streamwise reads it and writes it alike."""
-
-
-def _original_shape(path: Path, metadata: dict[str, Value], name: str, stored: tuple[int, ...]):
-    """The shape `ORIGINAL_SHAPE` gives tensor `name`, checked against the elements it has; None without one."""
-    key = ORIGINAL_SHAPE.format(name=name)
-    found = metadata.get(key)
-    if found is None:
-        return None
-    dims = found.integers
-    if not found.array or not dims or any(d <= 0 for d in dims) or len(dims) > limits.MAX_ORIGINAL_DIMS \
-            or math.prod(dims) != math.prod(stored):
-        raise CheckpointError([f"{path}: metadata `{key}`: {found.value!r} is no shape of the {math.prod(stored)} "
-                               f"elements tensor `{name}` holds (stored as {list(stored)})"])
-    return tuple(dims)
-
-
-def _expanded(blocks: FileRange, qtype, stored: tuple[int, ...], original: tuple[int, ...]) -> Tensor:
-    """Quantized blocks laid out as `stored`, as float32 values of the tensor's own shape."""
-    return dequantize(blocks(), qtype, stored).reshape(original)
-
-
-def _gguf(path: Path) -> Checkpoint:
-    """A GGUF file, its header checked in full (`gguf_header`), its tensors read on demand."""
-    plain = {  # stored as they compute: never residents, read as tensors of their dtype
-        **STORED_FLOATS,
-        gguf.GGMLQuantizationType.F64: torch.float64, gguf.GGMLQuantizationType.I8: torch.int8,
-        gguf.GGMLQuantizationType.I16: torch.int16, gguf.GGMLQuantizationType.I32: torch.int32,
-        gguf.GGMLQuantizationType.I64: torch.int64,
-    }
-    _regular(path)
-    try:
-        with open(path, "rb") as handle:
-            checked = CheckedFile(path, handle)
-            header = read_header(path, handle, checked.size)
-    except OSError as exc:
-        raise CheckpointError([f"{path}: not a readable GGUF file ({exc})"]) from None
-    tensors = {}
-    for info in header.tensors:
-        shape = tuple(reversed(info.dims))
-        offset = header.data_start + info.offset
-        original = _original_shape(path, header.metadata, info.name, shape)
-        if info.qtype in plain:
-            read = FileRange(checked, offset, plain[info.qtype], original or shape)
-            tensors[info.name] = StoredTensor(info.name, str(path), original or shape, plain[info.qtype], read)
-        elif original is not None:  # blocks laid out in another shape than the model's: expanded, then reshaped
-            blocks = FileRange(checked, offset, torch.uint8, (info.nbytes,))
-            tensors[info.name] = StoredTensor(
-                info.name, str(path), original, torch.float32, partial(_expanded, blocks, info.qtype, shape, original),
-                note=f"dequantized from {info.qtype.name}: stored as {list(shape)}, its shape is {list(original)} "
-                     f"(`{ORIGINAL_SHAPE}`)")
-        else:
-            read = FileRange(checked, offset, torch.uint8, (info.nbytes,))
-            tensors[info.name] = StoredTensor(info.name, str(path), shape, torch.uint8, read, info.qtype)
-    found = header.metadata.get(gguf.Keys.General.ARCHITECTURE)
-    architecture = found.value if found is not None and isinstance(found.value, str) else None
-    return Checkpoint(str(path), tensors, "gguf", architecture, header.metadata, checked, header.data_start)

@@ -23,7 +23,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
-import gguf
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,8 +30,6 @@ from torch import Tensor, nn
 from ..engine import protocol
 from ..registry import Registry
 from . import dequant_cache
-from .gguf_dequant import STORED_FLOATS
-from .gguf_dequant import dequantize as gguf_dequantize
 from .int4 import dequantize_int4, int4_linear, quantize_int4
 from .int8 import dequantize_int8, int8_linear, quantize_int8
 
@@ -109,8 +106,12 @@ class GGUF(QuantFormat):
     attributes = ("gguf_qtype", "gguf_shape")
 
     def dequantize(self, module, stored, dtype):
-        qtype = gguf.GGMLQuantizationType(module.gguf_qtype)
-        return gguf_dequantize(stored["weight"], qtype, tuple(module.gguf_shape), dtype)
+        from . import gguf_dequant  # imported with the first GGUF resident: the gguf package costs 20 ms
+
+        qtype = gguf_dequant.QType(module.gguf_qtype)
+        return gguf_dequant.dequantize(stored["weight"], qtype, tuple(module.gguf_shape), dtype)
 
     def dequantizes_to_a_view(self, module, dtype):
-        return STORED_FLOATS.get(gguf.GGMLQuantizationType(module.gguf_qtype)) == dtype
+        from . import gguf_dequant
+
+        return gguf_dequant.STORED_FLOATS.get(gguf_dequant.QType(module.gguf_qtype)) == dtype

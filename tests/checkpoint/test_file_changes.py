@@ -23,7 +23,7 @@ import pytest
 from helpers import REPO, leases_here
 
 CHILD = textwrap.dedent('''
-    import json, os, sys, time
+    import importlib, json, os, sys, time
     import torch, safetensors.torch
     import streamwise
     from streamwise.runtime.checkpoint import fill, leased, readers
@@ -105,7 +105,7 @@ CHILD = textwrap.dedent('''
             return checkpoint
 
         for module in ("fill", "llama_cpp", "pretrained"):
-            owner = sys.modules[f"streamwise.runtime.checkpoint.{module}"]
+            owner = importlib.import_module(f"streamwise.runtime.checkpoint.{module}")  # llama_cpp: GGUF alone
             setattr(owner, "open_checkpoint", open_then_damage)
         try:
             load()

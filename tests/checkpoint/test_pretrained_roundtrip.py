@@ -83,3 +83,25 @@ def test_a_saved_folder_loads_the_class_it_names_and_streams_to_what_the_model_c
     assert placed.resident_modules == 0 and placed.streamed_modules > 0
     with torch.no_grad():
         assert torch.equal(getattr(loaded(**inputs), output), expected)
+
+
+def test_a_safetensors_model_loads_without_importing_the_gguf_package(tmp_path):
+    """The gguf package (20 ms, a sixth of Streamwise's imports) is imported only where a GGUF file or resident is in
+    play: a safetensors load is every user's first forward, timed against transformers' (#33)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    model, _, _ = tiny_family("mixtral")
+    model.save_pretrained(tmp_path)
+    code = textwrap.dedent(f"""
+        import sys
+        import streamwise
+        model, _, _ = streamwise.load_pretrained({str(tmp_path)!r}, "auto", progress=False)
+        gguf = [name for name in sys.modules
+                if name.split(".")[0] == "gguf" or name.startswith("streamwise") and "gguf" in name]
+        print(sorted(gguf), type(model).__name__)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "MixtralForCausalLM"]
