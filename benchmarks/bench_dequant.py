@@ -14,11 +14,16 @@ over the floor is the most any could beat the peer by. Configurations: one threa
 machine's. Goals: never slower than the reference, at least 3x ComfyUI-GGUF where the ceiling allows it (F32, a
 view everywhere, has none), and never slower on more threads than on one.
 
+`--device cuda` times the same kernels on a GPU instead (where ComfyUI-GGUF's users dequantize): blocks and outputs
+on the device, each call synchronized, the reference run on the CPU only to check bits; allocators and thread
+counts do not apply there.
+
 ComfyUI-GGUF's `dequant.py` is imported from the path given (its column is skipped without one;
 nothing is fetched); its commit is read from its checkout or given. Run:
 
     python benchmarks/bench_dequant.py --comfyui-dequant /tmp/ComfyUI-GGUF/dequant.py
         [--out benchmarks/results/dequant-DATE] [--allocators thp plain] [--threads 1 2] [--types Q4_K IQ4_XS]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -63,13 +68,16 @@ def peer_version(path: str | None, given: str | None) -> str | None:
     return found.stdout.strip() or None
 
 
-def median_seconds(fns: dict, runs: int, warmup: int) -> dict[str, float]:
-    """The median time of each of `fns`, called in turn `runs` times after `warmup` rounds."""
+def median_seconds(fns: dict, runs: int, warmup: int, synchronize=lambda: None) -> dict[str, float]:
+    """The median time of each of `fns`, called in turn `runs` times after `warmup` rounds (each call ended by
+    `synchronize`: the device's queue drained)."""
     times = {name: [] for name in fns}
     for index in range(warmup + runs):
         for name, fn in fns.items():
+            synchronize()
             start = time.perf_counter()
             fn()
+            synchronize()
             if index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(samples) for name, samples in times.items()}
@@ -90,8 +98,9 @@ def measure(args) -> None:
     qtype_of = gguf.GGMLQuantizationType
     if args.allocator == "plain":  # no side on huge pages: Streamwise's own advice off as well
         huge_pages._advise_huge = lambda: None
-    threads = args.threads[0]
+    threads, device = args.threads[0], torch.device(args.device)
     torch.set_num_threads(threads)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # the reference's NaN arithmetic on random bytes
 
     def on_one_thread(fn):
@@ -106,7 +115,9 @@ def measure(args) -> None:
 
     def bit_exact(ours, reference, qtype) -> bool:
         expected = torch.from_numpy(np.ascontiguousarray(reference))
-        if qtype == qtype_of.F16:  # torch's own float16 widening quiets signalling NaNs: NaNs compare by place
+        # torch's own float16 widening quiets signalling NaNs, and a GPU's arithmetic returns one canonical NaN:
+        # there NaNs compare by place
+        if qtype == qtype_of.F16 or device.type != "cpu":
             nan = expected.isnan()
             if not torch.equal(ours.isnan(), nan):
                 return False
@@ -119,29 +130,34 @@ def measure(args) -> None:
     for qtype in types:
         for finite in (True, False):
             raw = random_bytes(qtype, shape, seed=0, finite=finite)
-            blocks = torch.from_numpy(raw)
-            fns = {
-                "floor": lambda: torch.empty(shape).fill_(0),  # in the same rounds: the machine's state moves it
+            blocks = torch.from_numpy(raw).to(device)
+            fns = {  # the floor in the same rounds: the machine's state moves it
+                "floor": lambda: torch.empty(shape, device=device).fill_(0),
                 "streamwise": functools.partial(dequantize, blocks, qtype, shape),
-                "numpy": functools.partial(gguf.quants.dequantize, raw, qtype),
             }
+            if device.type == "cpu":
+                fns["numpy"] = functools.partial(gguf.quants.dequantize, raw, qtype)
             if comfyui is not None and qtype in comfyui.dequantize_functions:
                 fns["comfyui"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32)
-            if threads > 1:
+            if threads > 1 and device.type == "cpu":
                 fns["1 thread"] = on_one_thread(fns["streamwise"])
-            same = bit_exact(dequantize(blocks, qtype, shape), gguf.quants.dequantize(raw, qtype), qtype)
-            seconds = median_seconds(fns, args.runs, args.warmup)
-            print(json.dumps({"allocator": args.allocator, "threads": threads, "type": qtype.name,
-                              "scales": "finite" if finite else "random", "bit_exact": same,
+            same = bit_exact(dequantize(blocks, qtype, shape).cpu(), gguf.quants.dequantize(raw, qtype), qtype)
+            seconds = median_seconds(fns, args.runs, args.warmup, synchronize)
+            print(json.dumps({"device": device.type, "allocator": args.allocator, "threads": threads,
+                              "type": qtype.name, "scales": "finite" if finite else "random", "bit_exact": same,
                               "view": qtype == qtype_of.F32, **seconds}), flush=True)
 
 
 def report(rows: list[dict], peer: str | None, header: str) -> str:
     """The figures as Markdown: a table per configuration, then each goal's worst case."""
     lines = [header, ""]
-    for allocator, threads in dict.fromkeys((row["allocator"], row["threads"]) for row in rows):
-        config = [row for row in rows if (row["allocator"], row["threads"]) == (allocator, threads)]
-        lines += [f"## allocator `{allocator}`, {threads} thread(s)", "",
+    def configuration(row: dict) -> tuple:
+        return row.get("device", "cpu"), row["allocator"], row["threads"]
+
+    for device, allocator, threads in dict.fromkeys(map(configuration, rows)):
+        config = [row for row in rows if configuration(row) == (device, allocator, threads)]
+        title = f"allocator `{allocator}`, {threads} thread(s)" if device == "cpu" else f"device `{device}`"
+        lines += [f"## {title}", "",
                   "| type | scales | output alone | streamwise | numpy | x | comfyui | x | ceiling | 1 thread | x "
                   "| bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in config:
@@ -172,7 +188,10 @@ def report(rows: list[dict], peer: str | None, header: str) -> str:
             lines.append(f"- worst vs {peer_name}: {ratio:.1f}x ({worst['type']} {worst['scales']}; goal >= "
                          f"{goal:.0f}x): {verdict}")
         lines.append("")
-    lines.append(f"ComfyUI-GGUF: {peer or 'not run'}. Every result checked bit-exact against gguf's numpy reference.")
+    inexact = [f"{row.get('device', 'cpu')} {row['type']} {row['scales']}" for row in rows if not row["bit_exact"]]
+    lines.append(f"ComfyUI-GGUF: {peer or 'not run'}. Streamwise's output against gguf's numpy reference, float32 "
+                 f"bits (NaNs by place for F16 and on a GPU): {len(rows) - len(inexact)} of {len(rows)} bit-exact"
+                 + (f"; not: {', '.join(inexact)}" if inexact else "") + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -188,6 +207,7 @@ def main() -> None:
     parser.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS))
     parser.add_argument("--threads", nargs="+", type=int,
                         default=sorted({1, os.cpu_count() or 1}), help="torch thread counts (numpy runs on one)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the kernels timed on a GPU")
     parser.add_argument("--out", metavar="STEM", help="write STEM.jsonl and STEM.md")
     parser.add_argument("--allocator", help=argparse.SUPPRESS)  # set in the process measuring one configuration
     args = parser.parse_args()
@@ -195,8 +215,9 @@ def main() -> None:
         return measure(args)
     forwarded = sys.argv[1:]
     rows = []
-    for allocator in args.allocators:
-        for threads in args.threads:
+    on_cpu = args.device == "cpu"
+    for allocator in args.allocators if on_cpu else ["plain"]:
+        for threads in args.threads if on_cpu else [1]:
             command = [sys.executable, __file__, *forwarded, "--allocator", allocator, "--threads", str(threads)]
             env = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
             env.update(ALLOCATORS[allocator])
@@ -206,8 +227,9 @@ def main() -> None:
     peer = peer_version(args.comfyui_dequant, args.comfyui_version)
     import torch
 
+    machine = f"{os.cpu_count()} CPUs" if on_cpu else torch.cuda.get_device_name(args.device)
     header = (f"# Dequantization, {args.rows}x{args.cols} -> float32, median of {args.runs} interleaved runs\n\n"
-              f"{datetime.date.today()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+              f"{datetime.date.today()}, {machine}, torch {torch.__version__}, "
               f"`python benchmarks/bench_dequant.py {' '.join(forwarded)}`")
     text = report(rows, peer, header)
     print(text)

@@ -3,9 +3,9 @@
 GGUF weights are streamed to the compute device as their raw block bytes (a uint8 tensor, the
 smallest thing to move) and expanded there, right before use. Every kernel is vectorized over
 blocks, so it runs on CPU and CUDA alike, and is bit-exact with `gguf.quants.dequantize` for
-float32 output, NaN payloads included: products are formed in float32 in the same order as the
-reference, with the float16 scales widened to float32 first. The supported set is the one table
-at the end of this module.
+float32 output: products are formed in float32 in the same order as the reference, with the float16
+scales widened to float32 first. On the CPU NaN payloads match too; a GPU's arithmetic returns one
+canonical NaN, so there NaNs match by place. The supported set is the one table at the end of this module.
 
 The IQ, E2M1 and UE4M3 types decode through lookup tables read from the gguf package (its grids,
 sign patterns and value tables), built once per device; each lookup fetches several values, since
@@ -128,21 +128,25 @@ def _words(blocks: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def _widen_half(bits: Tensor) -> Tensor:
-    """float16 bits (int16, any layout) as float32, widened as numpy does: NaNs keep sign and payload, signalling
-    ones too.
+    """float16 bits (int16, any layout) as float32.
 
-    On the CPU, a gather from numpy's own widening of every half (a 256 KB table): two ops where the arithmetic
-    below takes seven, and each op on a few hundred thousand scales costs a thread hand-off when torch splits it.
-    Elsewhere torch converts, and NaNs are rebuilt from the bits: torch returns one canonical NaN in its scalar
-    path and quiets signalling NaNs in its vector path. The sign-extended half shifted by 13 puts sign, exponent
-    (within the all-ones one ORed in) and payload in place.
+    On the CPU, widened as numpy does (NaNs keep sign and payload, signalling ones too) by a gather from numpy's
+    own widening of every half (a 256 KB table): torch's conversion returns one canonical NaN in its scalar path
+    and quiets signalling NaNs in its vector path, and the gather takes two ops where rebuilding NaNs from the bits
+    takes seven, each on a few hundred thousand scales a thread hand-off when torch splits it. Elsewhere torch
+    converts, in one op: a GPU's arithmetic returns one canonical NaN, so no payload would survive the product
+    every scale goes into, and each op there is a kernel launch, which is what a dequant of this size costs.
     """
-    if bits.device.type == "cpu":
+    if _on_cpu(bits):
         index = bits.view(torch.uint16).int()  # zero-extended, and gathered from strided columns in the same op
         return _CPU_TABLES["f16"].index_select(0, index.view(-1)).view(bits.shape)
-    widened = bits.view(torch.float16).float()
-    nan_bits = (bits.int() << 13).bitwise_or_(0x7F800000)
-    return torch.where(widened.isnan(), nan_bits.view(torch.float32), widened)
+    return bits.view(torch.float16).float()
+
+
+def _on_cpu(tensor: Tensor) -> bool:
+    """Whether the CPU kernels apply: exact NaN payloads, and no op that casts its inputs (CPU elementwise ops cast
+    mixed inputs through a temporary copy, where a GPU kernel converts each value as it loads it)."""
+    return tensor.device.type == "cpu"
 
 
 def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
@@ -164,9 +168,20 @@ def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
 
 
 def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
-    """Fill `out` with float32(q) * scale (+ offset), in q's element order, in place."""
-    out.view(q.shape).copy_(q)
-    _scale(out, scale, offset)
+    """Fill `out` with float32(q) * scale (+ offset), in q's element order, in place.
+
+    On the CPU the integers are copied into the output and scaled there; elsewhere the product converts them as it
+    reads them, one op fewer over the float output (q reshaped to the groups first: a copy of bytes where q
+    interleaves fields).
+    """
+    if _on_cpu(q):
+        out.view(q.shape).copy_(q)
+        _scale(out, scale, offset)
+        return
+    groups = out.view(*scale.shape, -1)
+    torch.mul(q.reshape(groups.shape), scale.unsqueeze(-1), out=groups)
+    if offset is not None:
+        torch.add(offset.unsqueeze(-1), groups, out=groups)
 
 
 def _scale(out: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, random_bytes
 
+from streamwise.runtime.quant import gguf_dequant
 from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, UnsupportedQuantType, dequantize
 
 
@@ -157,6 +158,18 @@ def test_cuda_matches_reference_bit_exactly(qtype, finite):
         assert same_bits(result.cpu(), expected)
     else:
         assert same_bits_and_nan_places(result.cpu(), expected)
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["finite", "random-bytes"])
+@pytest.mark.parametrize("qtype", SCALE_OFFSETS, **by_name)
+def test_the_gpu_kernels_compute_the_same_numbers_on_the_cpu(monkeypatch, qtype, finite):
+    """What runs on a GPU (scales widened by torch's own conversion, integers cast inside the product), run here:
+    bit-exact but for NaN payloads, which a GPU's arithmetic does not keep."""
+    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
+    raw = random_bytes(qtype, (3, 512), seed=3, finite=finite)
+    result = dequantize(torch.from_numpy(raw), qtype, (3, 512))
+    expected = reference(raw, qtype, finite)
+    assert same_bits(result, expected) if finite else same_bits_and_nan_places(result, expected)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.IQ2_S, Q.IQ4_XS, Q.TQ1_0, Q.NVFP4], **by_name)
