@@ -23,7 +23,9 @@ nothing is fetched); its commit is read from its checkout or given. Run:
 
     python benchmarks/bench_dequant.py --comfyui-dequant /tmp/ComfyUI-GGUF/dequant.py
         [--out benchmarks/results/dequant-DATE] [--allocators thp plain] [--threads 1 2] [--types Q4_K IQ4_XS]
-        [--device cuda]
+        [--device cuda] [--count-ops]
+
+`--count-ops` prints the ops each side runs per call instead, counted on `meta` tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import datetime
 import functools
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -148,6 +151,49 @@ def measure(args) -> None:
                               "view": qtype == qtype_of.F32, **seconds}), flush=True)
 
 
+def count_ops(args) -> str:
+    """The ops each side runs per call, counted on `meta` tensors (no data, no time): on a GPU each is a kernel
+    launch, which is what a dequant of this size costs there. Views are free and not counted."""
+    import collections
+
+    import gguf
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, dequantize
+
+    free = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze", "permute", "t",
+            "transpose", "as_strided", "split", "split_with_sizes", "unbind", "alias", "detach", "empty", "narrow",
+            "empty_like", "empty_strided", "lift_fresh"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count[func.overloadpacket.__name__ not in free] += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(fn) -> int:
+        fn()  # lookup tables built once per device, as in use
+        with Ops() as counted:
+            fn()
+        return counted.count[True]
+
+    comfyui = load_comfyui(args.comfyui_dequant)
+    shape = (args.rows, args.cols)
+    lines = ["| type | streamwise | comfyui |", "|---|---|---|"]
+    for qtype in [gguf.GGMLQuantizationType[name] for name in args.types] if args.types else DEQUANTIZERS:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = torch.zeros(math.prod(shape) // block_size * type_size, dtype=torch.uint8, device="meta")
+        theirs = "-"
+        if comfyui is not None and qtype in comfyui.dequantize_functions:
+            theirs = ops(functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32))
+        lines.append(f"| {qtype.name} | {ops(functools.partial(dequantize, blocks, qtype, shape))} | {theirs} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(rows: list[dict], peer: str | None, header: str) -> str:
     """The figures as Markdown: a table per configuration, then each goal's worst case."""
     lines = [header, ""]
@@ -208,11 +254,14 @@ def main() -> None:
     parser.add_argument("--threads", nargs="+", type=int,
                         default=sorted({1, os.cpu_count() or 1}), help="torch thread counts (numpy runs on one)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the kernels timed on a GPU")
+    parser.add_argument("--count-ops", action="store_true", help="the ops per call of each side instead of times")
     parser.add_argument("--out", metavar="STEM", help="write STEM.jsonl and STEM.md")
     parser.add_argument("--allocator", help=argparse.SUPPRESS)  # set in the process measuring one configuration
     args = parser.parse_args()
     if args.allocator:
         return measure(args)
+    if args.count_ops:
+        return print(count_ops(args))
     forwarded = sys.argv[1:]
     rows = []
     on_cpu = args.device == "cpu"
