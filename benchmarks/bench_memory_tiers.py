@@ -2,7 +2,7 @@
 
 A float32 Qwen2ForCausalLM of at least `--size-gb` GiB (random weights, `torch.manual_seed(0)`, untied embeddings)
 is written once with `save_pretrained` into `--workdir` and reused while its recorded config matches. Every
-measurement runs in a fresh process (this script with `--child MODE`), rounds interleaved (A B C A B C ...), each
+measurement runs in a fresh process (this script with `--child MODE`), rounds interleaved (A B C C B A ...), each
 round once with the checkpoint in the page cache (warm: read once before) and once evicted from it (cold:
 `POSIX_FADV_DONTNEED` on every file of the folder, checked with `fincore` where it exists). Modes:
 
@@ -671,7 +671,7 @@ def main() -> None:
     if not args.no_timing:
         for index in range(args.rounds):
             for state in states:
-                for mode in modes:
+                for mode in modes if index % 2 == 0 else modes[::-1]:  # no mode always right after another
                     cached = prepare(folder, state)
                     out = run_child(mode, folder, extra, cold=state == "cold")
                     out.update(state=state, round=index + 1, cached_before=cached, loadavg=os.getloadavg())
