@@ -8,6 +8,8 @@ file is skipped, never raised on.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
 import sys
@@ -61,6 +63,44 @@ def host_memory(*, root: str | os.PathLike[str] = "/") -> HostMemory:
     available, _, source = min(figures, key=lambda figure: figure[0])
     total = min(figure[1] for figure in figures)
     return HostMemory(available=min(available, total), total=total, source=source)
+
+
+LARGE_FREE = 1 << 20
+"""Freed C allocations of at least this many bytes go back to the system at once (`return_large_frees`)."""
+
+
+@functools.cache
+def return_large_frees() -> bool:
+    """Have the C allocator hand every freed buffer of `LARGE_FREE` bytes or more back to the system at once;
+    whether it could (glibc only).
+
+    glibc serves a buffer below a threshold from its heap, and the threshold rises to the size of each larger
+    buffer freed (up to 32 MiB), as does what the heap may keep free (twice that). A forward that expands quantized
+    weights layer after layer, each a buffer of MiB, then keeps up to tens of MiB more than it uses, past the host
+    budget: a Q8_0 GGUF under a memory cgroup grew 40-80 MiB past its load and was killed about one run in three
+    with 96 MiB to spare. A fixed threshold (`mallopt(M_MMAP_THRESHOLD)`, which also stops the rising) maps each
+    such buffer on its own and unmaps it when it is freed, at a page fault per page of its first write (the cost the
+    loader's huge-page advice cuts): 5-20% on a dequantization. Process-wide, so it is done only once the process
+    runs short: when a load leaves weights in their file, and at the first read from a file tier however it came.
+    """
+    if "CS_GNU_LIBC_VERSION" not in getattr(os, "confstr_names", {}):
+        return False
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, ValueError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    if mallopt(_M_MMAP_THRESHOLD, LARGE_FREE) != 1:
+        return False
+    malloc_trim(0)  # and what the heap keeps free now goes back too
+    return True
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 # --- reading ---------------------------------------------------------------------------------------------------

@@ -10,11 +10,14 @@ the class (`model_class`) needs no builder: the folder's config only has to desc
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..registry import Registry
 from .build_dtype import BUILD_DTYPES
@@ -45,15 +48,48 @@ def _on_meta(register: Callable, on_meta: Callable[[], bool | None]) -> Callable
 
 _PARAMETERS_ON_META = ContextPatch(nn.Module, "register_parameter", _on_meta)
 
+_ON_META_FROM = 1 << 20
+"""`torch.empty` calls of at least this many bytes, no device named, are made on meta in a skeleton."""
 
+
+class _LargeEmptiesOnMeta(TorchFunctionMode):
+    """Large `torch.empty` calls with no device made on meta, in this thread, while a skeleton is built.
+
+    A layer allocates its parameters with `torch.empty` before registering them, so `_on_meta` replaces a real
+    allocation: hundreds of MiB for a large model, freed at once but left in the C allocator's heap as untouched
+    holes. Buffers the forwards allocate later wander over those holes, touching each, and glibc keeps what they free
+    there: a Q8_0 GGUF whose weights are expanded at each call grew 70-150 MiB past its load that way, enough for the
+    OOM killer under a memory cgroup. Buffers model code computes in `__init__` come from `arange`, `ones` and the
+    like, or are small; one that is large, made by `torch.empty` and filled there, stays on meta, and `load` refuses
+    it by name.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get("device") is None and _empty_bytes(args, kwargs) >= _ON_META_FROM:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _empty_bytes(args: tuple, kwargs: dict) -> int:
+    shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+    if not all(isinstance(size, int) for size in shape):
+        return 0
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    return math.prod(shape) * dtype.itemsize
+
+
+@contextmanager
 def skeleton():
     """Build a model with its parameters on the meta device and its buffers real, in this thread (and context) only.
 
     Non-persistent buffers (rotary tables) are computed in `__init__` and are never in a checkpoint, so they must
-    exist for real; parameters cost nothing until `load` fills them. A model built meanwhile in another thread
-    gets real parameters (`scoped.ContextPatch`).
+    exist for real; parameters cost nothing until `load` fills them, not even a transient allocation where they are
+    large (`_LargeEmptiesOnMeta`). A model built meanwhile in another thread gets real parameters
+    (`scoped.ContextPatch`).
     """
-    return _PARAMETERS_ON_META.active(True)
+    with _PARAMETERS_ON_META.active(True), _LargeEmptiesOnMeta():
+        yield
 
 
 def config_folder(path: Path) -> Path:

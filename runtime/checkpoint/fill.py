@@ -31,11 +31,13 @@ from ..engine import protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileSource, FileTier, Sources
 from ..engine.journal import Journal
+from ..host_memory import return_large_frees
 from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
 from ..quant import dequant_cache
 from ..quant.convrot import check_group_size
-from ..quant.residents import make_resident
+from ..quant.formats import FORMATS
+from ..quant.residents import expansion_bytes, make_resident
 from ..sizes import human
 from . import comfy_quant
 from .conversion import under_model_keys
@@ -141,7 +143,12 @@ def load(
             raise CheckpointError(filling.problems)
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
         must_hold, units = filling.units(plan)
-        tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier)
+        expanded = [model.get_submodule(m.path) for m in plan.modules  # residents: kept from a GGUF, or made now
+                    if m.path in filling.residents or m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load]
+        tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier,
+                      working=expansion_bytes(expanded))
+        if tiers.in_file:  # short of memory: what the load and the forwards free goes back to the system
+            return_large_frees()
         filling.read_in(tiers)  # every read error surfaces here, before the tree changes
         reads = FileTier(tiers.slabs)
         if progress is None or progress is True:
@@ -156,7 +163,8 @@ def load(
         tree = applied_state(model).tree
         journal.set_attributes(tree, {"file_tier": reads, "host_budget": tiers.budget})
         if tiers.budget is not None:  # dequantized weights kept for reuse live in what the budget leaves
-            dequant_cache.DEQUANT_CACHE.limit(tiers.budget - tiers.host_bytes - tiers.staging_bytes)
+            left = tiers.budget - tiers.host_bytes - tiers.staging_bytes - tiers.working_bytes
+            dequant_cache.DEQUANT_CACHE.limit(left)
         for unit in units:
             if any(key in tiers.in_file for key, _ in unit.values):
                 leaf = model.get_submodule(unit.path)

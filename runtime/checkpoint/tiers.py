@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -102,6 +102,8 @@ class Tiers:
     """The host budget, kept by the tree for a later `offload`."""
     slabs: int = FileTier.SLABS
     """Staging buffers for the file tier (one: memory is too short to read ahead)."""
+    working_bytes: int = 0
+    """Kept free for a forward's expansion of quantized weights (`quant.residents.expansion_bytes`)."""
 
     @property
     def tight(self) -> bool:
@@ -111,18 +113,20 @@ class Tiers:
 
     def __str__(self) -> str:
         ahead = "" if self.slabs > 1 else ", no read-ahead"
+        working = f", +{human(self.working_bytes)} expanding quantized weights" if self.working_bytes else ""
         return (f"host memory {human(self.host_bytes)}, file {human(self.file_bytes)} in {self.file_units} units "
-                f"(+{human(self.staging_bytes)} staging{ahead})")
+                f"(+{human(self.staging_bytes)} staging{ahead}{working})")
 
 
 def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, *,
-          file_tier: bool = True, slabs: int = FileTier.SLABS, doing: str = "loading") -> Tiers:
+          file_tier: bool = True, slabs: int = FileTier.SLABS, doing: str = "loading", working: int = 0) -> Tiers:
     """What stays in memory and what in the file, the fewest bytes in the file that fit `budget` after `must_hold`:
     two staging buffers (read-ahead), else one; each sized for the largest unit left in the file, so every size of
     that unit is tried (a large embedding kept in memory can leave far more of the rest there). A host that cannot
     read from files (`file_tier=False`) keeps all in memory; `slabs` is the most staging buffers there may be (a
-    tree placed anew keeps the ones it has). Nothing fits: a CheckpointError saying what `doing` needs, what the
-    budget is and which budget to set."""
+    tree placed anew keeps the ones it has); `working` bytes stay free for the forward (expanding quantized weights).
+    Nothing fits: a CheckpointError saying what `doing` needs, what the budget is and which budget to set."""
+    budget = HostBudget(None if budget.bytes is None else budget.bytes - working, budget.why)
     fixed = sum(_nbytes(value) for value in must_hold)
     movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
     caps = sorted({unit.bytes for unit in movable}, reverse=True) or [0]
@@ -130,17 +134,19 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
         fitting = [tiers for cap in caps
                    if _fits(tiers := _placed(fixed, units, movable, budget, buffers, cap), budget)]
         if fitting:
-            return min(fitting, key=lambda tiers: tiers.file_bytes)
+            return replace(min(fitting, key=lambda tiers: tiers.file_bytes),
+                           budget=None if budget.bytes is None else budget.bytes + working, working_bytes=working)
     kept = sum(unit.bytes for unit in units) - sum(unit.bytes for unit in movable)
     kept_why = ("of streamed units this host keeps in memory (it reads no weight from files)" if not file_tier
                 else "of units whose values were transformed on load")
     staging = caps[0]
+    expanding = f", and {human(working)} to expand the largest quantized weight at each call" if working else ""
     raise CheckpointError([
-        f"{path}: {doing} needs at least {human(fixed + kept + staging)} of host memory, but the host budget is "
-        f"{budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed ones "
-        f"too), {human(kept)} {kept_why}, and {human(staging)} for a staging buffer of the largest unit left in the "
-        "file. Free memory or raise the memory limit, raise the host budget, or use a policy that streams more of "
-        "the model"])
+        f"{path}: {doing} needs at least {human(fixed + kept + staging + working)} of host memory, but the host budget "
+        f"is {budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed "
+        f"ones too), {human(kept)} {kept_why}, {human(staging)} for a staging buffer of the largest unit left in the "
+        f"file{expanding}. Free memory or raise the memory limit, raise the host budget, or use a policy that streams "
+        "more of the model"])
 
 
 def _fits(tiers: Tiers, budget: HostBudget) -> bool:

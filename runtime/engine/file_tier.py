@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..host_memory import return_large_frees
 from . import protocol
 from .stand_in import StandIn, applied_dtype
 
@@ -240,6 +241,7 @@ class FileTier:
 
     def read(self, module: nn.Module) -> dict[str, Tensor]:
         """`module`'s file-tier tensors, read now or taken from the read ahead; then the next units' reads start."""
+        return_large_frees()  # the process runs short of memory: what its forwards free must not stay held
         key, current = id(module), self._current  # once: another thread's forward may replace it meanwhile
         if current is not None and current[0] == key:
             return current[1]

@@ -11,6 +11,8 @@ A resident is a streamed leaf (`engine.streamed`) whose leaf kind computes throu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -63,6 +65,13 @@ class ResidentKind:
 
     def release(self, fetcher, module: nn.Module, fetched: list[Tensor | None]) -> None:
         pass
+
+
+def expansion_bytes(modules: Iterable[nn.Module]) -> int:
+    """Memory a forward on the CPU needs beside the weights to expand the largest of these Linear layers' quantized
+    weights at a call: its float32 values, and as much again for the expansion's intermediates and the cast to the
+    compute dtype. Known at load time, so a host budget counts it (the dequant cache comes out of what is left)."""
+    return 2 * max((m.in_features * m.out_features * 4 for m in modules if isinstance(m, nn.Linear)), default=0)
 
 
 def resident_class(cls: type[nn.Module], format_name: str) -> type[nn.Module]:
