@@ -232,9 +232,11 @@ class _Filling:
             self.problem(name, "not in the model (an extra tensor)")
         for module_path, module in self.model.named_modules():
             for name, buffer in module.named_buffers(recurse=False):
-                if buffer.is_meta and f"{module_path}.{name}".lstrip(".") not in expected:
-                    self.problem(f"{module_path}.{name}", "a non-persistent buffer on the meta device: build the model "
-                                 "inside `streamwise.skeleton()` so buffers stay real")
+                key = f"{module_path}.{name}".lstrip(".")
+                if buffer.is_meta and key not in expected:
+                    self.problem(key, "a non-persistent buffer on the meta device: build the model inside "
+                                 "`streamwise.skeleton()`, which keeps buffers computed in `__init__` real (not a "
+                                 "large one `torch.empty` makes there: compute it with another op)")
 
     def _take(self, names: list[str], current: Tensor, stored: StoredTensor) -> None:
         name = names[0]

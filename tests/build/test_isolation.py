@@ -77,3 +77,35 @@ def test_a_transformers_skeleton_matches_transformers_own_dtype_switch(tmp_path)
     assert {n: (b.dtype, b.tolist()) for n, b in ours.named_buffers()} == {
         n: (b.dtype, b.tolist()) for n, b in theirs.named_buffers()}
     assert ours.config.dtype == torch.bfloat16
+
+
+class _Rotary(nn.Module):
+    """A large layer, a large buffer computed in `__init__`, and one made by `torch.empty` and filled there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(1024, 1024)  # 4 MiB of float32: allocated by `torch.empty`, then registered
+        self.register_buffer("table", torch.arange(512 * 1024, dtype=torch.float32), persistent=False)  # 2 MiB
+        self.register_buffer("filled", torch.empty(512 * 1024).fill_(1.0), persistent=False)
+
+
+def test_a_skeletons_large_parameters_are_never_allocated_and_computed_buffers_stay_real(tmp_path):
+    """A layer's `torch.empty` of a large parameter is made on meta (a real one, freed at once, left the C allocator's
+    heap with holes the forwards then filled); buffers computed in `__init__` stay real, and one made large by
+    `torch.empty` and filled there stays on meta, which a load refuses by name rather than compute with it."""
+    import pytest
+    import safetensors.torch
+
+    import streamwise
+    from streamwise.runtime.checkpoint.readers import CheckpointError
+
+    with skeleton():
+        model = _Rotary()
+        small = torch.empty(16)
+    assert model.proj.weight.is_meta and model.proj.bias.is_meta
+    assert not model.table.is_meta and torch.equal(model.table[:3], torch.tensor([0.0, 1.0, 2.0]))
+    assert model.filled.is_meta and not small.is_meta
+    assert not torch.empty(1024, 1024).is_meta  # outside the skeleton: as ever
+    safetensors.torch.save_file(_Rotary().state_dict(), tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor `filled`: a non-persistent buffer on the meta device.*empty"):
+        streamwise.load(model, tmp_path / "model.safetensors", "any-module")
