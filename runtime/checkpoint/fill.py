@@ -144,7 +144,7 @@ def load(
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
         must_hold, units = filling.units(plan)
         expanded = [model.get_submodule(m.path) for m in plan.modules  # residents: kept from a GGUF, or made now
-                    if m.path in filling.residents or m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load]
+                    if m.path in filling.residents or (m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load)]
         tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier,
                       working=expansion_bytes(expanded))
         if tiers.in_file:  # short of memory: what the load and the forwards free goes back to the system

@@ -126,16 +126,14 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
     read from files (`file_tier=False`) keeps all in memory; `slabs` is the most staging buffers there may be (a
     tree placed anew keeps the ones it has); `working` bytes stay free for the forward (expanding quantized weights).
     Nothing fits: a CheckpointError saying what `doing` needs, what the budget is and which budget to set."""
-    budget = HostBudget(None if budget.bytes is None else budget.bytes - working, budget.why)
+    room = HostBudget(None if budget.bytes is None else budget.bytes - working, budget.why)  # what weights may take
     fixed = sum(_nbytes(value) for value in must_hold)
     movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
     caps = sorted({unit.bytes for unit in movable}, reverse=True) or [0]
     for buffers in range(slabs, 0, -1):
-        fitting = [tiers for cap in caps
-                   if _fits(tiers := _placed(fixed, units, movable, budget, buffers, cap), budget)]
+        fitting = [tiers for cap in caps if _fits(tiers := _placed(fixed, units, movable, room, buffers, cap), room)]
         if fitting:
-            return replace(min(fitting, key=lambda tiers: tiers.file_bytes),
-                           budget=None if budget.bytes is None else budget.bytes + working, working_bytes=working)
+            return replace(min(fitting, key=lambda tiers: tiers.file_bytes), budget=budget.bytes, working_bytes=working)
     kept = sum(unit.bytes for unit in units) - sum(unit.bytes for unit in movable)
     kept_why = ("of streamed units this host keeps in memory (it reads no weight from files)" if not file_tier
                 else "of units whose values were transformed on load")

@@ -241,7 +241,6 @@ class FileTier:
 
     def read(self, module: nn.Module) -> dict[str, Tensor]:
         """`module`'s file-tier tensors, read now or taken from the read ahead; then the next units' reads start."""
-        return_large_frees()  # the process runs short of memory: what its forwards free must not stay held
         key, current = id(module), self._current  # once: another thread's forward may replace it meanwhile
         if current is not None and current[0] == key:
             return current[1]
@@ -348,6 +347,7 @@ class FileTier:
                     arena.used += nbytes
                     return arena.buffer[arena.used - nbytes:arena.used]
             if len(self._pool) < self.slabs:
+                return_large_frees()  # staging: the process is short of memory, what its forwards free must go back
                 fresh = torch.empty(self._largest, dtype=torch.uint8)
                 self._pool.append(_Arena(fresh, _use_count(fresh), nbytes))  # the count while only the pool holds it
                 return fresh[:nbytes]
