@@ -21,6 +21,7 @@ spin. The output is a fresh buffer on huge pages where the platform has them (se
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -152,11 +153,14 @@ def _on_cpu(tensor: Tensor) -> bool:
 def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
     """Split each byte into its 8 // width fields of `width` bits, lowest first, along a new axis `dim`.
 
-    Each field is computed whole and contiguous and the new axis is moved into place as a view, so
-    the interleaving happens once, in the copy into the float output.
+    On the CPU each field is computed whole and contiguous and the new axis is moved into place as a
+    view, so the interleaving happens once, in the copy into the float output. Elsewhere every field
+    is shifted out by one broadcast op against a table of shifts and masked by a second.
     """
-    packed = packed.contiguous()
+    if not _on_cpu(packed):
+        return _broadcast_fields(packed, width, 8 // width).movedim(-1, dim)
     mask = (1 << width) - 1
+    packed = packed.contiguous()
     fields = huge_pages.empty((8 // width, *packed.shape), torch.uint8, packed.device)  # large: see huge_pages
     for index, field in enumerate(fields):
         shift = index * width
@@ -167,21 +171,40 @@ def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
     return fields.movedim(0, dim)
 
 
+def _broadcast_fields(packed: Tensor, width: int, count: int) -> Tensor:
+    """The `count` fields of `width` bits of each integer of `packed`, lowest first, along a new last axis, in two
+    ops whatever the count (off the CPU, where an op costs its launch): one shift against a table of shifts, one
+    mask."""
+    shifts = _table(f"shifts{width}", packed.device)[:count]
+    return (packed.unsqueeze(-1) >> shifts).bitwise_and_((1 << width) - 1)
+
+
 def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
     """Fill `out` with float32(q) * scale (+ offset), in q's element order, in place.
 
     On the CPU the integers are copied into the output and scaled there; elsewhere the product converts them as it
-    reads them, one op fewer over the float output (q reshaped to the groups first: a copy of bytes where q
-    interleaves fields).
+    reads them, one op fewer over the float output, and reads q in whatever layout its fields were built in.
     """
     if _on_cpu(q):
         out.view(q.shape).copy_(q)
         _scale(out, scale, offset)
         return
-    groups = out.view(*scale.shape, -1)
-    torch.mul(q.reshape(groups.shape), scale.unsqueeze(-1), out=groups)
+    q, scale = _grouped(q, scale)
+    values = torch.mul(q, scale, out=out.view(q.shape))
     if offset is not None:
-        torch.add(offset.unsqueeze(-1), groups, out=groups)
+        torch.add(offset.view(scale.shape), values, out=values)
+
+
+def _grouped(q: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """q (n_blocks, ...) in value order, any layout, and its (n_blocks, groups) `scale`, as views that broadcast
+    group by group: q's axes split where a group ends inside one, the scale's split to match, no copy."""
+    groups, leading, axis = scale.shape[-1], 1, 1
+    while leading < groups:
+        if leading * q.shape[axis] > groups:
+            q = q.unflatten(axis, (groups // leading, -1))
+        leading *= q.shape[axis]
+        axis += 1
+    return q, scale.reshape(*q.shape[:axis], *[1] * (q.ndim - axis))
 
 
 def _scale(out: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
@@ -196,10 +219,24 @@ def _scale(out: Tensor, scale: Tensor, offset: Tensor | None = None) -> None:
         torch.add(offset.unsqueeze(-1), groups, out=groups)
 
 
-def _negated(m: Tensor) -> Tensor:
-    """Small unsigned integers as float32, negated: `dmin * _negated(m)` adds as the reference's `- dmin * m`
-    subtracts (IEEE negation is exact, and a NaN dmin passes through the product unchanged, sign included)."""
-    return m.float().neg_()
+def _factor(ints: Tensor) -> Tensor:
+    """Small integers ready to multiply a float scale: as float32 on the CPU, where a product of mixed types copies
+    its integer operand first (slowly); elsewhere as they are, converted by the product as it reads them."""
+    return ints.float() if _on_cpu(ints) else ints
+
+
+def _minus(dmin: Tensor, m: Tensor) -> Tensor:
+    """The reference's `- dmin * m` (m small unsigned integers) as a term to add, which adds as it subtracts:
+    IEEE negation is exact, and a zero m gives the -0 the subtraction's +0 needs. On the CPU m is negated, so a NaN
+    dmin passes through the product unchanged, sign included; elsewhere, where NaNs keep no payload, the few dmin
+    are, and the product converts m as it reads it."""
+    return dmin * m.float().neg_() if _on_cpu(m) else dmin.neg() * m
+
+
+def _rows(blocks: Tensor, start: int, stop: int) -> Tensor:
+    """Bytes `start:stop` of every block: copied whole on the CPU, whose ops run slowly on narrow strided slices;
+    a view elsewhere, where an op reads any layout at its cost."""
+    return blocks[:, start:stop].contiguous() if _on_cpu(blocks) else blocks[:, start:stop]
 
 
 def _q8_0(blocks: Tensor, out: Tensor) -> None:
@@ -270,9 +307,9 @@ def _q2_k(blocks: Tensor, out: Tensor) -> None:
 
     Each 32-byte half of the quants holds 128 values: 2-bit field j of byte i is value 32 * j + i.
     """
-    scales, d = blocks[:, :16].contiguous(), _half(blocks, 80, 2)
-    dl = d[:, :1] * (scales & 0xF).float()  # widened first: a product of mixed types is slow
-    ml = d[:, 1:] * _negated(scales >> 4)
+    scales, d = _rows(blocks, 0, 16), _half(blocks, 80, 2)
+    dl = d[:, :1] * _factor(scales & 0xF)
+    ml = _minus(d[:, 1:], scales >> 4)
     _affine(out, _unpack(blocks[:, 16:80].reshape(-1, 2, 32), 2, -2), dl, ml)
 
 
@@ -282,15 +319,23 @@ def _q3_k(blocks: Tensor, out: Tensor) -> None:
     Bit j of hmask byte i belongs to value 32 * j + i; a clear bit subtracts 4. The sixteen 6-bit
     scales keep their low 4 bits in the nibbles of bytes 0-7 (low nibbles first) and their top
     2 bits in the 2-bit fields of bytes 8-11 (field j of byte i is scale 4 * j + i).
-
-    The quants are built two bytes at a time in int16 words (every field stays inside its byte) as
-    four planes, one per 2-bit field of the quant bytes, laid out as those are; the copy into the
-    float output interleaves them.
     """
+    _affine(out, _q3_k_quants(blocks), _half(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))
+
+
+def _q3_k_quants(blocks: Tensor) -> Tensor:
+    """Q3_K's signed quants in value order, (n_blocks, 128-value half, field, byte).
+
+    On the CPU built two bytes at a time in int16 words (every field stays inside its byte) as four planes, one
+    per 2-bit field of the quant bytes, laid out as those are; the copy into the float output interleaves them.
+    """
+    n, device = blocks.shape[0], blocks.device
+    if not _on_cpu(blocks):
+        high = _unpack(blocks[:, :32], 1, -2).unflatten(1, (2, 4))
+        return torch.add(_unpack(blocks[:, 32:96].unflatten(1, (2, 32)), 2, -2), high, alpha=4).view(torch.int8).sub_(4)
     words = _words(blocks, torch.int16)
     if words is None:
         words = _reinterpret(blocks.contiguous(), torch.int16)
-    n, device = blocks.shape[0], blocks.device
     planes = huge_pages.empty((4, n, 2, 16), torch.int16, device)  # field, block, 128-value half, word
     qs = words[:, 16:48].view(n, 2, 16)
     planes[0].copy_(qs)
@@ -309,13 +354,25 @@ def _q3_k(blocks: Tensor, out: Tensor) -> None:
         else:
             high[field].copy_(halves)
     planes.bitwise_or_(high.bitwise_and_(0x0404))
-    q = planes.view(torch.int8).sub_(4).view(4, n, 2, 32).permute(1, 2, 0, 3)
-    low, high_bits = _reinterpret(blocks[:, 96:108].contiguous(), torch.int32).split([2, 1], -1)
-    low = torch.cat([low, low >> 4], -1).bitwise_and_(0x0F0F0F0F)  # scales 0-3, 4-7, 8-11, 12-15
-    high_bits = torch.cat([high_bits >> 2 * field for field in range(4)], -1)  # field j of 4 bytes at once
-    low.bitwise_or_(high_bits.bitwise_and_(0x03030303).bitwise_left_shift_(4))
-    scale = low.view(torch.uint8).float().sub_(32)
-    _affine(out, q, _half(blocks, 108) * scale)
+    return planes.view(torch.int8).sub_(4).view(4, n, 2, 32).permute(1, 2, 0, 3)
+
+
+def _q3_k_scales(packed: Tensor) -> Tensor:
+    """Q3_K's sixteen signed 6-bit scales from its 12 scale bytes, (n_blocks, 16) `_factor`s.
+
+    On the CPU four fields at a time in int32 words; elsewhere by broadcast fields, into a contiguous buffer so
+    the scales stay one row per block.
+    """
+    if _on_cpu(packed):
+        low, high = _reinterpret(packed.contiguous(), torch.int32).split([2, 1], -1)
+        low = torch.cat([low, low >> 4], -1).bitwise_and_(0x0F0F0F0F)  # scales 0-3, 4-7, 8-11, 12-15
+        high = torch.cat([high >> 2 * field for field in range(4)], -1)  # field j of 4 bytes at once
+        low.bitwise_or_(high.bitwise_and_(0x03030303).bitwise_left_shift_(4))
+        return low.view(torch.uint8).float().sub_(32)
+    low = _unpack(packed[:, :8], 4, -2).unflatten(-1, (2, 4))  # scale 8 * nibble + byte
+    high = _unpack(packed[:, 8:], 2, -2).unflatten(1, (2, 2))  # scale 4 * field + byte
+    scales = torch.empty(low.shape, dtype=torch.uint8, device=packed.device)
+    return torch.bitwise_or(low, high << 4, out=scales).view(torch.int8).sub_(32).flatten(1)
 
 
 def _scale_min_k4(blocks: Tensor) -> Tensor:
@@ -336,10 +393,9 @@ def _scale_min_k4(blocks: Tensor) -> Tensor:
 
 def _k4_affine(blocks: Tensor, q: Tensor, out: Tensor) -> None:
     """d * scale * q - dmin * min over the eight 32-value sub-blocks of a Q4_K/Q5_K block."""
-    terms = _scale_min_k4(blocks).float()  # widened first: a product of mixed types is slow
-    terms[:, 1].neg_()  # `dmin * -min` adds as the reference's `- dmin * min` subtracts (see `_negated`)
-    terms.mul_(_half(blocks, 0, 2).unsqueeze(-1))
-    _affine(out, q, terms[:, 0], terms[:, 1])
+    scales, mins = _scale_min_k4(blocks).unbind(1)
+    d = _half(blocks, 0, 2)
+    _affine(out, q, d[:, :1] * _factor(scales), _minus(d[:, 1:], mins))
 
 
 def _q4_k(blocks: Tensor, out: Tensor) -> None:
@@ -375,10 +431,23 @@ def _q6_k(blocks: Tensor, out: Tensor) -> None:
     """210 bytes: ql (128), qh (64), 16 int8 scales, d (f16).
 
     Per 128-value half: nibble j of ql byte i (64 bytes) is value 64 * j + i, and 2-bit field j of
-    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i. The quants are built two bytes at a
-    time in int16 words (every field stays inside its byte) as two planes, one per nibble of ql,
-    each laid out as ql is; the copy into the float output interleaves them.
+    qh byte i (32 bytes) is the top 2 bits of value 32 * j + i.
     """
+    scales = _factor(_rows(blocks, 192, 208).view(torch.int8))
+    _affine(out, _q6_k_quants(blocks), _half(blocks, 208) * scales)
+
+
+def _q6_k_quants(blocks: Tensor) -> Tensor:
+    """Q6_K's signed quants in value order, (n_blocks, half, nibble of ql, 32-value run, byte).
+
+    On the CPU built two bytes at a time in int16 words (every field stays inside its byte) as two planes, one
+    per nibble of ql, each laid out as ql is; the copy into the float output interleaves them. Elsewhere by
+    broadcast fields: field j of qh is nibble j // 2, run j % 2.
+    """
+    if not _on_cpu(blocks):
+        low = _unpack(blocks[:, :128].unflatten(1, (2, 64)), 4, -2).unflatten(-1, (2, 32))
+        high = _unpack(blocks[:, 128:192].unflatten(1, (2, 32)), 2, -2).unflatten(2, (2, 2))
+        return (low | (high << 4)).view(torch.int8).sub_(32)
     n, device = blocks.shape[0], blocks.device
     words = _words(blocks, torch.int16)
     if words is None:
@@ -393,13 +462,13 @@ def _q6_k(blocks: Tensor, out: Tensor) -> None:
     planes.bitwise_and_(0x3030)
     planes[0].bitwise_or_(torch.bitwise_and(ql, 0x0F0F, out=high))
     planes[1].bitwise_or_(torch.bitwise_right_shift(ql, 4, out=high).bitwise_and_(0x0F0F))
-    q = planes.view(torch.int8).sub_(32).view(2, n, 2, 2, 32).permute(1, 2, 0, 3, 4)
-    scales = words[:, 96:104].contiguous().view(torch.int8).float()  # converted contiguous: strided is slow
-    _affine(out, q, _half(blocks, 208) * scales)
+    return planes.view(torch.int8).sub_(32).view(2, n, 2, 2, 32).permute(1, 2, 0, 3, 4)
 
 
 def _bits(word: Tensor, width: int, count: int) -> Tensor:
     """The `count` fields of `width` bits of each (int32) `word`, lowest first, along a new last axis."""
+    if not _on_cpu(word):
+        return _broadcast_fields(word, width, count)
     mask = (1 << width) - 1
     return torch.stack([(word >> (index * width)) & mask for index in range(count)], -1)
 
@@ -469,8 +538,13 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     "iq4_nl": lambda: _nibble_pairs(reference.IQ4_NL.kvalues),
     "mxfp4": lambda: _nibble_pairs(reference.MXFP4.kvalues),
     "nvfp4": lambda: _nibble_pairs(reference.NVFP4.kvalues),
+    # 2^(e - 128), a float32 subnormal for e < 2
+    "e8m0": lambda: (np.where(np.arange(256) < 2, np.arange(256) + 1 << 21, np.arange(256) - 1 << 23)
+                     .astype(np.int32).view(np.float32)),
     "ue4m3": lambda: reference.NVFP4.ue4m3_to_fp32(np.arange(256, dtype=np.uint8)).astype(np.float32),
     "f16": lambda: np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32),  # numpy's widening
+    # uint8 shifts, so a shift keeps the width of what it shifts
+    **{f"shifts{width}": functools.partial(np.arange, 0, 32, width, dtype=np.uint8) for width in (1, 2, 3, 4, 7)},
 }
 #: Built at import (about 5 MB, a few ms): a compiled graph reads a module's tensor as a constant.
 _CPU_TABLES = {name: torch.from_numpy(np.ascontiguousarray(source())) for name, source in _TABLE_SOURCES.items()}
@@ -496,17 +570,24 @@ def _lookup(name: str, index: Tensor, out: Tensor) -> None:
     torch.index_select(table, 0, index.reshape(-1), out=out.view(-1, table.shape[-1]))
 
 
-def _nibble_lookup(qs: Tensor, name: str, out: Tensor) -> None:
-    """Fill `out` (m, 2k) with table `name`'s values of the nibbles of qs (m, k bytes): low nibbles are
-    values 0..k-1, high ones k..2k-1.
+def _scaled_nibbles(qs: Tensor, name: str, scale: Tensor, out: Tensor) -> None:
+    """Fill `out` (n_blocks, values) with table `name`'s values of the nibbles of qs (n_blocks, ..., k bytes)
+    times `scale` (n_blocks, groups): of each k bytes, low nibbles are values 0..k-1, high ones k..2k-1.
 
-    Each lookup writes two adjacent float32 values as one int64, indexed by a nibble of each byte of a
-    pair, so the gather lands in value order and a quarter as many indices are needed.
+    On the CPU each lookup writes two adjacent float32 values as one int64, indexed by a nibble of each byte of a
+    pair, so the gather lands in value order and a quarter as many indices are needed; the scale multiplies in
+    place. Elsewhere each byte picks its low and high nibbles' values, and the product reads them in value order.
     """
+    table = _table(name, qs.device)
+    if not _on_cpu(qs):
+        values = table.view(torch.float32).view(-1, 2).index_select(0, qs.int().view(-1))
+        _affine(out, values.view(*qs.shape, 2).transpose(-1, -2), scale)
+        return
+    qs = qs.reshape(-1, qs.shape[-1])
     even, odd = qs[:, 0::2], qs[:, 1::2]
     index = torch.stack([(even & 15) | (odd << 4), (even >> 4) | (odd & 0xF0)], 1)
-    table = _table(name, qs.device)
     torch.index_select(table, 0, index.view(-1).int(), out=out.view(torch.int64).view(-1))
+    _scale(out, scale)
 
 
 def _iq_scale(d: Tensor, scale: Tensor, step: float) -> Tensor:
@@ -596,32 +677,29 @@ def _iq1_m(blocks: Tensor, out: Tensor) -> None:
 
 def _iq4_nl(blocks: Tensor, out: Tensor) -> None:
     """18 bytes: d (f16), 16 bytes whose low nibbles index values 0-15 and high nibbles 16-31 in a 16-value table."""
-    _nibble_lookup(blocks[:, 2:], "iq4_nl", out)
-    _scale(out, _half(blocks, 0))
+    _scaled_nibbles(blocks[:, 2:], "iq4_nl", _half(blocks, 0), out)
 
 
 def _iq4_xs(blocks: Tensor, out: Tensor) -> None:
     """136 bytes: d (f16), a u16 of 2-bit scale tops, 4 bytes of 4-bit scale bottoms (per 32 values), then
     128 bytes laid out as eight IQ4_NL blocks without d; value = d * (scale - 32) * table value."""
-    scale = _unpack(blocks[:, 4:8], 4, -1).flatten(1).int() | (_bits(_u16(blocks, 2, 4), 2, 8).flatten(1) << 4)
-    _nibble_lookup(blocks[:, 8:].reshape(-1, 16), "iq4_nl", out)
-    _scale(out, _half(blocks, 0) * (scale - 32))
+    low = _unpack(blocks[:, 4:8], 4, -1).flatten(1)
+    high = _unpack(blocks[:, 2:4], 2, -1).flatten(1)  # the u16's 2-bit fields, little-endian: bytes in order
+    scale = (low | (high << 4)).view(torch.int8).sub_(32)
+    _scaled_nibbles(blocks[:, 8:].unflatten(1, (8, 16)), "iq4_nl", _half(blocks, 0) * _factor(scale), out)
 
 
 def _mxfp4(blocks: Tensor, out: Tensor) -> None:
     """17 bytes: an E8M0 exponent e, 16 bytes of E2M1 nibbles (doubled, as ggml keeps them), low then high;
-    value = 2^(e - 128) * kvalue, the scale a float32 subnormal for e < 2."""
-    e = blocks[:, :1].int()
-    bits = torch.where(e < 2, (e + 1) << 21, (e - 1) << 23)
-    _nibble_lookup(blocks[:, 1:], "mxfp4", out)
-    _scale(out, bits.view(torch.float32))
+    value = 2^(e - 128) * kvalue."""
+    scale = _table("e8m0", blocks.device).index_select(0, blocks[:, 0].int())
+    _scaled_nibbles(blocks[:, 1:], "mxfp4", scale.unsqueeze(-1), out)
 
 
 def _nvfp4(blocks: Tensor, out: Tensor) -> None:
     """36 bytes: four UE4M3 scales (per 16 values), then per 16 values 8 bytes of E2M1 nibbles, low then high."""
     scale = _table("ue4m3", blocks.device).index_select(0, blocks[:, :4].reshape(-1).int())
-    _nibble_lookup(blocks[:, 4:].reshape(-1, 8), "nvfp4", out)
-    _scale(out, scale.view(-1, 4))
+    _scaled_nibbles(blocks[:, 4:].unflatten(1, (4, 8)), "nvfp4", scale.view(-1, 4), out)
 
 
 def _tq1_0(blocks: Tensor, out: Tensor) -> None:
