@@ -173,9 +173,13 @@ def _unpack(packed: Tensor, width: int, dim: int) -> Tensor:
 
 def _broadcast_fields(packed: Tensor, width: int, count: int) -> Tensor:
     """The `count` fields of `width` bits of each integer of `packed`, lowest first, along a new last axis, in two
-    ops whatever the count (off the CPU, where an op costs its launch): one shift against a table of shifts, one
-    mask."""
-    shifts = _table(f"shifts{width}", packed.device)[:count]
+    ops whatever the count (off the CPU, where an op costs its launch): one shift against the shifts, one mask.
+    The shifts come from a table made once per device, or, in a compiled graph, which reads no device's table
+    without a break, are made there (a constant to the compiler)."""
+    if torch.compiler.is_compiling():
+        shifts = torch.arange(0, width * count, width, dtype=torch.uint8, device=packed.device)
+    else:
+        shifts = _table(f"shifts{width}", packed.device)[:count]
     return (packed.unsqueeze(-1) >> shifts).bitwise_and_((1 << width) - 1)
 
 
@@ -255,24 +259,27 @@ def _q4_1(blocks: Tensor, out: Tensor) -> None:
     _affine(out, _nibbles(blocks, 4), d[:, :1], d[:, 1:])
 
 
-def _nibbles(blocks: Tensor, start: int, high_bits: str | None = None) -> Tensor:
+def _nibbles(blocks: Tensor, start: int, high_offset: int | None = None) -> Tensor:
     """The 16 bytes at `start` of every block split into 32 nibbles, (n_blocks, 32) bytes: low nibbles are
-    values 0-15, high ones 16-31; ORed onto `high_bits`' rows for the preceding 4 bytes where given.
+    values 0-15, high ones 16-31; with `high_offset` (Q5_0/Q5_1), plus 16 times bit i of the little-endian u32
+    in the preceding 4 bytes for value i, plus the offset (mod 256).
 
-    Built eight values at a time in int64 words, one column of words (n_blocks long) per op: a block's
-    fields are too narrow for ops along them. With `high_bits` (Q5_0/Q5_1), each of the little-endian u32
-    qh's bytes before the nibbles becomes its eight values' top bits through that table (a byte -> eight
-    bytes, as int64). Off the CPU, where an op costs its launch and not its width, plain nibbles take three ops
-    along the bytes instead of seven.
+    On the CPU built eight values at a time in int64 words, one column of words (n_blocks long) per op: a
+    block's fields are too narrow for ops along them; each byte of the u32 becomes its eight values' top bits,
+    offset included, through a table (a byte -> eight bytes, as int64). Off the CPU, where an op costs its launch
+    and not its width, the nibbles take three ops along the bytes, and the top bits are broadcast fields.
     """
-    if high_bits is None and not _on_cpu(blocks):
+    if not _on_cpu(blocks):
         qs = blocks[:, start : start + 16]
-        return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1)
+        if high_offset is None:
+            return q
+        return torch.add(q, _unpack(blocks[:, start - 4 : start], 1, -1).flatten(1), alpha=16).add_(high_offset)
     n, device = blocks.shape[0], blocks.device
     words = _words(blocks, torch.int64) if start % 8 == 0 else None
     qs = _reinterpret(blocks[:, start : start + 16], torch.int64) if words is None else words[:, start // 8 :]
     q = huge_pages.empty((n, 4), torch.int64, device)
-    if high_bits is None:
+    if high_offset is None:
         for word in range(2):
             torch.bitwise_and(qs[:, word], _LOW_NIBBLES, out=q[:, word])
             torch.bitwise_right_shift(qs[:, word], 4, out=q[:, 2 + word]).bitwise_and_(_LOW_NIBBLES)
@@ -280,7 +287,7 @@ def _nibbles(blocks: Tensor, start: int, high_bits: str | None = None) -> Tensor
     index = torch.empty((n, 4), dtype=torch.int32, device=device)
     for byte in range(4):
         index[:, byte].copy_(blocks[:, start - 4 + byte])
-    torch.index_select(_table(high_bits, device), 0, index.view(-1), out=q.view(-1))
+    torch.index_select(_table(f"q5_high{high_offset}", device), 0, index.view(-1), out=q.view(-1))
     for word in range(2):
         q[:, word].bitwise_or_(qs[:, word] & _LOW_NIBBLES)
         q[:, 2 + word].bitwise_or_((qs[:, word] >> 4).bitwise_and_(_LOW_NIBBLES))
@@ -293,13 +300,13 @@ _LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
 def _q5_0(blocks: Tensor, out: Tensor) -> None:
     """22 bytes: d (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * (q - 16). qh (little-endian
     u32) holds bit 4 of value i at bit i."""
-    _affine(out, _nibbles(blocks, 6, "q5_high_signed").view(torch.int8), _half(blocks, 0))
+    _affine(out, _nibbles(blocks, 6, -16).view(torch.int8), _half(blocks, 0))
 
 
 def _q5_1(blocks: Tensor, out: Tensor) -> None:
     """24 bytes: d (f16), m (f16), qh (4 bytes), 16 bytes of low nibbles; value = d * q + m."""
     d = _half(blocks, 0, 2)
-    _affine(out, _nibbles(blocks, 8, "q5_high"), d[:, :1], d[:, 1:])
+    _affine(out, _nibbles(blocks, 8, 0), d[:, :1], d[:, 1:])
 
 
 def _q2_k(blocks: Tensor, out: Tensor) -> None:
@@ -417,12 +424,15 @@ def _q4_k(blocks: Tensor, out: Tensor) -> None:
 def _q5_k(blocks: Tensor, out: Tensor) -> None:
     """176 bytes: d, dmin (f16), 12 scale bytes, qh (32), 128 bytes of nibbles laid out as in Q4_K.
 
-    Bit j of qh byte i is bit 4 of value 32 * j + i.
+    Bit j of qh byte i is bit 4 of value 32 * j + i: on the CPU through a table (a byte -> its eight bits as 0 or
+    16, as one int64), elsewhere as broadcast fields.
     """
     n = blocks.shape[0]
     ql = _unpack(blocks[:, 48:].reshape(-1, 4, 32), 4, -2)
+    if not _on_cpu(blocks):
+        return _k4_affine(blocks, torch.add(ql, _unpack(blocks[:, 16:48], 1, -2).unflatten(1, (4, 2)), alpha=16), out)
     high = huge_pages.empty((n, 32), torch.int64, blocks.device)  # qh byte i -> its eight bits as 0 or 16
-    torch.index_select(_table("q5_high", blocks.device), 0, blocks[:, 16:48].int().view(-1), out=high.view(-1))
+    torch.index_select(_table("q5_high0", blocks.device), 0, blocks[:, 16:48].int().view(-1), out=high.view(-1))
     qh = high.view(torch.uint8).view(n, 32, 8).transpose(1, 2).unflatten(1, (4, 2))  # bit j of byte i: 32 * j + i
     _k4_affine(blocks, ql.bitwise_or_(qh), out)
 
@@ -533,8 +543,7 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     # pattern 2 * s + h: the signs of half h of ksigns[s]
     "iq3_xxs": lambda: _signed_grid(reference.IQ3_XXS, _sign_patterns((_KSIGNS[:, None] >> [0, 4]).ravel() & 15, 4)),
     "iq3_s": lambda: _signed_grid(reference.IQ3_S, _NIBBLE_SIGNS),
-    "q5_high": lambda: _high_bits(0),
-    "q5_high_signed": lambda: _high_bits(-16),
+    **{f"q5_high{offset}": functools.partial(_high_bits, offset) for offset in (0, -16)},
     "iq4_nl": lambda: _nibble_pairs(reference.IQ4_NL.kvalues),
     "mxfp4": lambda: _nibble_pairs(reference.MXFP4.kvalues),
     "nvfp4": lambda: _nibble_pairs(reference.NVFP4.kvalues),

@@ -172,6 +172,20 @@ def test_the_gpu_kernels_compute_the_same_numbers_on_the_cpu(monkeypatch, qtype,
     assert same_bits(result, expected) if finite else same_bits_and_nan_places(result, expected)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.TQ2_0],
+                         **by_name)
+def test_the_gpu_kernels_of_the_common_types_trace_without_graph_breaks(monkeypatch, qtype):
+    """Off the CPU the legacy and K-quant kernels read no lookup table in a compiled graph (a device's table is made
+    outside it, which breaks the graph): their fields' shifts are made in the graph."""
+    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
+    monkeypatch.setattr(gguf_dequant, "_table", gguf_dequant._device_table)  # every table as a device's
+    blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
+    explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
+    assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    compiled = torch.compile(lambda b: dequantize(b, qtype, (4, 256)), backend="eager")(blocks)
+    assert same_bits(compiled, reference(blocks.numpy(), qtype, True))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.IQ2_S, Q.IQ4_XS, Q.TQ1_0, Q.NVFP4], **by_name)
 def test_table_and_tq_kernels_trace_without_graph_breaks(qtype):
     """Residents compile: the lookup tables (float16 scales widen through one on CPU) are module constants there,
