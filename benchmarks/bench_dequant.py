@@ -260,9 +260,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.allocator:
         return measure(args)
-    if args.count_ops:
-        return print(count_ops(args))
     forwarded = sys.argv[1:]
+    if args.count_ops:
+        peer = peer_version(args.comfyui_dequant, args.comfyui_version)
+        text = (f"# Dequantization ops per call, {args.rows}x{args.cols} -> float32, off the CPU (on `meta`)\n\n"
+                f"{datetime.date.today()}, `python benchmarks/bench_dequant.py {' '.join(forwarded)}`; "
+                f"ComfyUI-GGUF {peer or '-'}\n\n{count_ops(args)}")
+        print(text)
+        if args.out:
+            Path(f"{args.out}.md").write_text(text)
+        return None
     rows = []
     on_cpu = args.device == "cpu"
     for allocator in args.allocators if on_cpu else ["plain"]:
