@@ -336,10 +336,11 @@ def _q3_k_quants(blocks: Tensor) -> Tensor:
     On the CPU built two bytes at a time in int16 words (every field stays inside its byte) as four planes, one
     per 2-bit field of the quant bytes, laid out as those are; the copy into the float output interleaves them.
     """
-    n, device = blocks.shape[0], blocks.device
     if not _on_cpu(blocks):
-        high = _unpack(blocks[:, :32], 1, -2).unflatten(1, (2, 4))
-        return torch.add(_unpack(blocks[:, 32:96].unflatten(1, (2, 32)), 2, -2), high, alpha=4).view(torch.int8).sub_(4)
+        hmask = _unpack(blocks[:, :32], 1, -2).unflatten(1, (2, 4))
+        low = _unpack(blocks[:, 32:96].unflatten(1, (2, 32)), 2, -2)
+        return torch.add(low, hmask, alpha=4).view(torch.int8).sub_(4)
+    n, device = blocks.shape[0], blocks.device
     words = _words(blocks, torch.int16)
     if words is None:
         words = _reinterpret(blocks.contiguous(), torch.int16)
