@@ -565,12 +565,17 @@ def _table(name: str, device: torch.device) -> Tensor:
     return _CPU_TABLES[name] if device.type == "cpu" else _device_table(name, device)
 
 
-@torch.compiler.disable
 def _device_table(name: str, device: torch.device) -> Tensor:
-    """Table `name` on `device`, copied there once."""
-    table = _DEVICE_TABLES.get((name, device))
-    if table is None:
-        table = _DEVICE_TABLES[name, device] = _CPU_TABLES[name].to(device)
+    """Table `name` on `device`, copied there once. A compiled graph reads one copied before it was traced as an
+    input; one not copied yet is copied outside the graph: a break, which that graph keeps."""
+    if (name, device) in _DEVICE_TABLES:
+        return _DEVICE_TABLES[name, device]
+    return _copied_table(name, device)
+
+
+@torch.compiler.disable
+def _copied_table(name: str, device: torch.device) -> Tensor:
+    table = _DEVICE_TABLES[name, device] = _CPU_TABLES[name].to(device)
     return table
 
 

@@ -186,6 +186,18 @@ def test_the_gpu_kernels_of_the_common_types_trace_without_graph_breaks(monkeypa
     assert same_bits(compiled, reference(blocks.numpy(), qtype, True))
 
 
+@pytest.mark.parametrize("qtype", [Q.IQ1_S, Q.IQ2_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.NVFP4], **by_name)
+def test_the_gpu_lookup_kernels_trace_without_graph_breaks_once_their_tables_are_on_the_device(monkeypatch, qtype):
+    """A device's lookup tables are copied there outside any graph, once; a graph traced after that reads them as
+    inputs, with no break."""
+    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
+    monkeypatch.setattr(gguf_dequant, "_table", gguf_dequant._device_table)  # every table as a device's
+    blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
+    dequantize(blocks, qtype, (4, 256))  # an eager call copies them
+    explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
+    assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.IQ2_S, Q.IQ4_XS, Q.TQ1_0, Q.NVFP4], **by_name)
 def test_table_and_tq_kernels_trace_without_graph_breaks(qtype):
     """Residents compile: the lookup tables (float16 scales widen through one on CPU) are module constants there,
