@@ -57,6 +57,7 @@ class Region:
         self.function, self.settings, self.stats = function, settings, stats
         self.per_call_names, self.notify = per_call_names, notify
         self.compiled = None
+        self.prepared: set[torch.device] = set()
         self.failed = False
         self.has_graph = False
         self.at_limit = False
@@ -90,6 +91,7 @@ class Region:
             self.compiled = self._compile()
         from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
+        self._prepare(module, [*args, *kwargs.values()])
         args, kwargs, viewed = self.slots.bind(module, args, kwargs)
         patch = self.patchers[viewed]
         before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
@@ -105,6 +107,17 @@ class Region:
             if revert is not None:
                 revert()
         return self._fall_back(failure, module, args, kwargs)  # outside the handler: no dynamo traceback attached
+
+    def _prepare(self, module: nn.Module, inputs: list) -> None:
+        """Before the first graph on a device is traced: the quant formats of the block's residents make there what
+        their kernels read (GGUF's lookup tables), which the graph then reads as inputs instead of breaking where
+        they are made."""
+        device = next((value.device for value in inputs if isinstance(value, torch.Tensor)), None)
+        if device is None or device in self.prepared:
+            return
+        self.prepared.add(device)
+        for handler in {protocol.quant_handler(leaf) for leaf in module.modules()} - {None}:
+            handler.prepare(device)
 
     def _fall_back(self, failure: Exception, module: nn.Module, args: tuple, kwargs: dict):
         """The model's own errors surface while dynamo traces it too: if the eager forward raises, the error is

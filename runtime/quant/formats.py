@@ -69,6 +69,11 @@ class QuantFormat(ABC):
         """Whether `dequantize` returns the stored tensor itself, reinterpreted (decided without looking at data)."""
         return False
 
+    def prepare(self, device: torch.device) -> None:
+        """Make on `device` what the kernels read there besides the stored tensors, before a compiled graph is
+        traced on it (default: nothing)."""
+        return None
+
 
 class _ScaledIntegers(QuantFormat):
     """Integer weights beside fp32 scales, worked by three kernels of one module (int8.py, int4.py)."""
@@ -115,3 +120,8 @@ class GGUF(QuantFormat):
         from . import gguf_dequant
 
         return gguf_dequant.STORED_FLOATS.get(gguf_dequant.QType(module.gguf_qtype)) == dtype
+
+    def prepare(self, device):
+        from . import gguf_dequant
+
+        gguf_dequant.copy_tables(device)

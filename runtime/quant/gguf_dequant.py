@@ -194,7 +194,11 @@ def _affine(out: Tensor, q: Tensor, scale: Tensor, offset: Tensor | None = None)
         _scale(out, scale, offset)
         return
     q, scale = _grouped(q, scale)
-    values = torch.mul(q, scale, out=out.view(q.shape))
+    values = out.view(q.shape)
+    if torch.compiler.is_compiling():  # a graph writes no `out=` of another layout than its result's; fused there
+        values.copy_(q * scale if offset is None else offset.view(scale.shape) + q * scale)
+        return
+    torch.mul(q, scale, out=values)
     if offset is not None:
         torch.add(offset.view(scale.shape), values, out=values)
 
@@ -368,8 +372,7 @@ def _q3_k_quants(blocks: Tensor) -> Tensor:
 def _q3_k_scales(packed: Tensor) -> Tensor:
     """Q3_K's sixteen signed 6-bit scales from its 12 scale bytes, (n_blocks, 16) `_factor`s.
 
-    On the CPU four fields at a time in int32 words; elsewhere by broadcast fields, into a contiguous buffer so
-    the scales stay one row per block.
+    On the CPU four fields at a time in int32 words; elsewhere by broadcast fields.
     """
     if _on_cpu(packed):
         low, high = _reinterpret(packed.contiguous(), torch.int32).split([2, 1], -1)
@@ -379,8 +382,7 @@ def _q3_k_scales(packed: Tensor) -> Tensor:
         return low.view(torch.uint8).float().sub_(32)
     low = _unpack(packed[:, :8], 4, -2).unflatten(-1, (2, 4))  # scale 8 * nibble + byte
     high = _unpack(packed[:, 8:], 2, -2).unflatten(1, (2, 2))  # scale 4 * field + byte
-    scales = torch.empty(low.shape, dtype=torch.uint8, device=packed.device)
-    return torch.bitwise_or(low, high << 4, out=scales).view(torch.int8).sub_(32).flatten(1)
+    return (low | (high << 4)).view(torch.int8).sub_(32).flatten(1)
 
 
 def _scale_min_k4(blocks: Tensor) -> Tensor:
@@ -559,6 +561,13 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
 #: Built at import (about 5 MB, a few ms): a compiled graph reads a module's tensor as a constant.
 _CPU_TABLES = {name: torch.from_numpy(np.ascontiguousarray(source())) for name, source in _TABLE_SOURCES.items()}
 _DEVICE_TABLES: dict[tuple[str, torch.device], Tensor] = {}
+
+
+def copy_tables(device: torch.device) -> None:
+    """Every lookup table on `device` (a few MB), copied once: a graph compiled there afterwards reads them as
+    inputs, where one copied while it is traced would break it."""
+    for name in _CPU_TABLES:
+        _device_table(name, device)
 
 
 def _table(name: str, device: torch.device) -> Tensor:

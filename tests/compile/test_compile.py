@@ -7,6 +7,7 @@ import logging
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -602,3 +603,37 @@ def test_gguf_residents_compile():
     assert torch.allclose(run(model, x), expected, atol=1e-5)
     stats = compile_stats(model)
     assert stats.graphs == 1 and stats.graph_breaks == 0 and stats.fallbacks == []
+
+
+def test_a_gguf_lookup_kernel_compiled_on_its_first_call_on_a_device_has_no_graph_break(monkeypatch):
+    """Lookup tables are copied to a device outside any graph: the region's first call on it has the residents'
+    format copy them before its graph is traced, so even a first call compiled before any eager one runs with no
+    break (simulated here as a GPU runs it: the kernels' off-CPU path, every table as a device's)."""
+    import gguf
+    from gguf_blocks import random_bytes
+
+    from streamwise.runtime.quant import gguf_dequant
+    from streamwise.runtime.quant.residents import make_resident
+
+    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
+    monkeypatch.setattr(gguf_dequant, "_table", gguf_dequant._device_table)
+    monkeypatch.setattr(gguf_dequant, "_DEVICE_TABLES", {})  # no table copied yet
+    model = Net(blocks=2)
+    streamwise.apply(streamwise.resolve(POLICY, model), model)
+    iq4_nl, mxfp4 = gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.MXFP4
+    first, second = (tuple(block.up.weight.shape) for block in model.blocks)
+    nibbles = random_bytes(iq4_nl, first).reshape(-1, 18)
+    nibbles[:, :2] = np.full(len(nibbles), 0.002, np.float16).view(np.uint8).reshape(-1, 2)  # small scales
+    quantized = gguf.quants.quantize(model.blocks[1].up.weight.detach().numpy(), mxfp4)
+    for block, qtype, raw, shape in [(model.blocks[0], iq4_nl, nibbles, first),
+                                     (model.blocks[1], mxfp4, quantized, second)]:
+        make_resident(block.up, "gguf", {"weight": torch.from_numpy(raw).reshape(-1)},
+                      {"gguf_qtype": qtype, "gguf_shape": shape})
+    x = torch.randn(2, 32)
+    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    compiled = run(model, x)
+    stats = compile_stats(model)
+    assert stats.graph_breaks == 0 and stats.fallbacks == [], stats
+    disarm(model)
+    assert torch.allclose(compiled, run(model, x), atol=1e-5)
+

@@ -182,7 +182,7 @@ def test_the_gpu_kernels_of_the_common_types_trace_without_graph_breaks(monkeypa
     blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
     explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
     assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
-    compiled = torch.compile(lambda b: dequantize(b, qtype, (4, 256)), backend="eager")(blocks)
+    compiled = torch.compile(lambda b: dequantize(b, qtype, (4, 256)), backend="aot_eager")(blocks)
     assert same_bits(compiled, reference(blocks.numpy(), qtype, True))
 
 
@@ -196,6 +196,8 @@ def test_the_gpu_lookup_kernels_trace_without_graph_breaks_once_their_tables_are
     dequantize(blocks, qtype, (4, 256))  # an eager call copies them
     explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
     assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    compiled = torch.compile(lambda b: dequantize(b, qtype, (4, 256)), backend="aot_eager")(blocks)
+    assert same_bits(compiled, reference(blocks.numpy(), qtype, True))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.IQ2_S, Q.IQ4_XS, Q.TQ1_0, Q.NVFP4], **by_name)
