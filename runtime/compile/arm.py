@@ -48,7 +48,8 @@ def lazy_compile(
     disarm(target.holder)
     armed = Armed(CompileStats(), [])
     target.holder.__dict__[protocol.COMPILE_STATE] = armed
-    if any(not handler.compile_safe for handler in map(protocol.quant_handler, target.module.modules()) if handler):
+    formats = {handler for handler in map(protocol.quant_handler, target.module.modules()) if handler}
+    if any(not handler.compile_safe for handler in formats):
         warnings.warn(INT4_MESSAGE, stacklevel=2)
         armed.stats.reason = INT4_MESSAGE
         return target.holder
@@ -62,7 +63,7 @@ def lazy_compile(
             own = None
         function = _unbound_forward(unit, own)
         region = regions.setdefault(function, Region(function, settings, armed.stats, target.per_call_names,
-                                                                target.notify))
+                                                                target.notify, formats))
         target.install(path, unit, functools.partial(region, unit), own, armed)
     armed.stats.applied, armed.stats.units, armed.stats.regions = True, len(units), len(regions)
     if settings.verbose:

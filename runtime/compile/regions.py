@@ -19,9 +19,10 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,9 +54,10 @@ class Region:
     """One compiled callable shared by every block of one forward; compiled on its first call."""
 
     def __init__(self, function: Callable, settings: CompileSettings, stats: CompileStats,
-                 per_call_names: tuple[str, ...] = (), notify: Callable[[str], None] = lambda message: None) -> None:
+                 per_call_names: tuple[str, ...] = (), notify: Callable[[str], None] = lambda message: None,
+                 formats: Iterable[Any] = ()) -> None:
         self.function, self.settings, self.stats = function, settings, stats
-        self.per_call_names, self.notify = per_call_names, notify
+        self.per_call_names, self.notify, self.formats = per_call_names, notify, tuple(formats)
         self.compiled = None
         self.prepared: set[torch.device] = set()
         self.failed = False
@@ -91,7 +93,7 @@ class Region:
             self.compiled = self._compile()
         from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
-        self._prepare(module, [*args, *kwargs.values()])
+        self._prepare([*args, *kwargs.values()])
         args, kwargs, viewed = self.slots.bind(module, args, kwargs)
         patch = self.patchers[viewed]
         before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
@@ -108,15 +110,15 @@ class Region:
                 revert()
         return self._fall_back(failure, module, args, kwargs)  # outside the handler: no dynamo traceback attached
 
-    def _prepare(self, module: nn.Module, inputs: list) -> None:
-        """Before the first graph on a device is traced: the quant formats of the block's residents make there what
-        their kernels read (GGUF's lookup tables), which the graph then reads as inputs instead of breaking where
+    def _prepare(self, inputs: list) -> None:
+        """Before the first graph on a device is traced: the quant formats of the model's residents make there what
+        their kernels read (GGUF's lookup tables), which the graphs then read as inputs instead of breaking where
         they are made."""
         device = next((value.device for value in inputs if isinstance(value, torch.Tensor)), None)
         if device is None or device in self.prepared:
             return
         self.prepared.add(device)
-        for handler in {protocol.quant_handler(leaf) for leaf in module.modules()} - {None}:
+        for handler in self.formats:
             handler.prepare(device)
 
     def _fall_back(self, failure: Exception, module: nn.Module, args: tuple, kwargs: dict):
