@@ -93,7 +93,8 @@ class Region:
             self.compiled = self._compile()
         from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
-        self._prepare([*args, *kwargs.values()])
+        if self.formats:
+            self._prepare([*args, *kwargs.values()])
         args, kwargs, viewed = self.slots.bind(module, args, kwargs)
         patch = self.patchers[viewed]
         before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
