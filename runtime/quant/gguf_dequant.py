@@ -427,17 +427,25 @@ def _q4_k(blocks: Tensor, out: Tensor) -> None:
 def _q5_k(blocks: Tensor, out: Tensor) -> None:
     """176 bytes: d, dmin (f16), 12 scale bytes, qh (32), 128 bytes of nibbles laid out as in Q4_K.
 
-    Bit j of qh byte i is bit 4 of value 32 * j + i: on the CPU through a table (a byte -> its eight bits as 0 or
-    16, as one int64), elsewhere as broadcast fields.
+    Bit j of qh byte i is bit 4 of value 32 * j + i. On the CPU each bit j is moved to bit 4 of its byte for eight
+    bytes at a time (an int64 word, one op per bit over the few words), so the top bits come out as the nibbles
+    are laid out, runs of 32 values; elsewhere they are broadcast fields.
     """
     n = blocks.shape[0]
-    ql = _unpack(blocks[:, 48:].reshape(-1, 4, 32), 4, -2)
+    ql = _unpack(blocks[:, 48:].reshape(-1, 4, 32), 4, -2)  # (block, chunk, nibble, byte): value 64c + 32nib + i
     if not _on_cpu(blocks):
         return _k4_affine(blocks, torch.add(ql, _unpack(blocks[:, 16:48], 1, -2).unflatten(1, (4, 2)), alpha=16), out)
-    high = huge_pages.empty((n, 32), torch.int64, blocks.device)  # qh byte i -> its eight bits as 0 or 16
-    torch.index_select(_table("q5_high0", blocks.device), 0, blocks[:, 16:48].int().view(-1), out=high.view(-1))
-    qh = high.view(torch.uint8).view(n, 32, 8).transpose(1, 2).unflatten(1, (4, 2))  # bit j of byte i: 32 * j + i
-    _k4_affine(blocks, ql.bitwise_or_(qh), out)
+    words = _words(blocks, torch.int64)
+    qh = _reinterpret(blocks[:, 16:48], torch.int64) if words is None else words[:, 2:6].contiguous()
+    high = huge_pages.empty((8, n, 4), torch.int64, blocks.device)  # bit, block, word
+    for bit, plane in enumerate(high):
+        if bit < 4:
+            torch.bitwise_left_shift(qh, 4 - bit, out=plane)
+        else:
+            torch.bitwise_right_shift(qh, bit - 4, out=plane)
+    high.bitwise_and_(0x1010101010101010)
+    ql.movedim(-2, 0).bitwise_or_(high.view(torch.uint8).view(4, 2, n, 32).permute(1, 2, 0, 3))  # in ql's storage
+    _k4_affine(blocks, ql, out)
 
 
 def _q6_k(blocks: Tensor, out: Tensor) -> None:
