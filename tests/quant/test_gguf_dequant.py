@@ -160,6 +160,20 @@ def test_cuda_matches_reference_bit_exactly(qtype, finite):
         assert same_bits_and_nan_places(result.cpu(), expected)
 
 
+@CUDA
+@pytest.mark.parametrize("qtype", SCALE_OFFSETS, **by_name)
+def test_cuda_kernels_compiled_by_inductor_have_no_graph_break_and_the_same_bits(qtype):
+    """Where a compiled model dequantizes on a GPU: with its tables on the device (a compiled region copies them
+    first), no graph break, and inductor's fused kernels give the eager bits (a fused multiply-add would not)."""
+    blocks = torch.from_numpy(random_bytes(qtype, (64, 256), seed=4)).cuda()
+    gguf_dequant.copy_tables(blocks.device)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (64, 256)))(blocks)
+    assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    compiled = torch.compile(lambda b: dequantize(b, qtype, (64, 256)))(blocks)
+    assert same_bits(compiled.cpu(), dequantize(blocks, qtype, (64, 256)).cpu())
+
+
 @pytest.mark.parametrize("finite", [True, False], ids=["finite", "random-bytes"])
 @pytest.mark.parametrize("qtype", SCALE_OFFSETS, **by_name)
 def test_the_gpu_kernels_compute_the_same_numbers_on_the_cpu(monkeypatch, qtype, finite):
