@@ -546,6 +546,16 @@ def _nibble_pairs(values: tuple[int, ...]) -> np.ndarray:
     return np.array(values, dtype=np.float32)[np.stack([index & 15, index >> 4], -1)].view(np.int64)[:, 0]
 
 
+def _word_pairs(values: tuple[int, ...]) -> np.ndarray:
+    """Index w, two bytes read as a little-endian word -> the values of their low nibbles as one int64; index
+    65536 + w -> those of their high nibbles (a megabyte: the pairs a word of packed nibbles yields, no bit op)."""
+    pairs, word = _nibble_pairs(values), np.arange(1 << 16)
+    even, odd = word & 255, word >> 8
+    return np.concatenate([pairs[(even & 15) | (odd & 15) << 4], pairs[(even >> 4) | (odd & 0xF0)]])
+
+
+_NIBBLE_VALUES = {"iq4_nl": reference.IQ4_NL.kvalues, "mxfp4": reference.MXFP4.kvalues,
+                  "nvfp4": reference.NVFP4.kvalues}
 _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     "iq1": _iq1_grid,
     "iq2_xxs": lambda: _signed_grid(reference.IQ2_XXS, _sign_patterns(_KSIGNS, 8)),
@@ -555,9 +565,8 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     "iq3_xxs": lambda: _signed_grid(reference.IQ3_XXS, _sign_patterns((_KSIGNS[:, None] >> [0, 4]).ravel() & 15, 4)),
     "iq3_s": lambda: _signed_grid(reference.IQ3_S, _NIBBLE_SIGNS),
     **{f"q5_high{offset}": functools.partial(_high_bits, offset) for offset in (0, -16)},
-    "iq4_nl": lambda: _nibble_pairs(reference.IQ4_NL.kvalues),
-    "mxfp4": lambda: _nibble_pairs(reference.MXFP4.kvalues),
-    "nvfp4": lambda: _nibble_pairs(reference.NVFP4.kvalues),
+    **{name: functools.partial(_nibble_pairs, values) for name, values in _NIBBLE_VALUES.items()},
+    **{f"{name}_words": functools.partial(_word_pairs, values) for name, values in _NIBBLE_VALUES.items()},
     # 2^(e - 128), a float32 subnormal for e < 2
     "e8m0": lambda: (np.where(np.arange(256) < 2, np.arange(256) + 1 << 21, np.arange(256) - 1 << 23)
                      .astype(np.int32).view(np.float32)),
@@ -606,19 +615,23 @@ def _scaled_nibbles(qs: Tensor, name: str, scale: Tensor, out: Tensor) -> None:
     """Fill `out` (n_blocks, values) with table `name`'s values of the nibbles of qs (n_blocks, ..., k bytes)
     times `scale` (n_blocks, groups): of each k bytes, low nibbles are values 0..k-1, high ones k..2k-1.
 
-    On the CPU each lookup writes two adjacent float32 values as one int64, indexed by a nibble of each byte of a
-    pair, so the gather lands in value order and a quarter as many indices are needed; the scale multiplies in
-    place. Elsewhere each byte picks its low and high nibbles' values, and the product reads them in value order.
+    On the CPU each lookup writes two adjacent float32 values as one int64, indexed by a pair of bytes read as one
+    word (their low nibbles' values, or, offset, their high nibbles'), so the gather lands in value order, a quarter
+    as many indices are needed and no bit op splits a byte; the scale multiplies in place. Elsewhere each byte picks
+    its low and high nibbles' values, and the product reads them in value order.
     """
-    table = _table(name, qs.device)
     if not _on_cpu(qs):
-        values = table.view(torch.float32).view(-1, 2).index_select(0, qs.int().view(-1))
+        values = _table(name, qs.device).view(torch.float32).view(-1, 2).index_select(0, qs.int().view(-1))
         _affine(out, values.view(*qs.shape, 2).transpose(-1, -2), scale)
         return
-    qs = qs.reshape(-1, qs.shape[-1])
-    even, odd = qs[:, 0::2], qs[:, 1::2]
-    index = torch.stack([(even & 15) | (odd << 4), (even >> 4) | (odd & 0xF0)], 1)
-    torch.index_select(table, 0, index.view(-1).int(), out=out.view(torch.int64).view(-1))
+    words = _reinterpret(qs.reshape(-1, qs.shape[-1]), torch.uint16)
+    if torch.compiler.is_compiling():  # a graph takes no strided `out=`; fused there
+        index = torch.cat([words.int(), words.int() + (1 << 16)], 1)
+    else:
+        index = torch.empty((words.shape[0], 2, words.shape[1]), dtype=torch.int32, device=qs.device)
+        index[:, 0] = words  # zero-extended
+        torch.add(index[:, 0], 1 << 16, out=index[:, 1])  # the high nibbles' half of the table
+    torch.index_select(_table(f"{name}_words", qs.device), 0, index.view(-1), out=out.view(torch.int64).view(-1))
     _scale(out, scale)
 
 
