@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -94,7 +95,7 @@ class Region:
         from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
         if self.formats:
-            self._prepare([*args, *kwargs.values()])
+            self._prepare(args, kwargs)
         args, kwargs, viewed = self.slots.bind(module, args, kwargs)
         patch = self.patchers[viewed]
         before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
@@ -111,10 +112,11 @@ class Region:
                 revert()
         return self._fall_back(failure, module, args, kwargs)  # outside the handler: no dynamo traceback attached
 
-    def _prepare(self, inputs: list) -> None:
+    def _prepare(self, args: tuple, kwargs: dict) -> None:
         """Before the first graph on a device is traced: the quant formats of the model's residents make there what
         their kernels read (GGUF's lookup tables), which the graphs then read as inputs instead of breaking where
         they are made."""
+        inputs = itertools.chain(args, kwargs.values())
         device = next((value.device for value in inputs if isinstance(value, torch.Tensor)), None)
         if device is None or device in self.prepared:
             return

@@ -575,15 +575,17 @@ _TABLE_SOURCES: dict[str, Callable[[], np.ndarray]] = {
     # uint8 shifts, so a shift keeps the width of what it shifts
     **{f"shifts{width}": functools.partial(np.arange, 0, 32, width, dtype=np.uint8) for width in (1, 2, 3, 4, 7)},
 }
-#: Built at import (about 5 MB, a few ms): a compiled graph reads a module's tensor as a constant.
+#: Read by the CPU kernels only: numpy's widening of every half, and the lookups by word (`_scaled_nibbles`).
+_CPU_ONLY_TABLES = {"f16", *(f"{name}_words" for name in _NIBBLE_VALUES)}
+#: Built at import (about 8 MB, a few ms): a compiled graph reads a module's tensor as a constant.
 _CPU_TABLES = {name: torch.from_numpy(np.ascontiguousarray(source())) for name, source in _TABLE_SOURCES.items()}
 _DEVICE_TABLES: dict[tuple[str, torch.device], Tensor] = {}
 
 
 def copy_tables(device: torch.device) -> None:
-    """Every lookup table on `device` (a few MB), copied once: a graph compiled there afterwards reads them as
-    inputs, where one copied while it is traced would break it."""
-    for name in _CPU_TABLES:
+    """Every lookup table the kernels read on `device` (a few MB), copied once: a graph compiled there afterwards
+    reads them as inputs, where one copied while it is traced would break it."""
+    for name in _CPU_TABLES.keys() - _CPU_ONLY_TABLES:
         _device_table(name, device)
 
 
@@ -626,7 +628,8 @@ def _scaled_nibbles(qs: Tensor, name: str, scale: Tensor, out: Tensor) -> None:
         return
     words = _reinterpret(qs.reshape(-1, qs.shape[-1]), torch.uint16)
     if torch.compiler.is_compiling():  # a graph takes no strided `out=`; fused there
-        index = torch.cat([words.int(), words.int() + (1 << 16)], 1)
+        low = words.int()
+        index = torch.cat([low, low + (1 << 16)], 1)
     else:
         index = torch.empty((words.shape[0], 2, words.shape[1]), dtype=torch.int32, device=qs.device)
         index[:, 0] = words  # zero-extended
