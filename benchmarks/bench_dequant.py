@@ -4,7 +4,9 @@ Every type Streamwise dequantizes is expanded from the same 4096x4096 blocks to 
 implementation that has it, twice: with finite float16 scales, and with fully random bytes (NaN,
 Inf and subnormal scales). After a warm-up the implementations are timed in alternation, round
 after round, so that drift in a shared machine's speed hits all alike, and each is reported as its
-median. Streamwise's output is checked against the reference bit for bit (stored F16 NaNs by place).
+median. Streamwise's output is checked against the reference bit for bit (stored F16 NaNs by place). `streamwise` is
+what `dequantize` runs: numba's fused kernels for the types that have one where numba is installed (the
+`cpu-kernels` extra), else the torch kernels; `torch kernels` times those alone beside the fused ones.
 
 Every side writes into the same kind of fresh output buffer: each configuration runs in its own process under one
 allocator for all, `thp` (torch's `THP_MEM_ALLOC_ENABLE=1`: every large allocation on huge pages) or `plain` (none
@@ -92,7 +94,7 @@ def measure(args) -> None:
     import numpy as np
     import torch
 
-    from streamwise.runtime.quant import huge_pages
+    from streamwise.runtime.quant import gguf_dequant, huge_pages
     from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, dequantize
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -113,6 +115,17 @@ def measure(args) -> None:
                 return fn()
             finally:
                 torch.set_num_threads(threads)
+
+        return run
+
+    def torch_kernels(fn):
+        """`fn` with the fused CPU kernels out of the way: the torch kernels' time beside them."""
+        def run():
+            fused, gguf_dequant._fused_cpu_module = gguf_dequant._fused_cpu_module, lambda: None
+            try:
+                return fn()
+            finally:
+                gguf_dequant._fused_cpu_module = fused
 
         return run
 
@@ -142,6 +155,8 @@ def measure(args) -> None:
                 fns["numpy"] = functools.partial(gguf.quants.dequantize, raw, qtype)
             if comfyui is not None and qtype in comfyui.dequantize_functions:
                 fns["comfyui"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32)
+            if gguf_dequant._fused_cpu(qtype, blocks) is not None:
+                fns["torch kernels"] = torch_kernels(fns["streamwise"])
             if threads > 1 and device.type == "cpu":
                 fns["1 thread"] = on_one_thread(fns["streamwise"])
             same = bit_exact(dequantize(blocks, qtype, shape).cpu(), gguf.quants.dequantize(raw, qtype), qtype)
@@ -204,11 +219,11 @@ def report(rows: list[dict], peer: str | None, header: str) -> str:
         config = [row for row in rows if configuration(row) == (device, allocator, threads)]
         title = f"allocator `{allocator}`, {threads} thread(s)" if device == "cpu" else f"device `{device}`"
         lines += [f"## {title}", "",
-                  "| type | scales | output alone | streamwise | numpy | x | comfyui | x | ceiling | 1 thread | x "
-                  "| bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| type | scales | output alone | streamwise | torch kernels | x | numpy | x | comfyui | x | ceiling "
+                  "| 1 thread | x | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in config:
             cells = [row["type"], row["scales"], ms(row["floor"]), ms(row["streamwise"])]
-            for peer_name in ("numpy", "comfyui", "1 thread"):
+            for peer_name in ("torch kernels", "numpy", "comfyui", "1 thread"):
                 if peer_name in row:
                     cells += [ms(row[peer_name]), f"{row[peer_name] / row['streamwise']:.1f}x"]
                 else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from types import ModuleType
 
 import gguf
 import gguf.quants as reference
@@ -88,10 +89,32 @@ def dequantize(
         stored = _reinterpret(blocks, STORED_FLOATS[qtype]).reshape(shape)
         return stored if stored.dtype == dtype else huge_pages.empty(shape, dtype, blocks.device).copy_(stored)
     values = huge_pages.empty((n_blocks, block_size), torch.float32, blocks.device)
-    kernel(blocks, values)
+    fused = _fused_cpu(qtype, blocks)
+    if fused is None:
+        kernel(blocks, values)
+    else:
+        fused.dequantize(qtype, blocks.detach().contiguous().numpy(), values.numpy(), _CPU_TABLES["f16"].numpy())
     if dtype == torch.float32:
         return values.view(shape)
     return huge_pages.empty(shape, dtype, blocks.device).copy_(values.view(shape))
+
+
+def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
+    """`gguf_fused_cpu`, where it expands these blocks: on the CPU, outside a compiled graph (which traces the torch
+    kernels), for the types it has, with numba installed and compiling (its kernels would run as Python without)."""
+    if torch.compiler.is_compiling() or not _on_cpu(blocks):
+        return None
+    fused = _fused_cpu_module()
+    return fused if fused is not None and qtype in fused.TYPES else None
+
+
+@functools.cache
+def _fused_cpu_module() -> ModuleType | None:
+    try:
+        from . import gguf_fused_cpu
+    except ImportError:  # numba, an optional dependency, absent or not built for this numpy
+        return None
+    return None if gguf_fused_cpu.numba.config.DISABLE_JIT else gguf_fused_cpu
 
 
 def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,10 +1,16 @@
-"""The torch GGML dequantizers against gguf's numpy reference: bit-exact float32 on every type gguf dequantizes.
+"""The GGML dequantizers against gguf's numpy reference: bit-exact float32 on every type gguf dequantizes.
 
 Bit-exact means the same float32 bits, compared as int32 so NaN payloads and signs count too: random
-blocks with finite scales, and fully random bytes (NaN, Inf, subnormal and negative-zero scales).
+blocks with finite scales, and fully random bytes (NaN, Inf, subnormal and negative-zero scales). On the CPU both
+paths are held to it: the torch kernels of every type, and numba's fused kernels of the types that have one.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import sys
 
 import gguf
 import numpy as np
@@ -33,6 +39,36 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 by_name = {"ids": lambda t: t.name}
 
 
+try:
+    from streamwise.runtime.quant import gguf_fused_cpu
+except ImportError:  # numba is in the test extra: test_numba_is_installed_for_the_tests says so
+    gguf_fused_cpu = None
+FUSED = gguf_fused_cpu.TYPES if gguf_fused_cpu is not None else frozenset()
+
+
+def on_each_cpu_path(qtypes) -> list:
+    """(qtype, path) for the torch kernels of every type, and for numba's fused kernel of each type that has one."""
+    return [pytest.param(qtype, path, id=f"{qtype.name}-{path}")
+            for qtype in qtypes for path in ("torch", "fused") if path == "torch" or qtype in FUSED]
+
+
+@pytest.fixture
+def take(monkeypatch):
+    """Makes `dequantize` on the CPU take the torch kernels, or the fused ones (and checks that they ran)."""
+    fused_calls: list[str] = []
+
+    def take(path: str) -> None:
+        if path == "torch":
+            monkeypatch.setattr(gguf_dequant, "_fused_cpu_module", lambda: None)
+            return
+        real = gguf_fused_cpu.dequantize
+        monkeypatch.setattr(gguf_fused_cpu, "dequantize", lambda *args: real(*args) or fused_calls.append("ran"))
+        fused_calls.append("expected")
+
+    yield take
+    assert "expected" not in fused_calls or "ran" in fused_calls, "the fused kernel never ran"
+
+
 def same_bits(result: torch.Tensor, expected: torch.Tensor) -> bool:
     return result.shape == expected.shape and torch.equal(result.view(torch.int32), expected.view(torch.int32))
 
@@ -50,9 +86,14 @@ def test_every_type_gguf_dequantizes_is_supported_and_nothing_else():
     assert set(DEQUANTIZERS) == set(SCALE_OFFSETS) == set(GGUF_TYPES) - set(FLOATS)
 
 
+def test_numba_is_installed_for_the_tests():
+    assert gguf_fused_cpu is not None, "numba (in the test extra) is needed to test the fused CPU kernels"
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
-def test_random_blocks_match_reference_bit_exactly(qtype, shape):
+@pytest.mark.parametrize(("qtype", "path"), on_each_cpu_path(SUPPORTED))
+def test_random_blocks_match_reference_bit_exactly(take, qtype, path, shape):
+    take(path)
     raw = random_bytes(qtype, shape)
     result = dequantize(torch.from_numpy(raw), qtype, shape)
     assert result.dtype == torch.float32 and result.shape == shape
@@ -64,23 +105,98 @@ def same_bits_and_nan_places(result: torch.Tensor, expected: torch.Tensor) -> bo
     return torch.equal(result.isnan(), nan) and same_bits(result.masked_fill(nan, 0), expected.masked_fill(nan, 0))
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
-def test_fully_random_bytes_match_reference_bit_for_bit(qtype):
+@pytest.mark.parametrize(("qtype", "path"), on_each_cpu_path(SUPPORTED))
+def test_fully_random_bytes_match_reference_bit_for_bit(take, qtype, path):
     """NaN and Inf scales, and subnormal ones: every NaN keeps the reference's sign and payload.
 
     Stored F16 values are NaN where the reference's are, but widened by torch's own conversion (fast),
     which quiets signalling NaNs; every other value is bit-exact.
     """
+    take(path)
     raw = random_bytes(qtype, (4, 512), seed=3, finite=False)
     result, expected = dequantize(torch.from_numpy(raw), qtype, (4, 512)), reference(raw, qtype, finite=False)
     assert (same_bits_and_nan_places if qtype == Q.F16 else same_bits)(result, expected)
 
 
-@pytest.mark.parametrize("qtype", QUANTIZABLE, **by_name)
-def test_quantized_data_matches_reference_bit_exactly(qtype):
+@pytest.mark.parametrize(("qtype", "path"), on_each_cpu_path(QUANTIZABLE))
+def test_quantized_data_matches_reference_bit_exactly(take, qtype, path):
+    take(path)
     data = np.random.default_rng(1).standard_normal((4, 256), dtype=np.float32)
     raw = gguf.quants.quantize(data, qtype)
     assert same_bits(dequantize(torch.from_numpy(raw), qtype, data.shape), reference(raw, qtype))
+
+
+needs_fused = pytest.mark.skipif(gguf_fused_cpu is None, reason="needs numba (test_numba_is_installed_for_the_tests)")
+
+
+@needs_fused
+def test_the_fused_kernels_split_a_large_tensor_over_torch_threads_and_leave_torch_its_thread_count():
+    """Ranges of blocks run on torch's own OpenMP workers, as many as torch uses, claimed as they go."""
+    raw = random_bytes(Q.Q4_K, (64, 16384), finite=False)  # 4096 blocks: room for two threads' ranges
+    expected = reference(raw, Q.Q4_K, finite=False)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            assert same_bits(dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384)), expected)
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_fused
+def test_the_fused_kernels_are_right_on_concurrent_threads():
+    raws = {qtype: random_bytes(qtype, (32, 16384), seed=5) for qtype in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS)}
+
+    def check(qtype):
+        blocks, expected = torch.from_numpy(raws[qtype]), reference(raws[qtype], qtype)
+        return all(same_bits(dequantize(blocks, qtype, (32, 16384)), expected) for _ in range(4))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(check, raws))
+
+
+def test_without_numba_the_torch_kernels_expand_every_type(monkeypatch):
+    """numba is optional: where it is missing (or not built for this numpy), the import fails and the torch kernels
+    serve every type, with the same bits."""
+    import streamwise.runtime.quant as quant
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    monkeypatch.delitem(sys.modules, "streamwise.runtime.quant.gguf_fused_cpu", raising=False)
+    monkeypatch.delattr(quant, "gguf_fused_cpu", raising=False)
+    gguf_dequant._fused_cpu_module.cache_clear()
+    try:
+        for qtype in FUSED or SCALE_OFFSETS:
+            raw = random_bytes(qtype, (4, 512), seed=3, finite=False)
+            assert same_bits(dequantize(torch.from_numpy(raw), qtype, (4, 512)), reference(raw, qtype, finite=False))
+        assert gguf_dequant._fused_cpu_module() is None
+    finally:
+        gguf_dequant._fused_cpu_module.cache_clear()
+
+
+def _dequantize_in_child(raw: np.ndarray, answer) -> None:
+    answer.send(dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384)).numpy())
+
+
+@needs_fused
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_process_forked_after_the_fused_kernels_ran_on_threads_can_still_dequantize():
+    """An OpenMP runtime's workers are not carried over a fork: the child runs the kernels on its one thread."""
+    raw = random_bytes(Q.Q4_K, (64, 16384))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384))  # the parent's threads started
+        context = multiprocessing.get_context("fork")
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_dequantize_in_child, args=(raw, send))
+        child.start()
+        result = receive.recv() if receive.poll(60) else None
+        child.join(60)
+    finally:
+        torch.set_num_threads(before)
+    assert child.exitcode == 0 and result is not None
+    assert same_bits(torch.from_numpy(result), reference(raw, Q.Q4_K))
 
 
 def test_flat_blocks_give_the_same_values():
@@ -90,9 +206,10 @@ def test_flat_blocks_give_the_same_values():
 
 
 @pytest.mark.parametrize("n_blocks", [1, 3], ids=lambda n: f"{n}-blocks")
-@pytest.mark.parametrize("qtype", SUPPORTED, **by_name)
-def test_blocks_at_an_odd_offset_or_stride_give_the_same_values(qtype, n_blocks):
+@pytest.mark.parametrize(("qtype", "path"), on_each_cpu_path(SUPPORTED))
+def test_blocks_at_an_odd_offset_or_stride_give_the_same_values(take, qtype, path, n_blocks):
     """Bytes sliced out of a larger buffer (a file map, a packed record): no alignment is promised."""
+    take(path)
     block_size, _ = gguf.GGML_QUANT_SIZES[qtype]
     shape = (n_blocks, block_size)
     raw = random_bytes(qtype, shape)

@@ -1,0 +1,59 @@
+"""Running a native task on torch's own OpenMP threads.
+
+A CPU kernel compiled outside torch (numba's) that ran on threads of its own would share the cores with torch's
+OpenMP workers, which spin for milliseconds after each torch op before they sleep: between torch ops such a kernel
+ran no faster on two threads than on one. Started through the `GOMP_parallel` entry point of the OpenMP runtime
+torch's CPU library links (found through that library, since a process may hold several runtimes: sentencepiece
+bundles its own), the task runs on those very workers instead. GNU's libgomp has the entry point, and LLVM's and
+Intel's runtimes export it for code GCC built; where torch has no OpenMP, or its runtime lacks it (MSVC's), and in a
+process forked from one whose workers ran (a runtime's threads are not carried over a fork), the task runs once, on
+the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+_TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_forked = False
+
+
+def run(task: int, data: int, threads: int) -> None:
+    """Call the native `void task(void *data)` at address `task` on `threads` of torch's OpenMP workers (the caller
+    among them) at once, or, where that cannot be, once on the calling thread: it must split its work among however
+    many calls it gets. The GIL is released meanwhile."""
+    parallel = _gomp_parallel() if threads > 1 and not _forked else None
+    if parallel is None:
+        _TASK(task)(data)
+    else:
+        parallel(task, data, threads, 0)
+
+
+@functools.cache
+def _gomp_parallel():
+    """`GOMP_parallel(fn, data, num_threads, flags)` of torch's OpenMP runtime, or None."""
+    if not torch.backends.openmp.is_available():
+        return None
+    libraries = sorted((Path(torch.__file__).parent / "lib").glob("*torch_cpu.*"))
+    try:
+        # a library already loaded is not loaded again: its symbols resolve through its own dependencies
+        parallel = ctypes.CDLL(str(libraries[0])).GOMP_parallel
+    except (IndexError, OSError, AttributeError):
+        return None
+    parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    parallel.restype = None
+    return parallel
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,57 @@
+"""Native tasks on torch's OpenMP workers: as many calls as threads asked for where torch's runtime allows it, one
+call on the calling thread otherwise (a single thread, a forked process)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+import torch
+
+numba = pytest.importorskip("numba", reason="numba (in the test extra) compiles the native task")
+from streamwise.runtime.quant import torch_openmp  # noqa: E402
+from streamwise.runtime.quant.gguf_fused_cpu import _fetch_add  # noqa: E402
+
+
+@numba.cfunc(numba.types.void(numba.types.voidptr))
+def _count_calls(data):
+    _fetch_add(numba.carray(data, (1,), dtype=np.int64).ctypes.data, 1)
+
+
+def calls(threads: int) -> int:
+    counter = np.zeros(1, np.int64)
+    torch_openmp.run(_count_calls.address, counter.ctypes.data, threads)
+    return int(counter[0])
+
+
+needs_openmp = pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch built without OpenMP")
+
+
+@needs_openmp
+def test_a_task_runs_once_per_thread_on_torch_workers():
+    assert torch_openmp._gomp_parallel() is not None, "torch's OpenMP runtime has no GOMP_parallel"
+    assert calls(3) == 3
+
+
+def test_a_task_on_one_thread_runs_once():
+    assert calls(1) == 1
+
+
+def _calls_in_child(answer) -> None:
+    answer.send(calls(2))
+
+
+@needs_openmp
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_forked_process_runs_a_task_once_on_its_own_thread():
+    """A runtime's workers are not carried over a fork: starting them in the child would hang it."""
+    assert calls(2) == 2  # the parent's workers started
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_calls_in_child, args=(send,))
+    child.start()
+    answer = receive.recv() if receive.poll(60) else None
+    child.join(60)
+    assert child.exitcode == 0 and answer == 1
