@@ -133,9 +133,11 @@ def load(
         checkpoint = open_checkpoint(path, dtype)
         mapped = None
         if checkpoint.kind == "gguf":  # imported for GGUF files alone, as `gguf_reader` is (readers.open_checkpoint)
+            from ..quant import gguf_dequant
             from .llama_cpp import Mapped, is_llama_cpp_layout
 
             mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
+            gguf_dequant.prepare(torch.device("cpu"))  # its CPU kernels' memory taken before the host budget is read
         checkpoint = mapped.checkpoint_view() if mapped is not None else under_model_keys(checkpoint, model)
         filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
         filling.collect()

@@ -124,4 +124,4 @@ class GGUF(QuantFormat):
     def prepare(self, device):
         from . import gguf_dequant
 
-        gguf_dequant.copy_tables(device)
+        gguf_dequant.prepare(device)

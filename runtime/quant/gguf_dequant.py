@@ -605,9 +605,14 @@ _CPU_TABLES = {name: torch.from_numpy(np.ascontiguousarray(source())) for name, 
 _DEVICE_TABLES: dict[tuple[str, torch.device], Tensor] = {}
 
 
-def copy_tables(device: torch.device) -> None:
-    """Every lookup table the kernels read on `device` (a few MB), copied once: a graph compiled there afterwards
-    reads them as inputs, where one copied while it is traced would break it."""
+def prepare(device: torch.device) -> None:
+    """What the kernels need on `device`, made once. Off the CPU every lookup table they read is copied there (a few
+    MB): a graph compiled there afterwards reads them as inputs, where one copied while it is traced would break it.
+    On the CPU the fused kernels are loaded (numba: 40 MiB, and compiling them the first time on a machine, 80 MiB
+    more while it lasts), so that a load holds that memory before it reads its host budget."""
+    if device.type == "cpu":
+        _fused_cpu_module()
+        return
     for name in _CPU_TABLES.keys() - _CPU_ONLY_TABLES:
         _device_table(name, device)
 

@@ -283,7 +283,7 @@ def test_cuda_kernels_compiled_by_inductor_have_no_graph_break_and_the_same_bits
     """Where a compiled model dequantizes on a GPU: with its tables on the device (a compiled region copies them
     first), no graph break, and inductor's fused kernels give the eager bits (a fused multiply-add would not)."""
     blocks = torch.from_numpy(random_bytes(qtype, (64, 256), seed=4)).cuda()
-    gguf_dequant.copy_tables(blocks.device)
+    gguf_dequant.prepare(blocks.device)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (64, 256)))(blocks)
     assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
