@@ -22,6 +22,7 @@ spin. The output is a fresh buffer on huge pages where the platform has them (se
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from types import ModuleType
@@ -37,6 +38,7 @@ from ..registry import Registry
 from . import huge_pages
 
 QType = gguf.GGMLQuantizationType
+_log = logging.getLogger("streamwise.quant")
 
 Kernel = Callable[[Tensor, Tensor], None]
 #: A kernel per GGML type: (n_blocks, type_size) uint8 blocks -> fills a (n_blocks, block_size) float32 output.
@@ -113,6 +115,9 @@ def _fused_cpu_module() -> ModuleType | None:
     try:
         from . import gguf_fused_cpu
     except ImportError:  # numba, an optional dependency, absent or not built for this numpy
+        return None
+    except Exception as exc:  # numba there, but its compiler failed: the torch kernels serve, and it is said once
+        _log.warning("GGUF's fused CPU kernels could not be built (%r); the torch kernels expand GGUF weights", exc)
         return None
     return None if gguf_fused_cpu.numba.config.DISABLE_JIT else gguf_fused_cpu
 
@@ -606,13 +611,12 @@ _DEVICE_TABLES: dict[tuple[str, torch.device], Tensor] = {}
 
 
 def prepare(device: torch.device) -> None:
-    """What the kernels need on `device`, made once. Off the CPU every lookup table they read is copied there (a few
-    MB): a graph compiled there afterwards reads them as inputs, where one copied while it is traced would break it.
-    On the CPU the fused kernels are loaded (numba: 40 MiB, and compiling them the first time on a machine, 80 MiB
-    more while it lasts), so that a load holds that memory before it reads its host budget."""
+    """What the kernels need on `device`, made once. Every lookup table they read is copied there (a few MB; on the
+    CPU nothing is copied): a graph compiled there afterwards reads them as inputs, where one copied while it is
+    traced would break it. On the CPU the fused kernels are loaded too (numba: 43 MiB, and compiling them the first
+    time on a machine, 80 MiB more while it lasts), so that a load holds that memory before it reads its host budget."""
     if device.type == "cpu":
         _fused_cpu_module()
-        return
     for name in _CPU_TABLES.keys() - _CPU_ONLY_TABLES:
         _device_table(name, device)
 

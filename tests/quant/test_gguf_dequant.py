@@ -174,6 +174,28 @@ def test_without_numba_the_torch_kernels_expand_every_type(monkeypatch):
         gguf_dequant._fused_cpu_module.cache_clear()
 
 
+@needs_fused
+def test_a_numba_that_cannot_build_the_kernels_leaves_the_torch_kernels_and_says_so(monkeypatch, caplog):
+    import numba
+
+    import streamwise.runtime.quant as quant
+
+    def failing(*args, **kwargs):
+        raise ValueError("LLVM could not compile it")
+
+    monkeypatch.setattr(numba, "cfunc", failing)
+    monkeypatch.delitem(sys.modules, "streamwise.runtime.quant.gguf_fused_cpu")
+    monkeypatch.delattr(quant, "gguf_fused_cpu")
+    gguf_dequant._fused_cpu_module.cache_clear()
+    try:
+        raw = random_bytes(Q.Q4_K, (4, 512), seed=3)
+        with caplog.at_level("WARNING", logger="streamwise.quant"):
+            assert same_bits(dequantize(torch.from_numpy(raw), Q.Q4_K, (4, 512)), reference(raw, Q.Q4_K))
+        assert "LLVM could not compile it" in caplog.text and "the torch kernels" in caplog.text
+    finally:
+        gguf_dequant._fused_cpu_module.cache_clear()
+
+
 def _dequantize_in_child(raw: np.ndarray, answer) -> None:
     answer.send(dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384)).numpy())
 
