@@ -7,9 +7,10 @@ Three ways to run the same loaded model's forward, interleaved round after round
   of that forward from it (a memo cleared before each forward, unbounded).
 Goal: `cached` no slower than `once per forward`. Models: an ALBERT (one shared layer applied at every depth: its
 residents are called 12 times per forward) and a Qwen2 (each resident called once per forward; more float bytes
-than the bound). Outputs of the three are checked equal. Run:
+than the bound). Outputs of the three are checked equal. GGUF weights expand with numba's fused CPU kernels where it is
+installed, with the torch kernels under `--torch-kernels`. Run:
 
-    python benchmarks/bench_dequant_cache.py [--out benchmarks/results/dequant_cache-DATE] [--runs 5]
+    python benchmarks/bench_dequant_cache.py [--out benchmarks/results/dequant_cache-DATE] [--runs 5] [--torch-kernels]
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", metavar="STEM", help="write STEM.md")
+    parser.add_argument("--torch-kernels", action="store_true",
+                        help="numba's fused CPU kernels off (as without the cpu-kernels extra): the torch kernels")
     args = parser.parse_args()
+    if args.torch_kernels:
+        sys.modules["numba"] = None  # its import fails: `gguf_dequant` keeps the torch kernels
     cached, oracle = dequant_cache.DEQUANT_CACHE, OncePerForward()
     modes = {"per call": dequant_cache.DequantCache(0), "cached": cached, "once per forward": oracle}
     lines = [f"# Per-call dequant against once per forward ({datetime.date.today()}, {os.cpu_count()} CPUs, torch "
