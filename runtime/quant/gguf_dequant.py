@@ -1,4 +1,4 @@
-"""Dequantization of raw GGML blocks with plain torch ops.
+"""Dequantization of raw GGML blocks with plain torch ops (and, on the CPU, numba's fused kernels where installed).
 
 GGUF weights are streamed to the compute device as their raw block bytes (a uint8 tensor, the
 smallest thing to move) and expanded there, right before use. Every kernel is vectorized over
@@ -17,6 +17,8 @@ slices, which torch runs slowly, in as few ops as they can: torch splits an op o
 thousand scales across its threads, and each split is a hand-off between them, which costs a
 scheduler slice (milliseconds) while another process holds a core and libgomp's waiting threads
 spin. The output is a fresh buffer on huge pages where the platform has them (see `huge_pages`).
+On the CPU the twelve common types expand in one pass instead where numba is installed (`gguf_fused_cpu`), with
+the same bits.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import gguf.quants as reference
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...errors import Error
 from ..registry import Registry
@@ -102,9 +105,10 @@ def dequantize(
 
 
 def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
-    """`gguf_fused_cpu`, where it expands these blocks: on the CPU, outside a compiled graph (which traces the torch
-    kernels), for the types it has, with numba installed and compiling (its kernels would run as Python without)."""
-    if torch.compiler.is_compiling() or not _on_cpu(blocks):
+    """`gguf_fused_cpu`, where it expands these blocks: on the CPU, outside a compiled graph and any other tracer (a
+    dispatch mode: they record the torch kernels' ops, where a native call would leave an empty buffer in the
+    trace), for the types it has, with numba installed and compiling (its kernels would run as Python without)."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or not _on_cpu(blocks):
         return None
     fused = _fused_cpu_module()
     return fused if fused is not None and qtype in fused.TYPES else None
@@ -114,9 +118,11 @@ def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
 def _fused_cpu_module() -> ModuleType | None:
     try:
         from . import gguf_fused_cpu
-    except ImportError:  # numba, an optional dependency, absent or not built for this numpy
-        return None
-    except Exception as exc:  # numba there, but its compiler failed: the torch kernels serve, and it is said once
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("numba", "llvmlite"):
+            raise
+        return None  # numba, an optional dependency, not installed: nothing to say
+    except Exception as exc:  # numba there but unusable (built for another numpy) or its compiler failed: said once
         _log.warning("GGUF's fused CPU kernels could not be built (%r); the torch kernels expand GGUF weights", exc)
         return None
     return None if gguf_fused_cpu.numba.config.DISABLE_JIT else gguf_fused_cpu

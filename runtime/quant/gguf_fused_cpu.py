@@ -246,27 +246,14 @@ def _iq4_xs(blocks, out, half):
                 out[b, 32 * k + run + i] = dl * np.float32(_IQ4_VALUES[byte >> 4])
 
 
-#: The types fused here: those ComfyUI users' files hold, where the torch kernels pass over the output most. The
-#: task calls each by its place in this table (its code), through a chain of branches in the same order: numba has
-#: no table of functions.
-_KERNELS = {
-    QType.Q8_0: _q8_0,
-    QType.Q4_0: _q4_0,
-    QType.Q4_1: _q4_1,
-    QType.Q5_0: _q5_0,
-    QType.Q5_1: _q5_1,
-    QType.Q2_K: _q2_k,
-    QType.Q3_K: _q3_k,
-    QType.Q4_K: _q4_k,
-    QType.Q5_K: _q5_k,
-    QType.Q6_K: _q6_k,
-    QType.IQ4_NL: _iq4_nl,
-    QType.IQ4_XS: _iq4_xs,
-}
-TYPES = frozenset(_KERNELS)
-_CODES = {qtype: code for code, qtype in enumerate(_KERNELS)}
-_TYPE_SIZES = tuple(gguf.GGML_QUANT_SIZES[qtype][1] for qtype in _KERNELS)
-_BLOCK_SIZES = tuple(gguf.GGML_QUANT_SIZES[qtype][0] for qtype in _KERNELS)
+#: The types fused here, by code: the task calls their kernels through a chain of branches in this order (numba has
+#: no table of functions). Those ComfyUI users' files hold, where the torch kernels pass over the output most.
+_TYPES_BY_CODE = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K,
+                  QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS)
+TYPES = frozenset(_TYPES_BY_CODE)
+_CODES = {qtype: code for code, qtype in enumerate(_TYPES_BY_CODE)}
+_TYPE_SIZES = tuple(gguf.GGML_QUANT_SIZES[qtype][1] for qtype in _TYPES_BY_CODE)
+_BLOCK_SIZES = tuple(gguf.GGML_QUANT_SIZES[qtype][0] for qtype in _TYPES_BY_CODE)
 
 
 @intrinsic
@@ -330,14 +317,21 @@ def _task(data):
         start = _fetch_add(counter, chunk)
 
 
-_TASK = _compiled_task(_task)
+_DEQUANTIZE = _compiled_task(_task)
 
 
 def dequantize(qtype: QType, blocks: np.ndarray, out: np.ndarray, half: np.ndarray) -> None:
     """Fill `out` (n_blocks, block_size) float32 from `blocks` (n_blocks, type_size) uint8, both C-contiguous, on as
-    many of torch's threads as it uses (fewer for a small tensor), each claiming ranges of blocks as it goes."""
+    many of torch's threads as it uses (fewer for a small tensor), each claiming ranges of blocks as it goes.
+    `half` is numpy's widening of every float16 (65536 float32). The native task trusts these shapes: checked here."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n = blocks.shape[0]
+    for array, dtype, shape in ((blocks, np.uint8, (n, type_size)), (out, np.float32, (n, block_size)),
+                                (half, np.float32, (1 << 16,))):
+        if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
+            raise ValueError(f"{qtype.name} dequant needs C-contiguous {np.dtype(dtype)} arrays of {shape}, got "
+                             f"{array.dtype} {array.shape}{'' if array.flags.c_contiguous else ' (strided)'}")
     threads = max(1, min(torch.get_num_threads(), n // _BLOCKS_PER_THREAD))
     chunk = max(_BLOCKS_PER_THREAD // 4, -(-n // (4 * threads)))
     call = np.array([blocks.ctypes.data, out.ctypes.data, half.ctypes.data, n, _CODES[qtype], chunk, 0], np.int64)
-    torch_openmp.run(_TASK.address, call.ctypes.data, threads)
+    torch_openmp.run(_DEQUANTIZE.address, call.ctypes.data, threads)

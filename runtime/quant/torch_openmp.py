@@ -5,9 +5,9 @@ OpenMP workers, which spin for milliseconds after each torch op before they slee
 ran no faster on two threads than on one. Started through the `GOMP_parallel` entry point of the OpenMP runtime
 torch's CPU library links (found through that library, since a process may hold several runtimes: sentencepiece
 bundles its own), the task runs on those very workers instead. GNU's libgomp has the entry point, and LLVM's and
-Intel's runtimes export it for code GCC built; where torch has no OpenMP, or its runtime lacks it (MSVC's), and in a
-process forked from one whose workers ran (a runtime's threads are not carried over a fork), the task runs once, on
-the calling thread.
+Intel's runtimes export it for code GCC built. Where torch has no OpenMP, where the entry point cannot be found (on
+Windows a DLL's symbols do not resolve through its dependencies), and in a forked process (a runtime's workers are
+not carried over a fork, and starting them there hangs), the task runs once, on the calling thread.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from pathlib import Path
 
 import torch
 
-_TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_TASK_SIGNATURE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _forked = False
 
 
@@ -29,7 +28,7 @@ def run(task: int, data: int, threads: int) -> None:
     many calls it gets. The GIL is released meanwhile."""
     parallel = _gomp_parallel() if threads > 1 and not _forked else None
     if parallel is None:
-        _TASK(task)(data)
+        _TASK_SIGNATURE(task)(data)
     else:
         parallel(task, data, threads, 0)
 
@@ -39,11 +38,11 @@ def _gomp_parallel():
     """`GOMP_parallel(fn, data, num_threads, flags)` of torch's OpenMP runtime, or None."""
     if not torch.backends.openmp.is_available():
         return None
-    libraries = sorted((Path(torch.__file__).parent / "lib").glob("*torch_cpu.*"))
     try:
-        # a library already loaded is not loaded again: its symbols resolve through its own dependencies
-        parallel = ctypes.CDLL(str(libraries[0])).GOMP_parallel
-    except (IndexError, OSError, AttributeError):
+        # torch's extension, already loaded, is not loaded again: a symbol resolves through its dependencies (on
+        # POSIX), down to the OpenMP runtime libtorch_cpu links, wherever the installation keeps it
+        parallel = ctypes.CDLL(torch._C.__file__).GOMP_parallel
+    except (OSError, AttributeError):
         return None
     parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
     parallel.restype = None

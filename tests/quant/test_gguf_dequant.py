@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, random_bytes
 
-from streamwise.runtime.quant import gguf_dequant
+from streamwise.runtime.quant import gguf_dequant, torch_openmp
 from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, UnsupportedQuantType, dequantize
 
 
@@ -130,10 +130,13 @@ needs_fused = pytest.mark.skipif(gguf_fused_cpu is None, reason="needs numba (te
 
 
 @needs_fused
-def test_the_fused_kernels_split_a_large_tensor_over_torch_threads_and_leave_torch_its_thread_count():
+def test_the_fused_kernels_split_a_large_tensor_over_torch_threads_and_leave_torch_its_thread_count(monkeypatch):
     """Ranges of blocks run on torch's own OpenMP workers, as many as torch uses, claimed as they go."""
     raw = random_bytes(Q.Q4_K, (64, 16384), finite=False)  # 4096 blocks: room for two threads' ranges
     expected = reference(raw, Q.Q4_K, finite=False)
+    asked, run = [], torch_openmp.run
+    monkeypatch.setattr(torch_openmp, "run", lambda task, data, threads: run(task, data, threads) or asked.append(
+        threads))
     before = torch.get_num_threads()
     try:
         for threads in (2, 1):
@@ -142,6 +145,30 @@ def test_the_fused_kernels_split_a_large_tensor_over_torch_threads_and_leave_tor
             assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+    assert asked == [2, 1]
+
+
+@needs_fused
+def test_the_fused_kernels_refuse_arrays_they_would_run_past():
+    """The native task trusts its descriptor: a wrong output or stride is refused before it runs."""
+    blocks = random_bytes(Q.Q8_0, (4, 256)).reshape(-1, 34)
+    half = gguf_dequant._CPU_TABLES["f16"].numpy()
+    for wrong_out in (np.empty((31, 32), np.float32), np.empty((32, 32), np.float64),
+                      np.empty((32, 64), np.float32)[:, ::2]):
+        with pytest.raises(ValueError, match="Q8_0 dequant needs C-contiguous"):
+            gguf_fused_cpu.dequantize(Q.Q8_0, blocks, wrong_out, half)
+    with pytest.raises(ValueError, match="strided"):
+        gguf_fused_cpu.dequantize(Q.Q8_0, np.repeat(blocks, 2, axis=0)[::2], np.empty((32, 32), np.float32), half)
+
+
+def test_a_tracer_records_the_torch_kernels():
+    """make_fx traces real tensors through a dispatch mode: a native call there would leave an empty buffer in the
+    graph, so the torch kernels run and the traced graph computes the values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    raw = random_bytes(Q.Q4_K, (4, 512), seed=3)
+    graph = make_fx(lambda b: dequantize(b, Q.Q4_K, (4, 512)))(torch.from_numpy(raw))
+    assert same_bits(graph(torch.from_numpy(raw)), reference(raw, Q.Q4_K))
 
 
 @needs_fused
@@ -197,6 +224,7 @@ def test_a_numba_that_cannot_build_the_kernels_leaves_the_torch_kernels_and_says
 
 
 def _dequantize_in_child(raw: np.ndarray, answer) -> None:
+    torch.set_num_threads(2)  # asks for torch's workers, whatever the machine
     answer.send(dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384)).numpy())
 
 
@@ -209,14 +237,17 @@ def test_a_process_forked_after_the_fused_kernels_ran_on_threads_can_still_dequa
     torch.set_num_threads(2)
     try:
         dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384))  # the parent's threads started
-        context = multiprocessing.get_context("fork")
-        receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_dequantize_in_child, args=(raw, send))
-        child.start()
-        result = receive.recv() if receive.poll(60) else None
-        child.join(60)
     finally:
         torch.set_num_threads(before)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_dequantize_in_child, args=(raw, send), daemon=True)
+    child.start()
+    try:
+        result = receive.recv() if receive.poll(60) else None
+        child.join(10)
+    finally:
+        child.kill()  # a hung child (the regression this catches) must not outlive the test
     assert child.exitcode == 0 and result is not None
     assert same_bits(torch.from_numpy(result), reference(raw, Q.Q4_K))
 

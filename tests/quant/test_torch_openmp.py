@@ -50,8 +50,11 @@ def test_a_forked_process_runs_a_task_once_on_its_own_thread():
     assert calls(2) == 2  # the parent's workers started
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_calls_in_child, args=(send,))
+    child = context.Process(target=_calls_in_child, args=(send,), daemon=True)
     child.start()
-    answer = receive.recv() if receive.poll(60) else None
-    child.join(60)
+    try:
+        answer = receive.recv() if receive.poll(60) else None
+        child.join(10)
+    finally:
+        child.kill()  # a hung child (the regression this catches) must not outlive the test
     assert child.exitcode == 0 and answer == 1
