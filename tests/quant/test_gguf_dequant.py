@@ -8,7 +8,6 @@ paths are held to it: the torch kernels of every type, and numba's fused kernels
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import os
 import sys
 
@@ -16,6 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from forked import in_forked_child
 from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, random_bytes
 
 from streamwise.runtime.quant import gguf_dequant, torch_openmp
@@ -223,9 +223,9 @@ def test_a_numba_that_cannot_build_the_kernels_leaves_the_torch_kernels_and_says
         gguf_dequant._fused_cpu_module.cache_clear()
 
 
-def _dequantize_in_child(raw: np.ndarray, answer) -> None:
+def _dequantize_in_child(raw: np.ndarray) -> np.ndarray:
     torch.set_num_threads(2)  # asks for torch's workers, whatever the machine
-    answer.send(dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384)).numpy())
+    return dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384)).numpy()
 
 
 @needs_fused
@@ -239,16 +239,8 @@ def test_a_process_forked_after_the_fused_kernels_ran_on_threads_can_still_dequa
         dequantize(torch.from_numpy(raw), Q.Q4_K, (64, 16384))  # the parent's threads started
     finally:
         torch.set_num_threads(before)
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_dequantize_in_child, args=(raw, send), daemon=True)
-    child.start()
-    try:
-        result = receive.recv() if receive.poll(60) else None
-        child.join(10)
-    finally:
-        child.kill()  # a hung child (the regression this catches) must not outlive the test
-    assert child.exitcode == 0 and result is not None
+    exitcode, result = in_forked_child(_dequantize_in_child, raw)
+    assert exitcode == 0 and result is not None
     assert same_bits(torch.from_numpy(result), reference(raw, Q.Q4_K))
 
 

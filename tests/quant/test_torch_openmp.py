@@ -3,12 +3,12 @@ call on the calling thread otherwise (a single thread, a forked process)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import numpy as np
 import pytest
 import torch
+from forked import in_forked_child
 
 numba = pytest.importorskip("numba", reason="numba (in the test extra) compiles the native task")
 from streamwise.runtime.quant import torch_openmp  # noqa: E402
@@ -39,22 +39,9 @@ def test_a_task_on_one_thread_runs_once():
     assert calls(1) == 1
 
 
-def _calls_in_child(answer) -> None:
-    answer.send(calls(2))
-
-
 @needs_openmp
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
 def test_a_forked_process_runs_a_task_once_on_its_own_thread():
     """A runtime's workers are not carried over a fork: starting them in the child would hang it."""
     assert calls(2) == 2  # the parent's workers started
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_calls_in_child, args=(send,), daemon=True)
-    child.start()
-    try:
-        answer = receive.recv() if receive.poll(60) else None
-        child.join(10)
-    finally:
-        child.kill()  # a hung child (the regression this catches) must not outlive the test
-    assert child.exitcode == 0 and answer == 1
+    assert in_forked_child(calls, 2) == (0, 1)
