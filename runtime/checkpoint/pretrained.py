@@ -4,7 +4,8 @@ The steps a user would otherwise wire by hand, in the order that keeps memory fl
 config beside the weights (`skeleton`: transformers' or diffusers'), or, for a GGUF with no config.json beside it,
 from the GGUF's own metadata (the files a Streamwise GGUF carries, `carried_files`; a llama.cpp file's description,
 `llama_cpp.gguf_config`), pick the policy by name or by its `[match]` table
-(`plan.auto`), and fill the skeleton from the file (`fill`).
+(`plan.auto`), and fill the skeleton from the file (`fill`). A model that generates gets the checkpoint's own
+generation settings (`generation_defaults`), as transformers' `from_pretrained` gives them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..build.model_spec import ModelSpecError, auto_model, refuse_remote_code
 from ..build.skeleton import built_skeleton, config_folder, model_type, skeleton
 from ..convert import applied_state
 from ..plan.auto import choose_policy
-from . import carried_files
+from . import carried_files, generation_defaults
 from .fill import LoadReport, load
 from .readers import Checkpoint, CheckpointError, open_checkpoint
 
@@ -80,20 +81,24 @@ def load_pretrained(
                 with carried_files.unpacked(_carried_model(checkpoint)) as carried:
                     model, built = built_skeleton(carried, dtype, model_class)
                     kind = model_type(carried)
+                    settings = _generation_settings(model, lambda: generation_defaults.from_folder(carried, _vocabulary(model)))
             else:
-                from .llama_cpp import gguf_config  # GGUF only, as `gguf_reader` (readers.open_checkpoint)
+                from .llama_cpp import gguf_config, gguf_metadata  # GGUF only, as `gguf_reader` (open_checkpoint)
 
                 config = gguf_config(checkpoint.path)  # a CheckpointError naming an architecture it cannot map
                 with skeleton():
                     model, built = auto_model(config, dtype, model_class)
                 model.eval()
                 kind = config.model_type
+                settings = _generation_settings(model, lambda: generation_defaults.from_llama_cpp(
+                    config, checkpoint.metadata, gguf_metadata(checkpoint.path)["tokenizer"].get("tokens")))
         except ModelSpecError as exc:  # the model the file's own metadata describes cannot be built: the file's fault
             raise CheckpointError([f"{checkpoint.path}: {exc}"]) from None
         source = checkpoint.path
     else:
         model, built = built_skeleton(folder, dtype, model_class)
         source, kind = str(folder), model_type(folder)
+        settings = _generation_settings(model, lambda: generation_defaults.from_folder(folder, _vocabulary(model)))
     choice = choose_policy(policy, model, model_type=kind, dirs=policy_dirs, skip_unreadable=skip_unreadable)
     policy, chosen = choice.policy, choice.reason
     _log.info("load_pretrained: %s: built %s; %s", path.name, built, chosen)
@@ -101,7 +106,22 @@ def load_pretrained(
                   max_memory=max_memory, file_tier=file_tier)
     report = replace(report, built=built)
     applied_state(model).source = source
+    if settings is not None:  # the checkpoint's own, where the model generates
+        model.generation_config = settings
     return Pretrained(model, report, chosen)
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    """The tokens a generating model has logits for (its text decoder's, in a vision-language model)."""
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "vocab_size", None)
+
+
+def _generation_settings(model: nn.Module, read: Callable[[], object]):
+    """The checkpoint's generation settings (`read()`, before anything is loaded: a broken file is said first) for a
+    model that generates, as transformers' `from_pretrained` gives them to one; None for any other model."""
+    can_generate = getattr(model, "can_generate", None)
+    return read() if callable(can_generate) and can_generate() else None
 
 
 def pipeline_component(path: Path, component: str | None) -> Path:

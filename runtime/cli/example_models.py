@@ -104,13 +104,14 @@ def tiny_text_model(vocab: int, eos: int):
 
 def write_llama_cpp_gguf(model, path: str | Path, tokenizer_parts: tuple[list[str], list[str], int],
                          qtype=None, transform: Callable | None = None, *, architecture=None,
-                         extra: dict | None = None) -> None:
+                         extra: dict | None = None, metadata: dict[str, int | str] | None = None) -> None:
     """Write a transformers decoder as llama.cpp's `convert_hf_to_gguf.py` does: its architecture's tensor names
     and metadata, matrices quantized to `qtype` (default Q8_0; the token embedding always Q8_0, as llama.cpp's
     presets keep it), 1-D tensors in F32, a tied head left out, and the tokenizer in the metadata. `transform(name,
     array, config)` is the converter's per-architecture change of a tensor (Llama's Q/K permutation), if any;
     `architecture` a `gguf.MODEL_ARCH` (default: the one named like the config's `model_type`); `extra` more tensors
-    to write as they are, by GGUF name."""
+    to write as they are, by GGUF name; `metadata` more keys (an integer as uint32, a string as itself), such as
+    `tokenizer.ggml.eot_token_id` or `tokenizer.chat_template`."""
     import gguf
     import numpy as np
 
@@ -144,6 +145,8 @@ def write_llama_cpp_gguf(model, path: str | Path, tokenizer_parts: tuple[list[st
     writer.add_bos_token_id(eos)
     writer.add_eos_token_id(eos)
     writer.add_pad_token_id(eos)
+    for key, value in (metadata or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_uint32)(key, value)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":

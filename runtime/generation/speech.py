@@ -1,7 +1,7 @@
 """Speech from a transformers VibeVoice model: a speaker script and reference voices in, one waveform out.
 
 What the prompt looks like is the checkpoint's business (its processor's chat template), as are its generation
-defaults (its generation_config.json, read here because a tree built from config.json alone never has them), so any
+defaults (`model.generation_config`: its generation_config.json, which `load_pretrained` gives the model), so any
 VibeVoice folder speaks the way its authors meant. Hosts add only what they own: a stopping criterion per token (a
 progress bar, an interrupt) and the device.
 """
@@ -9,15 +9,15 @@ progress bar, an interrupt) and the device.
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.util
 import math
 import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from .processors import load_processor
 
 MAX_SPEAKERS = 4  # what VibeVoice was trained for
 
@@ -92,35 +92,6 @@ def mono(voice: Voice, sample_rate: int):
     return samples
 
 
-def load_processor(folder: str | os.PathLike):
-    """The folder's VibeVoice processor, read once per version of its files: reading it costs as much as two frames
-    of a small model, and a host generates once per prompt."""
-    folder = Path(folder)
-    stamp = tuple((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-                  for entry in sorted(folder.iterdir()) if entry.is_file()) if folder.is_dir() else ()
-    return _processor(str(folder), stamp)
-
-
-@functools.lru_cache(maxsize=4)
-def _processor(folder: str, stamp: tuple):
-    import transformers
-
-    try:
-        return transformers.VibeVoiceProcessor.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"no VibeVoice processor (tokenizer, feature extractor, chat template) in {folder}: "
-                         f"{exc}") from None
-
-
-def generation_config(model, folder: str | os.PathLike):
-    """The checkpoint's generation_config.json (noise scheduler, limits), else the model's defaults."""
-    import transformers
-
-    if (Path(folder) / "generation_config.json").is_file():
-        return transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
-    return copy.deepcopy(model.generation_config)
-
-
 def generate_speech(
     model,
     folder: str | os.PathLike,
@@ -154,7 +125,7 @@ def generate_speech(
     inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
                                            sanitize_control_tokens=True)
     inputs = inputs.to(device or model.device, model.dtype)
-    config = generation_config(model, folder)
+    config = copy.deepcopy(model.generation_config)
     config.update(max_new_tokens=max_new_tokens, guidance_scale=cfg)
     torch.manual_seed(seed)  # the diffusion noise (and a voice's tokenizer sampling) draw from torch's generators
     with torch.no_grad():

@@ -9,9 +9,17 @@ import pytest
 import torch
 import transformers
 
-from streamwise.runtime.generation import PromptError, fit_prompt, generation_config, interrupt_at_blocks, new_tokens
+from streamwise.runtime.generation import (
+    PromptError,
+    Sampling,
+    fit_prompt,
+    generation_config,
+    interrupt_at_blocks,
+    new_tokens,
+)
 from streamwise.runtime.generation import text as text_module
-from streamwise.runtime.generation.text import CHARACTERS_PER_POSITION, DEFAULT_CONTEXT, prefill_chunk
+from streamwise.runtime.generation.prompts import CHARACTERS_PER_POSITION, DEFAULT_CONTEXT
+from streamwise.runtime.generation.text import prefill_chunk
 
 from helpers import tiny_llava, tiny_qwen2, tiny_t5, tiny_tokenizer
 
@@ -116,9 +124,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_giving_the_same_tokens_with_an_int
     torch.manual_seed(0)
     model = tiny_qwen2()
     ids = torch.randint(3, 120, (1, 30))
-    config = generation_config(model, 5, False, 0, prompt_length=ids.shape[1])
+    greedy = Sampling("greedy")
+    config = generation_config(model, 5, 0, greedy, prompt_length=ids.shape[1])
     assert config.prefill_chunk_size == 8
-    assert generation_config(model, 5, False, 0, prompt_length=8).prefill_chunk_size is None  # one chunk: whole
+    assert generation_config(model, 5, 0, greedy, prompt_length=8).prefill_chunk_size is None  # one chunk: whole
+    assert generation_config(model, 5, 0, greedy, ids.shape[1], image=True).prefill_chunk_size is None
     lengths = []
     model.register_forward_hook(lambda module, args, kwargs, output: lengths.append(kwargs["input_ids"].shape[1]),
                                 with_kwargs=True)  # forwards that ran to their end
