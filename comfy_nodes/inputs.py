@@ -1,8 +1,10 @@
-"""What the pack's generation nodes need of their MODEL input, checked before anything runs: a model they cannot
-drive is a message that says what it is and which node drives it, never an exception from inside a library."""
+"""What the pack's generation nodes need of their inputs, checked before anything runs: a MODEL they cannot drive is
+a message that says what it is and which node drives it, never an exception from inside a library; an IMAGE becomes
+the images a processor takes."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..runtime.convert import applied_state
@@ -26,3 +28,18 @@ def loaded_tree(model: object, task: Task) -> tuple[nn.Module, str]:
         raise ValueError(f"{node} cannot drive a {type(tree).__name__} (`{tree.config.model_type}`), which "
                          f"{'generates ' + found if found else 'generates neither text nor speech'}{instead}")
     return tree, state.source
+
+
+def pil_images(image) -> list:
+    """ComfyUI's IMAGE ([batch, height, width, channels], floats in 0..1) as the RGB images a processor takes, one
+    per image of the batch; none for no input. Values round to the nearest byte, so an image a LoadImage read from a
+    file comes back with that file's bytes."""
+    if image is None:
+        return []
+    from PIL import Image
+
+    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (1, 3, 4):
+        shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise ValueError(f"image: {shape}, where an IMAGE is [batch, height, width, channels] with 1, 3 or 4 channels")
+    pixels = image.detach().to("cpu", torch.float32).mul(255).round().clamp(0, 255).to(torch.uint8).numpy()
+    return [Image.fromarray(each[..., 0] if each.shape[-1] == 1 else each).convert("RGB") for each in pixels]

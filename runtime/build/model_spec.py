@@ -40,7 +40,34 @@ def read_config(folder: str | os.PathLike):
     try:
         return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers rejects bad fields with its own validation error types too
-        raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
+        code = _remote_config(folder)
+        if code is None:
+            raise ModelSpecError(f"cannot read {folder}/config.json: {exc}") from None
+        model_type, entry = code
+        native = NATIVE_CHECKPOINTS.get(model_type)
+        raise ModelSpecError(
+            f"{Path(folder) / 'config.json'}: written for the model's own code (`auto_map` maps `AutoConfig` to "
+            f"`{entry}`), a layout transformers' own `{model_type}` does not read ({str(exc).splitlines()[0][:200]}); "
+            "Streamwise never runs a folder's code: use the checkpoint converted to transformers' native layout"
+            + (f" ({native})" if native else "")) from None
+
+
+#: Where the checkpoints of a family first published with code of their own are, converted to transformers' layout.
+NATIVE_CHECKPOINTS = {
+    "florence2": "florence-community/Florence-2-base and -large, and their -ft fine-tunes",
+}
+
+
+def _remote_config(folder: str | os.PathLike) -> tuple[str, str] | None:
+    """(model_type, the code `auto_map` names for `AutoConfig`) where config.json maps it to the folder's code."""
+    import json
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        entry = _first(config["auto_map"]["AutoConfig"])
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
+        return None
+    return (str(config.get("model_type")), str(entry)) if entry else None
 
 
 def refuse_remote_code(folder: str | os.PathLike, name: str, entry: str) -> None:

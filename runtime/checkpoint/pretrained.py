@@ -81,7 +81,8 @@ def load_pretrained(
                 with carried_files.unpacked(_carried_model(checkpoint)) as carried:
                     model, built = built_skeleton(carried, dtype, model_class)
                     kind = model_type(carried)
-                    settings = _generation_settings(model, lambda: generation_defaults.from_folder(carried, _vocabulary(model)))
+                    settings = _generation_settings(
+                        model, lambda: generation_defaults.from_folder(carried, _vocabulary(model)))
             else:
                 from .llama_cpp import gguf_config, gguf_metadata  # GGUF only, as `gguf_reader` (open_checkpoint)
 

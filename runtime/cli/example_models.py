@@ -1,10 +1,14 @@
 """`streamwise example-models DIR`: the tiny models the shipped workflows name, written into a ComfyUI models folder.
 
-- `streamwise/tiny-qwen2`: a transformers Qwen2 folder as `save_pretrained` writes it, with its tokenizer;
+- `streamwise/tiny-qwen2`: a transformers Qwen2 folder as `save_pretrained` writes it, with its tokenizer, laid out as
+  an instruct checkpoint ships: ChatML turn tokens, Qwen2's chat template, and a generation_config.json that ends
+  generation at the end of a turn as well as at the end of text;
 - `LLM/tiny-qwen2.Q8_0.gguf`: the same model as llama.cpp's converter writes it (architecture `qwen2`, matrices in
-  Q8_0, the tokenizer in its metadata), loadable with no `config.json`;
+  Q8_0, the tokenizer and chat template in its metadata), loadable with no `config.json`;
 - `streamwise/tiny-vibevoice`: a transformers VibeVoice folder (model, processor with its chat template, generation
-  config), the layout the published checkpoints have.
+  config), the layout the published checkpoints have;
+- `streamwise/tiny-florence2`: a captioner, transformers' native Florence-2 with its processor (task prompts such as
+  `<CAPTION>`), as `save_pretrained` writes it.
 
 Weights are random from a fixed seed: the models run every node and workflow, fast, offline, and say nothing.
 The tokenizers are trained here on a few sentences, so nothing is downloaded.
@@ -22,6 +26,7 @@ import torch
 TEXT_FOLDER = "streamwise/tiny-qwen2"
 GGUF_FILE = "LLM/tiny-qwen2.Q8_0.gguf"
 SPEECH_FOLDER = "streamwise/tiny-vibevoice"
+CAPTION_FOLDER = "streamwise/tiny-florence2"
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, streaming weights", "a tiny model says hi",
           "a cat sat on the mat"]
 TEXT_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -44,34 +49,45 @@ VIBEVOICE_TEMPLATE = (
     "{%- endfor -%}{%- endfor -%}"
     "{{- ' Speech output:\\n<|vision_start|>' -}}"
 )
+TURN_TOKENS = ("<|im_start|>", "<|im_end|>")
+"""ChatML's turn markers, which Qwen2's chat template writes around each message."""
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""Qwen2-Instruct's chat template, as its tokenizer_config.json ships it."""
 AUDIBLE = 3e3
 """How much the tiny VibeVoice's last decoder layer is scaled: its noise then peaks near 0.3, well within a 16-bit
 FLAC (at init it is near 1e-5)."""
 
 
 def write_example_models(models: str | Path) -> list[Path]:
-    """Write the three example models under `models` (a ComfyUI `models` folder); returns what was written."""
+    """Write the example models under `models` (a ComfyUI `models` folder); returns what was written."""
     models = Path(models)
-    tokens, merges, eos = bpe_tokenizer_parts()
+    tokens, merges, eos = bpe_tokenizer_parts(TURN_TOKENS)
     text = tiny_text_model(len(tokens), eos)
+    text.generation_config.eos_token_id = [eos, tokens.index("<|im_end|>")]  # as Qwen2-Instruct's lists them
     folder = models / TEXT_FOLDER
     text.save_pretrained(folder)
-    fast_tokenizer(tokens, merges, eos).save_pretrained(folder)
+    fast_tokenizer(tokens, merges, eos, CHAT_TEMPLATE).save_pretrained(folder)
     gguf_path = models / GGUF_FILE
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
-    write_llama_cpp_gguf(text, gguf_path, (tokens, merges, eos))
-    return [folder, gguf_path, tiny_vibevoice_folder(models / SPEECH_FOLDER)]
+    write_llama_cpp_gguf(text, gguf_path, (tokens, merges, eos), metadata={"tokenizer.chat_template": CHAT_TEMPLATE})
+    return [folder, gguf_path, tiny_vibevoice_folder(models / SPEECH_FOLDER),
+            tiny_florence2_folder(models / CAPTION_FOLDER)]
 
 
-def bpe_tokenizer_parts() -> tuple[list[str], list[str], int]:
+def bpe_tokenizer_parts(specials: tuple[str, ...] = ()) -> tuple[list[str], list[str], int]:
     """A byte-level BPE trained here (offline), as llama.cpp's `gpt2` tokenizer metadata holds one: tokens by id,
-    merges, and the id of its one control token (end of text)."""
+    merges, and the id of its end-of-text control token; `specials` are more control tokens, after it."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
+                                  special_tokens=["<|endoftext|>", *specials], show_progress=False)
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     model = json.loads(tokenizer.to_str())["model"]
     tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
@@ -79,8 +95,9 @@ def bpe_tokenizer_parts() -> tuple[list[str], list[str], int]:
     return tokens, merges, tokens.index("<|endoftext|>")
 
 
-def fast_tokenizer(tokens: list[str], merges: list[str], eos: int):
-    """The transformers tokenizer of those parts (what a model folder's `tokenizer.json` holds)."""
+def fast_tokenizer(tokens: list[str], merges: list[str], eos: int, chat_template: str | None = None):
+    """The transformers tokenizer of those parts (what a model folder's `tokenizer.json` holds), the control tokens
+    (`<|...|>`) special, with `chat_template` where given."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -89,7 +106,15 @@ def fast_tokenizer(tokens: list[str], merges: list[str], eos: int):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     end = tokens[eos]
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=end, pad_token=end, bos_token=end)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=end, pad_token=end, bos_token=end,
+        additional_special_tokens=[token for token in tokens if _is_control(token) and token != end])
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _is_control(token: str) -> bool:
+    return token.startswith("<|") and token.endswith("|>")
 
 
 def tiny_text_model(vocab: int, eos: int):
@@ -140,7 +165,7 @@ def write_llama_cpp_gguf(model, path: str | Path, tokenizer_parts: tuple[list[st
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i == eos else 1 for i in range(len(tokens))])
+    writer.add_token_types([3 if _is_control(token) else 1 for token in tokens])
     writer.add_token_merges(merges)
     writer.add_bos_token_id(eos)
     writer.add_eos_token_id(eos)
@@ -215,4 +240,71 @@ def tiny_vibevoice_folder(folder: str | Path) -> Path:
     model.generation_config.suppress_tokens = [model.config.eos_token_id, model.config.audio_bos_token_id,
                                                model.config.audio_eos_token_id]
     model.save_pretrained(folder)
+    return folder
+
+
+def special_tokenizer(specials: list[str], padding_side: str = "left", **roles: str):
+    """The house byte-level BPE with `specials` added after its 320 entries, in order (so their ids are fixed);
+    `roles` names some of them: `bos_token`, `eos_token`, `pad_token`, and model-specific ones (`image_token`...),
+    which become attributes with an `_id` as the published tokenizer configs declare them. Specials that are no
+    standard role are extra special tokens: skipped when decoding with `skip_special_tokens`. Padding is on the left
+    for a decoder, so that a batch of prompts generates as each alone does (an encoder's goes right)."""
+    import transformers
+    from tokenizers import AddedToken
+
+    tokens, merges, eos = bpe_tokenizer_parts()
+    bpe = fast_tokenizer(tokens, merges, eos).backend_tokenizer
+    bpe.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    standard = {role: token for role, token in roles.items() if role in ("bos_token", "eos_token", "pad_token")}
+    extra = [token for token in specials if token not in standard.values()]
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, extra_special_tokens=extra,
+                                                padding_side=padding_side, **roles)
+
+
+def spread_weights(language_model, std: float = 0.4) -> None:
+    """Re-draw a tied-embedding decoder's matrices and embeddings at `std`: at the init's 0.02 the tied embedding
+    outweighs the layers, so the random model repeats its last input token (PaliGemma's newline, Florence-2's
+    end of text, which ends generation at once), and greedy runs would compare nothing."""
+    with torch.no_grad():
+        for parameter in language_model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, std)
+
+
+def token_ids(tokenizer, **roles: str) -> dict[str, int]:
+    """Config entries (`image_token_id=...`) holding the ids of the tokenizer's tokens (`"<image>"`)."""
+    return {key: tokenizer.convert_tokens_to_ids(token) for key, token in roles.items()}
+
+
+def tiny_florence2_folder(folder: str | Path) -> Path:
+    """Florence-2 (transformers' own `Florence2ForConditionalGeneration`, no remote code: a DaViT tower, a BART
+    encoder-decoder; `Florence2Processor`): 32x32 images through two DaViT stages (strides 4, 2) give 4x4 features
+    and their mean, 17 image tokens."""
+    import transformers as T
+
+    tokenizer = special_tokenizer(["<s>", "<pad>", "</s>", "<unk>", "<image>"], padding_side="right",
+                                  bos_token="<s>", eos_token="</s>", pad_token="<pad>", image_token="<image>")
+    roles = token_ids(tokenizer, bos_token_id="<s>", eos_token_id="</s>", pad_token_id="<pad>")
+    text = dict(model_type="bart", vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
+                encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                max_position_embeddings=256, decoder_start_token_id=roles["eos_token_id"],
+                forced_eos_token_id=roles["eos_token_id"], **roles)
+    vision = dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
+                  patch_prenorm=[False, True], embed_dim=[16, 32], num_heads=[1, 2], num_groups=[1, 2],
+                  window_size=4, projection_dim=32, drop_path_rate=0.0)
+    config = T.Florence2Config(text_config=text, vision_config=vision,
+                               **token_ids(tokenizer, image_token_id="<image>"))
+    torch.manual_seed(0)
+    model = T.Florence2ForConditionalGeneration(config)
+    spread_weights(model.model.language_model)
+    images = T.CLIPImageProcessor(size={"height": 32, "width": 32}, crop_size={"height": 32, "width": 32},
+                                  do_center_crop=False, image_seq_length=17)
+    return save_with_processor(folder, model, T.Florence2Processor(image_processor=images, tokenizer=tokenizer))
+
+
+def save_with_processor(folder: str | Path, model, processor) -> Path:
+    """The model and its processor, each by its own `save_pretrained`."""
+    folder = Path(folder)
+    model.eval().save_pretrained(folder)
+    processor.save_pretrained(folder)
     return folder

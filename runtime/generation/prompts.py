@@ -140,47 +140,58 @@ def prompts(model, tokenizer, prompt: str, max_new_tokens: int, *, system: str =
     if images and not takes_images(model):
         raise PromptError(f"image: {type(model).__name__} (`{model.config.model_type}`) is a text-only model and "
                           "takes no image; disconnect the image, or load a vision-language model")
-    framer = processor if images else tokenizer
-    template = chat and getattr(framer, "chat_template", None) is not None
-    if system and not template:
+    template = _chat_template(tokenizer, processor if images else None) if chat else None
+    if system and template is None:
         why = "chat is off" if not chat else "the model has no chat template"
         raise PromptError(f"system: {why}, so there is no system turn to put it in; leave it empty, or use a chat "
                           "model with chat on")
     plain = "chat is on, but the model has no chat template: the prompt is continued as it is" \
-        if chat and not template else None
+        if chat and template is None else None
     fitted = []
     for image in images or [None]:
-        inputs = _encoded(model, framer, prompt, system, image, template)
+        inputs = _encoded(model, tokenizer, processor, prompt, system, image, template)
         room, clipped = fit_ids(inputs["input_ids"], model, context, max_new_tokens)
-        fitted.append(Prompt(inputs, room, "; ".join(note for note in (plain, clipped) if note) or None, template,
-                             image is not None))
+        fitted.append(Prompt(inputs, room, "; ".join(note for note in (plain, clipped) if note) or None,
+                             template is not None, image is not None))
     return fitted
 
 
-def _encoded(model, framer, prompt: str, system: str, image, template: bool) -> dict[str, torch.Tensor]:
-    """The inputs of one prompt (and image) as transformers' own calls make them: `apply_chat_template` of the
-    tokenizer or processor, else the tokenizer or processor on the raw text."""
-    try:
-        if template:
-            messages = ([{"role": "system", "content": _content(model, system)}] if system else []) + [
-                {"role": "user", "content": _content(model, prompt, image)}]
-            encoded = framer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True, return_tensors="pt")
-        elif image is None:
-            encoded = framer(prompt, return_tensors="pt")
-        else:
-            encoded = framer(images=[image], text=prompt, return_tensors="pt")
-    except ValueError as exc:  # the processor's own check: e.g. a raw prompt without the model's image token
+def _chat_template(tokenizer, processor) -> str | None:
+    """The chat template a prompt is framed by: the processor's where an image goes through it, else the
+    tokenizer's; None where there is none."""
+    found = getattr(processor, "chat_template", None) if processor is not None else None
+    return found or getattr(tokenizer, "chat_template", None)
+
+
+def _encoded(model, tokenizer, processor, prompt: str, system: str, image, template: str | None) -> dict:
+    """The inputs of one prompt (and image) as transformers' own calls make them: the tokenizer's
+    `apply_chat_template`, or the processor's (rendered by the tokenizer: SmolVLM's own needs a video processor,
+    `processors`), else the tokenizer or processor on the raw text."""
+    if template is not None:
+        messages = ([{"role": "system", "content": _content(model, system)}] if system else []) + [
+            {"role": "user", "content": _content(model, prompt, image is not None)}]
         if image is None:
-            raise
+            return dict(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True, return_tensors="pt"))
+        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)
+        # as the processor's own apply_chat_template: a rendered BOS is not added again
+        starts = tokenizer.bos_token is not None and text.startswith(tokenizer.bos_token)
+        extra = {"add_special_tokens": False} if starts else {}
+    elif image is None:
+        return dict(tokenizer(prompt, return_tensors="pt"))
+    else:
+        text, extra = prompt, {}
+    try:
+        return dict(processor(images=[[image]], text=[text], return_tensors="pt", **extra))
+    except ValueError as exc:  # the processor's own check: e.g. a raw prompt without the model's image token
         raise PromptError(f"image: the model's processor refuses the prompt with its image ({exc}); with chat off "
                           "the prompt must hold the model's image token where the image goes") from None
-    return dict(encoded)
 
 
-def _content(model, text: str, image=None) -> str | list[dict]:
+def _content(model, text: str, image: bool = False) -> str | list[dict]:
     """A turn's content: plain text for a text model; a vision-language model's templates take a list of typed
     items (the image first, as their own examples put it)."""
     if not takes_images(model):
         return text
-    return ([{"type": "image", "image": image}] if image is not None else []) + [{"type": "text", "text": text}]
+    return [{"type": "image"}] * image + [{"type": "text", "text": text}]

@@ -24,6 +24,7 @@ from ...schemas.patterns import compile_glob, glob_matches
 from ..policy.diagnostics import Diagnostic, PolicyError
 from ..policy.folders import list_policies, policy_dirs
 from ..policy.load import as_policy, check_policy
+from ..policy.source import display_path
 from ..sizes import human
 from .plan import Plan
 from .resolve import resolve_with_modules
@@ -45,7 +46,8 @@ class Choice:
     resolved: tuple[Plan, list[nn.Module]] | None = field(default=None, repr=False)
     """The fitting plan and the module of each of its entries: the caller applies it without resolving again."""
     skipped: tuple[str, ...] = ()
-    """Policy files `auto` could not read and was told to skip (`skip_unreadable`), by path."""
+    """Policy files `auto` could not read and was told to skip (`skip_unreadable`), by path as diagnostics show one
+    (`display_path`)."""
 
 
 def plan_for(
@@ -139,14 +141,14 @@ def _candidates(
     dirs: Iterable[str | os.PathLike],
 ) -> tuple[dict[str, list[tuple[Policy, str]]], dict[str, list[Diagnostic]]]:
     """Every policy whose `[match]` recognizes the tree, by its strongest way of recognizing it (`STRENGTHS`), with
-    how; and the diagnostics of every policy file that cannot be read, by path."""
+    how; and the diagnostics of every policy file that cannot be read, by path as they show it."""
     short, qualified = root.name, root.qualname
     ranked: dict[str, list[tuple[Policy, str]]] = {}
     unreadable: dict[str, list[Diagnostic]] = {}
     for path in list_policies(policy_dirs(dirs)).values():
         policy, diagnostics = check_policy(path, dirs=dirs)
         if policy is None:
-            unreadable[str(path)] = diagnostics
+            unreadable[display_path(path)] = diagnostics  # as its diagnostics name it
             continue
         match = policy.match
         if match.state_dict_keys and keys is None:

@@ -187,6 +187,20 @@ def test_a_policy_file_that_does_not_load_fails_auto_naming_it_unless_skipped_an
     assert chosen.reason.endswith(f"; skipped unreadable {broken}")
 
 
+def test_an_unreadable_policy_is_named_alike_in_every_line_of_the_message(tmp_path, monkeypatch):
+    """Inside the working folder its diagnostics name it relative to it; the refusal and the skip say the same."""
+    folder = tmp_path / "user" / "policies"
+    folder.mkdir(parents=True)
+    write_policy(folder, "aaa-broken", "\n[match]\nfallback = 1\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PolicyError) as raised:
+        select_policy(Named("toy"), dirs=[folder])
+    shown = "user/policies/aaa-broken.toml"
+    assert f"--> {shown}:" in str(raised.value) and str(raised.value).count(shown) == 2
+    assert str(tmp_path) not in str(raised.value)
+    assert select_policy(Named("toy"), dirs=[folder], skip_unreadable=True).skipped == (shown,)
+
+
 def test_choose_policy_selects_for_auto_and_loads_anything_else():
     import streamwise
     from streamwise.runtime.plan.auto import choose_policy, plan_for
