@@ -112,3 +112,13 @@ def load_custom_node(nodes, path: Path) -> bool:
     """ComfyUI's own loader (async in current cores)."""
     result = nodes.load_custom_node(str(path))
     return asyncio.run(result) if inspect.isawaitable(result) else result
+
+
+def generate_text(mappings: dict, model, prompt: str, tokens: int, *, seed: int = 0, sampling: str = "greedy",
+                  **inputs):
+    """Streamwise Generate Text (from core's `NODE_CLASS_MAPPINGS`) run as a workflow runs it, its inputs by name:
+    chat off (the prompt continued as it is) and greedy, unless `inputs` say otherwise."""
+    given = dict(system="", chat=False, temperature=0.7, top_p=0.9, top_k=50)
+    given.update(inputs)
+    return mappings["StreamwiseGenerateText"].execute(model, prompt=prompt, max_new_tokens=tokens, seed=seed,
+                                                      sampling=sampling, **given)

@@ -10,6 +10,7 @@ generation settings (`generation_defaults`), as transformers' `from_pretrained` 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from ..build.skeleton import built_skeleton, config_folder, model_type, skeleton
 from ..convert import applied_state
 from ..plan.auto import choose_policy
 from . import carried_files, generation_defaults
+from .discover import model_identity
 from .fill import LoadReport, load
 from .readers import Checkpoint, CheckpointError, open_checkpoint
 
@@ -165,7 +167,14 @@ def _carried_model(checkpoint: Checkpoint) -> dict[str, bytes]:
 def load_tokenizer(source: str | os.PathLike):
     """The tokenizer of a tree's recorded `source`: a model folder's own files; for a `.gguf`, the tokenizer files it
     carries (a Streamwise GGUF), else the one in its llama.cpp metadata (transformers rebuilds it:
-    `AutoTokenizer.from_pretrained(folder, gguf_file=...)`)."""
+    `AutoTokenizer.from_pretrained(folder, gguf_file=...)`). Read once per version of its files (`model_identity`):
+    rebuilding a 150k-token vocabulary from GGUF metadata takes about 20 s, and a host tokenizes once per prompt."""
+    source = Path(source)
+    return _tokenizer(str(source), model_identity(source))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(source: str, identity: tuple):
     import transformers
 
     source = Path(source)

@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from ..checkpoint.discover import model_identity
+
 #: The files a processor's class is named in; one mapping it to the folder's own code is refused.
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _NAMED_IN = (*PROCESSOR_FILES, "tokenizer_config.json")
@@ -24,13 +26,11 @@ _MAX_CONFIG = 16 * 2**20
 def load_processor(folder: str | os.PathLike):
     """The processor of the model folder `folder`; a ValueError saying what is missing where it has none."""
     folder = Path(folder)
-    stamp = tuple((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-                  for entry in sorted(folder.iterdir()) if entry.is_file()) if folder.is_dir() else ()
-    return _processor(str(folder), stamp)
+    return _processor(str(folder), model_identity(folder) if folder.is_dir() else ())
 
 
 @functools.lru_cache(maxsize=4)
-def _processor(folder: str, stamp: tuple):
+def _processor(folder: str, identity: tuple):
     import transformers
 
     from ..build.model_spec import refuse_remote_code

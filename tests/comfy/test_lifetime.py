@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from comfy_harness import load_custom_node
+from comfy_harness import generate_text, load_custom_node
 from helpers import REPO, tiny_qwen2
 
 CPU = torch.device("cpu")
@@ -52,7 +52,7 @@ def through_the_loader(mappings, compiled: bool) -> list:
     outputs = [patcher]
     if compiled:
         outputs += mappings["INT8LazyTorchCompile"].execute(patcher, True, **COMPILE).args
-    (text,) = mappings["StreamwiseGenerateText"].execute(outputs[-1], "a cat sat", 4, 0, False, 0.7, 0.9, 50).args
+    ((text,),) = generate_text(mappings, outputs[-1], "a cat sat", 4).args
     assert text
     return outputs
 

@@ -12,10 +12,10 @@ import torch
 import streamwise
 from streamwise.runtime.convert import applied_state
 from streamwise.runtime.engine import file_tier, protocol
-from streamwise.runtime.generation import generation_config
+from streamwise.runtime.generation import Sampling, generation_config
 from streamwise.schemas import Policy
 
-from comfy_harness import load_custom_node
+from comfy_harness import generate_text, load_custom_node
 from helpers import REPO, tiny_llava, tiny_qwen2, tiny_t5, tiny_tokenizer, write_policy
 
 COMPILE = dict(backend="aot_eager", fullgraph=False, mode="default", dynamic_shape_tracing=False,
@@ -81,8 +81,9 @@ def run_workflow(mappings, workflow: dict) -> dict:
 def test_the_generate_text_workflow(nodes):
     mappings, root = nodes
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_generate_text.json").read_text())
+    workflow["2"]["inputs"]["system"] = ""  # this tiny-qwen2's tokenizer has no chat template (the example's has)
     outputs = run_workflow(mappings, workflow)
-    (text,) = outputs["2"].args
+    ((text,),) = outputs["2"].args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
 
 
@@ -119,8 +120,7 @@ def test_a_compiled_model_generates_text(nodes):
     workflow = json.loads((REPO / "examples" / "workflows" / "streamwise_compile.json").read_text())
     workflow["2"]["inputs"]["backend"] = "aot_eager"
     compiled = run_workflow(mappings, workflow)["2"][0]
-    generate = mappings["StreamwiseGenerateText"].execute
-    (text,) = generate(compiled, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50).args
+    ((text,),) = generate_text(mappings, compiled, "a cat sat on the mat", 8).args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
     assert streamwise.compile_stats(compiled).graphs >= 1 and streamwise.compile_stats(compiled).fallbacks == []
 
@@ -205,10 +205,10 @@ def test_gguf_files_load_through_the_loader(nodes, tmp_path):
     loader = mappings["StreamwiseModelLoader"]
     patcher, report = loader.execute("streamwise/tiny-qwen2-gguf", "decoder-llm", "auto").args
     assert "model.gguf" in report
-    (text,) = mappings["StreamwiseGenerateText"].execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args
+    ((text,),) = generate_text(mappings, patcher, "a cat", 4).args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)  # Q8_0 keeps greedy decoding here
     with pytest.raises(ValueError, match="^prompt: tokenizes to no tokens"):
-        mappings["StreamwiseGenerateText"].execute(patcher, "", 4, 0, False, 0.7, 0.9, 50)  # the node's default
+        generate_text(mappings, patcher, "", 4)  # the node's default
 
 
 def test_a_loose_gguf_streamwise_wrote_is_listed_and_generates_alone(nodes):
@@ -223,7 +223,7 @@ def test_a_loose_gguf_streamwise_wrote_is_listed_and_generates_alone(nodes):
     patcher, report = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2.Q8_0.gguf", "auto",
                                                                 "auto").args
     assert "tiny-qwen2.Q8_0.gguf" in report
-    (text,) = mappings["StreamwiseGenerateText"].execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args
+    ((text,),) = generate_text(mappings, patcher, "a cat", 4).args
     assert text and text == reference_text(root / "tiny-qwen2", "a cat", 4)
 
 
@@ -452,19 +452,27 @@ def test_generate_text_is_an_output_node_with_tooltips(nodes):
     cls = mappings["StreamwiseGenerateText"]
     assert cls.OUTPUT_NODE is True and list(cls.RETURN_NAMES) == ["text"]
     inputs = cls.INPUT_TYPES()["required"]
-    assert list(inputs) == ["model", "prompt", "max_new_tokens", "seed", "do_sample", "temperature", "top_p", "top_k"]
-    assert all(spec[1].get("tooltip") for spec in inputs.values())
+    assert list(inputs) == ["model", "prompt", "system", "chat", "max_new_tokens", "seed", "sampling", "temperature",
+                            "top_p", "top_k"]
+    assert list(cls.INPUT_TYPES()["optional"]) == ["image"] and list(cls.OUTPUT_IS_LIST) == [True]
+    assert inputs["sampling"][1]["options"] == ["model default", "greedy", "custom"]
+    assert inputs["sampling"][1]["default"] == "model default" and inputs["chat"][1]["default"] is True
+    assert all(spec[1].get("tooltip") for spec in [*inputs.values(), *cls.INPUT_TYPES()["optional"].values()])
     patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
-    out = cls.execute(patcher, "a cat sat on the mat", 8, 0, False, 0.7, 0.9, 50)
-    assert out.ui.as_dict() == {"text": out.args}
-    assert out.args == (reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8),)
+    out = generate_text(mappings, patcher, "a cat sat on the mat", 8)
+    assert out.ui.as_dict() == {"text": tuple(out.args[0])}
+    assert out.args == ([reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)],)
+    chat = generate_text(mappings, patcher, "a cat sat on the mat", 8, chat=True, sampling="model default")
+    assert chat.args == out.args  # tiny_tokenizer has no chat template: continued as it is, greedy by its config
+    assert chat.ui.as_dict()["text"][0].endswith("(note: chat is on, but the model has no chat template: the prompt "
+                                                 "is continued as it is)")
 
 
 def test_generate_text_moves_the_progress_bar_once_per_token(nodes, monkeypatch):
     mappings, root = nodes
     patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     bars = recording_progress_bar(monkeypatch)
-    (text,) = mappings["StreamwiseGenerateText"].execute(patcher, "a cat", 12, 0, False, 0.7, 0.9, 50).args
+    ((text,),) = generate_text(mappings, patcher, "a cat", 12).args
     (bar,) = bars
     assert bar.total == 12 and bar.values == list(range(1, 13))  # the tiny model has no end-of-text: all 12 tokens
     assert text == reference_text(root / "tiny-qwen2", "a cat", 12)
@@ -478,16 +486,15 @@ def test_generate_text_stops_within_a_token_of_an_interrupt(nodes, monkeypatch):
     after = 3
     bars = recording_progress_bar(
         monkeypatch, lambda value: value == after and comfy.model_management.interrupt_current_processing(True))
-    node = mappings["StreamwiseGenerateText"]
     try:
         with pytest.raises(comfy.model_management.InterruptProcessingException):
-            node.execute(patcher, "a cat", 500, 0, False, 0.7, 0.9, 50)
+            generate_text(mappings, patcher, "a cat", 500)
         assert not comfy.model_management.processing_interrupted()  # raised the way ComfyUI's own check does
     finally:
         comfy.model_management.interrupt_current_processing(False)
     assert after <= len(bars[0].values) < after + 3
     monkeypatch.undo()
-    (text,) = node.execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50).args  # the model is still usable
+    ((text,),) = generate_text(mappings, patcher, "a cat", 4).args  # the model is still usable
     assert text == reference_text(root / "tiny-qwen2", "a cat", 4)
 
 
@@ -509,7 +516,8 @@ def test_generate_text_equals_transformers_greedy_and_sampled(nodes, build):
     prompt = "a cat sat on the mat and looked at the dog " * 3  # longer than the output: all of it was cut before
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     for do_sample in (False, True):
-        (text,) = mappings["StreamwiseGenerateText"].execute(patcher, prompt, 8, 7, do_sample, 0.7, 0.9, 50).args
+        sampling = "custom" if do_sample else "greedy"
+        ((text,),) = generate_text(mappings, patcher, prompt, 8, seed=7, sampling=sampling).args
         torch.manual_seed(7)
         with torch.no_grad():
             out = reference.generate(ids, max_new_tokens=8, do_sample=do_sample, pad_token_id=tokenizer.pad_token_id,
@@ -524,17 +532,16 @@ def test_generate_text_refuses_a_prompt_past_the_context_before_any_forward(node
     patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     forwards = []
     patcher.model.register_forward_pre_hook(lambda *args: forwards.append(1))
-    node = mappings["StreamwiseGenerateText"]
     context = patcher.model.config.max_position_embeddings
     with pytest.raises(ValueError, match=rf"^prompt: 2000000 characters, more than {32 * context} .*context of "
                                          rf"{context}"):
-        node.execute(patcher, "x" * 2_000_000, 8, 0, False, 0.7, 0.9, 50)
+        generate_text(mappings, patcher, "x" * 2_000_000, 8)
     with pytest.raises(ValueError, match=r"^prompt: holds a lone surrogate \(U\+DC00\) at character 3"):
-        node.execute(patcher, "ab\udc00", 8, 0, False, 0.7, 0.9, 50)
+        generate_text(mappings, patcher, "ab\udc00", 8)
     assert forwards == []
     patcher.model.config.max_position_embeddings = 16  # a small context: max_new_tokens clipped, said on the node
     try:
-        result = node.execute(patcher, "a cat", 8192, 0, False, 0.7, 0.9, 50)
+        result = generate_text(mappings, patcher, "a cat", 8192)
     finally:
         patcher.model.config.max_position_embeddings = context
     (text,) = result.args
@@ -565,13 +572,14 @@ def test_generate_text_passes_only_the_flags_that_apply(nodes):
     from transformers.utils import logging as transformers_logging
 
     mappings, _ = nodes
-    cls = mappings["StreamwiseGenerateText"]
     patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     # A checkpoint's generation_config.json that samples (as instruction-tuned Qwen2.5 ships) must stay quiet too.
     patcher.model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.8, top_k=20)
-    sampled = generation_config(patcher.model, 8, True, 1, temperature=0.7, top_p=0.9, top_k=40)
+    sampled = generation_config(patcher.model, 8, 1, Sampling("custom", temperature=0.7, top_p=0.9, top_k=40))
     assert (sampled.do_sample, sampled.temperature, sampled.top_p, sampled.top_k) == (True, 0.7, 0.9, 40)
-    assert generation_config(patcher.model, 8, False, 1, temperature=0.7, top_p=0.9, top_k=40).do_sample is False
+    assert generation_config(patcher.model, 8, 1, Sampling("greedy", 0.7, 0.9, 40)).do_sample is False
+    default = generation_config(patcher.model, 8, 1, Sampling("model default", 0.7, 0.9, 40))
+    assert (default.do_sample, default.temperature, default.top_p, default.top_k) == (True, 0.6, 0.8, 20)
     assert patcher.model.generation_config.temperature == 0.6  # the model's own config is left as it was
     captured = io.StringIO()
     handler = logging.StreamHandler(captured)
@@ -583,8 +591,8 @@ def test_generate_text_passes_only_the_flags_that_apply(nodes):
         assert "generation flags are not valid" in captured.getvalue()  # the capture sees the warning
         transformers_logging.warning_once.cache_clear()
         captured.truncate(0)
-        cls.execute(patcher, "a cat", 4, 0, False, 0.7, 0.9, 50)
-        cls.execute(patcher, "a cat", 4, 0, True, 0.7, 0.9, 50)
+        for sampling in ("greedy", "custom", "model default"):
+            generate_text(mappings, patcher, "a cat", 4, sampling=sampling)
     finally:
         library.removeHandler(handler)
     assert "not valid" not in captured.getvalue()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfy_harness import load_custom_node
+from comfy_harness import generate_text, load_custom_node
 from helpers import REPO, tiny_qwen2, write_policy
 
 
@@ -105,7 +105,7 @@ def test_a_loose_llama_cpp_gguf_is_offered_loads_quantized_and_speaks_with_its_o
         assert f"LLM/{name}" in loader.INPUT_TYPES()["required"]["model"][1]["options"]
         patcher, report = loader.execute(f"LLM/{name}", "auto", "auto").args
         assert "`auto` picked `" in report and "kept quantized (Q8_0 x" in report and "residents gguf x" in report
-        text = mappings["StreamwiseGenerateText"].execute(patcher, CORPUS[0], 6, 0, False, 0.7, 0.9, 50).args[0]
+        ((text,),) = generate_text(mappings, patcher, CORPUS[0], 6).args
     finally:
         folder_paths.folder_names_and_paths["LLM"][0].remove(str(tmp_path))
     from streamwise.runtime.checkpoint import load_tokenizer

@@ -5,6 +5,8 @@ continued as it is, and the node says so."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -68,10 +70,21 @@ def test_chat_off_continues_the_prompt_as_it_is_and_a_system_turn_then_has_no_pl
 
 def test_a_model_without_a_template_continues_the_prompt_saying_so(models):
     folder = models / TEXT_FOLDER
-    model, tokenizer = load_pretrained(folder).model, load_tokenizer(folder)
+    model, tokenizer = load_pretrained(folder).model, copy.deepcopy(load_tokenizer(folder))  # kept: never changed
     tokenizer.chat_template = None
     (given,) = prompts(model, tokenizer, PROMPT, 4)
     assert not given.chat and given.note == ("chat is on, but the model has no chat template: the prompt is "
                                              "continued as it is")
     with pytest.raises(PromptError, match=r"^system: the model has no chat template"):
         prompts(model, tokenizer, PROMPT, 4, system=SYSTEM)
+
+
+def test_a_tokenizer_is_read_once_per_version_of_its_files(models):
+    """A GGUF's 150k-token vocabulary takes ~20 s to rebuild, and a host tokenizes once per prompt; an edited folder
+    or a re-downloaded file must not tokenize with the old one."""
+    for source in (models / TEXT_FOLDER, models / GGUF_FILE):
+        first = load_tokenizer(source)
+        assert load_tokenizer(source) is first
+        changed = source / "tokenizer_config.json" if source.is_dir() else source
+        changed.write_bytes(changed.read_bytes())  # the same content, a new file time
+        assert load_tokenizer(source) is not first
