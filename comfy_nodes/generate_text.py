@@ -3,7 +3,7 @@ chat model, an image captioner."""
 
 from __future__ import annotations
 
-from comfy_api.latest import io, ui
+from comfy_api.latest import io
 
 from ..runtime.checkpoint import load_tokenizer
 from ..runtime.generation import (
@@ -97,4 +97,4 @@ class StreamwiseGenerateText(io.ComfyNode):
                                    stopping_criteria=[steps]) for each in given]
         shown = [text if each.note is None else f"{text}\n\n(note: {each.note})"
                  for text, each in zip(texts, given, strict=True)]
-        return io.NodeOutput(texts, ui=ui.PreviewText("\n\n---\n\n".join(shown)))
+        return io.NodeOutput(texts, ui={"text": shown})  # one text box entry per text, as the output has them

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -395,3 +396,16 @@ def leases_here(folder: Path) -> bool:
             return map_ranges(CheckedFile(path, handle), [(0, 4096)]) is not None
     finally:
         path.unlink()
+
+
+def cache_dir() -> Path:
+    """$STREAMWISE_CACHE, or a folder of this user's own under the system temp directory."""
+    if os.environ.get("STREAMWISE_CACHE"):
+        cache = Path(os.environ["STREAMWISE_CACHE"]).expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+        return cache
+    cache = Path(tempfile.gettempdir()) / f"streamwise-test-cache-{os.getuid()}"
+    cache.mkdir(mode=0o700, exist_ok=True)
+    if cache.stat().st_uid != os.getuid():  # a shared temp dir: never run an environment someone else planted
+        raise RuntimeError(f"{cache} belongs to another user; set STREAMWISE_CACHE to a folder of your own")
+    return cache

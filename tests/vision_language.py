@@ -208,3 +208,21 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "paligemma": write_paligemma,
     "florence2": tiny_florence2_folder,
 }
+
+
+#: How each family is asked for a caption: chat models in their template, PaliGemma by a prefix, Florence-2 by a task.
+ASKED = {"paligemma": "caption en", "florence2": "<CAPTION>"}
+
+
+def transformers_inputs(family: str, processor, image, text: str) -> dict:
+    """What transformers' own processor makes: its `apply_chat_template` with the image, where that runs here
+    (SmolVLM's needs a video processor, so its template is rendered by the tokenizer first, as its processor would),
+    else the processor on the family's raw prompt."""
+    if family in ASKED:
+        return dict(processor(images=[image], text=[text], return_tensors="pt"))
+    conversation = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+    try:
+        return dict(processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True, return_tensors="pt"))
+    except AttributeError:  # SmolVLM's reads its video processor's frame count
+        return dict(processor(images=[image], text=[prompt(family, processor, text)], return_tensors="pt"))

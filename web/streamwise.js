@@ -4,7 +4,10 @@
 // such results only on nodes it knows, so this extension gives Streamwise's nodes the same displays: a read-only
 // text box that shows the latest text, and core's own audio player (the `AUDIO_UI` widget it gives PreviewAudio),
 // which the frontend fills from {"audio": [...]} itself. A cached node sends its result again, so both stay right.
+// Each run starts with empty boxes, and a node that fails shows its error instead: a box never shows what an
+// earlier run made beside this run's error.
 import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
 
 const TEXT_NODES = new Set([
   "StreamwiseModelLoader", "ApplyStreamwisePolicy", "INT8LazyTorchCompile", "StreamwiseGenerateText",
@@ -33,8 +36,31 @@ function showText(node, text) {
   }
 }
 
+function resultBoxes() {
+  return (app.graph?._nodes ?? []).filter((node) => TEXT_NODES.has(node.type))
+    .map((node) => node.widgets?.find((w) => w.name === RESULT)).filter(Boolean);
+}
+
+function clearResults() {
+  for (const widget of resultBoxes()) {
+    widget.element.value = "";
+    widget.element.title = "";
+  }
+}
+
+function showError({ detail }) {
+  const node = app.graph?.getNodeById?.(detail?.node_id);
+  if (node && TEXT_NODES.has(node.type)) {
+    showText(node, [`error: ${detail.exception_type ?? "error"}`, detail.exception_message ?? ""]);
+  }
+}
+
 app.registerExtension({
   name: "Streamwise.Results",
+  setup() {
+    api.addEventListener("execution_start", clearResults);
+    api.addEventListener("execution_error", showError);
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (AUDIO_NODES.has(nodeData.name)) {
       nodeData.input.required.audioUI = ["AUDIO_UI", {}];  // core's player, as on PreviewAudio

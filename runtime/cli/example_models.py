@@ -127,23 +127,23 @@ def tiny_text_model(vocab: int, eos: int):
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
-def write_llama_cpp_gguf(model, path: str | Path, tokenizer_parts: tuple[list[str], list[str], int],
+def write_llama_cpp_gguf(model, path: str | Path, tokenizer_parts: tuple[list[str], list[str], int] | None,
                          qtype=None, transform: Callable | None = None, *, architecture=None,
-                         extra: dict | None = None, metadata: dict[str, int | str] | None = None) -> None:
+                         extra: dict | None = None, metadata: dict[str, object] | None = None) -> None:
     """Write a transformers decoder as llama.cpp's `convert_hf_to_gguf.py` does: its architecture's tensor names
     and metadata, matrices quantized to `qtype` (default Q8_0; the token embedding always Q8_0, as llama.cpp's
     presets keep it), 1-D tensors in F32, a tied head left out, and the tokenizer in the metadata. `transform(name,
     array, config)` is the converter's per-architecture change of a tensor (Llama's Q/K permutation), if any;
     `architecture` a `gguf.MODEL_ARCH` (default: the one named like the config's `model_type`); `extra` more tensors
-    to write as they are, by GGUF name; `metadata` more keys (an integer as uint32, a string as itself), such as
-    `tokenizer.ggml.eot_token_id` or `tokenizer.chat_template`."""
+    to write as they are, by GGUF name; `metadata` more keys (an integer as uint32, a float as float32, a list as an
+    array of its items' type), such as `tokenizer.ggml.eot_token_id` or `tokenizer.chat_template`, or a whole
+    tokenizer where `tokenizer_parts` is None (another GGUF's `tokenizer.*` keys)."""
     import gguf
     import numpy as np
 
     config = model.config
     arch = architecture if architecture is not None else gguf.MODEL_ARCH[config.model_type.upper()]
     qtype = gguf.GGMLQuantizationType.Q8_0 if qtype is None else qtype
-    tokens, merges, eos = tokenizer_parts
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(f"tiny-{config.model_type}")
     writer.add_block_count(config.num_hidden_layers)
@@ -162,16 +162,19 @@ def write_llama_cpp_gguf(model, path: str | Path, tokenizer_parts: tuple[list[st
     writer.add_vocab_size(config.vocab_size)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if _is_control(token) else 1 for token in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(eos)
-    writer.add_eos_token_id(eos)
-    writer.add_pad_token_id(eos)
+    if tokenizer_parts is not None:
+        tokens, merges, eos = tokenizer_parts
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if _is_control(token) else 1 for token in tokens])
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(eos)
+        writer.add_eos_token_id(eos)
+        writer.add_pad_token_id(eos)
     for key, value in (metadata or {}).items():
-        (writer.add_string if isinstance(value, str) else writer.add_uint32)(key, value)
+        add = {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}
+        (writer.add_array if isinstance(value, list) else add[type(value)])(key, value)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":

@@ -145,14 +145,11 @@ def prompts(model, tokenizer, prompt: str, max_new_tokens: int, *, system: str =
         why = "chat is off" if not chat else "the model has no chat template"
         raise PromptError(f"system: {why}, so there is no system turn to put it in; leave it empty, or use a chat "
                           "model with chat on")
-    plain = "chat is on, but the model has no chat template: the prompt is continued as it is" \
-        if chat and template is None else None
     fitted = []
     for image in images or [None]:
         inputs = _encoded(model, tokenizer, processor, prompt, system, image, template)
-        room, clipped = fit_ids(inputs["input_ids"], model, context, max_new_tokens)
-        fitted.append(Prompt(inputs, room, "; ".join(note for note in (plain, clipped) if note) or None,
-                             template is not None, image is not None))
+        room, note = fit_ids(inputs["input_ids"], model, context, max_new_tokens)
+        fitted.append(Prompt(inputs, room, note, template is not None, image is not None))
     return fitted
 
 

@@ -17,7 +17,7 @@ _spec = importlib.util.spec_from_file_location("server_harness", Path(__file__).
 server_harness = importlib.util.module_from_spec(_spec)  # a sibling test module is not importable by name here
 _spec.loader.exec_module(server_harness)
 server = server_harness.server  # its fixture: a server of this module's own
-PROMPT, reference_text, workflow = server_harness.PROMPT, server_harness.reference_text, server_harness.workflow
+expected_text, workflow = server_harness.expected_text, server_harness.workflow
 FIGURES: dict = {}
 
 
@@ -41,9 +41,10 @@ def record(**figures) -> None:
 
 def test_the_first_compiled_prompt_decodes_32_tokens_with_a_fixed_number_of_graphs(server):
     start = time.monotonic()
-    entry = server.run(compile_workflow(32))  # the server's first prompt: it loads, arms and compiles
+    graph = compile_workflow(32)
+    entry = server.run(graph)  # the server's first prompt: it loads, arms and compiles
     seconds = time.monotonic() - start
-    assert entry["outputs"]["3"]["text"] == [reference_text(server.model, PROMPT, 32)]
+    assert entry["outputs"]["3"]["text"] == [expected_text(server.model, graph, "3")]
     assert entry["outputs"]["2"]["text"][0].startswith("armed 2 block(s) in 1 region(s)")
     graphs = graphs_logged(server.log.read_text())
     record(first_prompt_s=round(seconds, 2), graphs_32_tokens=graphs)
@@ -57,8 +58,7 @@ def test_the_nodes_limit_holds_in_the_prompts_worker_and_a_stop_is_told_on_the_r
         texts = []
         async with aiohttp.ClientSession() as session, session.ws_connect(
                 f"{server.url}/ws?clientId=streamwise-tests") as socket:
-            running = asyncio.ensure_future(asyncio.to_thread(server.run, compile_workflow(8,
-                                                                                           dynamo_cache_size_limit=1)))
+            running = asyncio.ensure_future(asyncio.to_thread(server.run, graph))
             while not running.done():
                 try:
                     message = await socket.receive(timeout=0.2)
@@ -69,8 +69,9 @@ def test_the_nodes_limit_holds_in_the_prompts_worker_and_a_stop_is_told_on_the_r
                     texts.append((message.data[8:8 + length].decode(), message.data[8 + length:].decode()))
             return running.result(), texts
 
+    graph = compile_workflow(8, dynamo_cache_size_limit=1)
     entry, texts = asyncio.run(run_listening())
-    assert entry["outputs"]["3"]["text"] == [reference_text(server.model, PROMPT, 8)]  # eager past the limit
+    assert entry["outputs"]["3"]["text"] == [expected_text(server.model, graph, "3")]  # eager past the limit
     stops = [(node, text) for node, text in texts if "stopped compiling" in text]
     assert stops and all(node == "3" for node, _ in stops)  # Generate Text runs the model, so it is told
     assert "hit the recompile limit (1 graphs)" in stops[0][1]  # the node's limit, not torch's default 8

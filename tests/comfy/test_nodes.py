@@ -37,12 +37,19 @@ def nodes(comfy_nodes, tmp_path_factory):
     return comfy_nodes.NODE_CLASS_MAPPINGS, root
 
 
-def reference_text(folder: Path, prompt: str, tokens: int) -> str:
+def reference_text(folder: Path, prompt: str, tokens: int, system: str = "", chat: bool = True) -> str:
+    """transformers' own text: `from_pretrained` (with its generation_config.json), the prompt framed by the
+    tokenizer's chat template where it has one and `chat` (after a `system` turn where given), greedy."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if chat and tokenizer.chat_template:
+        turns = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
@@ -460,12 +467,10 @@ def test_generate_text_is_an_output_node_with_tooltips(nodes):
     assert all(spec[1].get("tooltip") for spec in [*inputs.values(), *cls.INPUT_TYPES()["optional"].values()])
     patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "auto", "auto").args
     out = generate_text(mappings, patcher, "a cat sat on the mat", 8)
-    assert out.ui.as_dict() == {"text": tuple(out.args[0])}
+    assert out.ui == {"text": out.args[0]}
     assert out.args == ([reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)],)
     chat = generate_text(mappings, patcher, "a cat sat on the mat", 8, chat=True, sampling="model default")
     assert chat.args == out.args  # tiny_tokenizer has no chat template: continued as it is, greedy by its config
-    assert chat.ui.as_dict()["text"][0].endswith("(note: chat is on, but the model has no chat template: the prompt "
-                                                 "is continued as it is)")
 
 
 def test_generate_text_moves_the_progress_bar_once_per_token(nodes, monkeypatch):
@@ -544,8 +549,8 @@ def test_generate_text_refuses_a_prompt_past_the_context_before_any_forward(node
         result = generate_text(mappings, patcher, "a cat", 8192)
     finally:
         patcher.model.config.max_position_embeddings = context
-    (text,) = result.args
-    assert "max_new_tokens clipped from 8192 to" in result.ui.as_dict()["text"][0] and text
+    ((text,),) = result.args
+    assert "max_new_tokens clipped from 8192 to" in result.ui["text"][0] and text
 
 
 def test_a_broken_user_policy_fails_auto_naming_the_file_unless_skipped_and_then_reported(nodes):

@@ -41,6 +41,13 @@ ui_format = from_file(WORKFLOWS / "ui_format.py")
 reference_text = from_file(Path(__file__).with_name("test_nodes.py")).reference_text
 
 
+def expected_text(folder: Path, graph: dict, node: str = "2") -> str:
+    """transformers' text for the Generate Text node `node` of `graph` (its prompt, system turn, chat switch and
+    max_new_tokens; the shipped workflows take the model's default sampling, the example models' greedy)."""
+    inputs = graph[node]["inputs"]
+    return reference_text(folder, inputs["prompt"], inputs["max_new_tokens"], inputs["system"], inputs["chat"])
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -120,7 +127,7 @@ def core_arguments(root: Path, base: Path) -> list[str]:
                            timeout=300).stdout
     folders = ("output", "user", "temp", "input")
     for name in folders:
-        (base / name).mkdir()
+        (base / name).mkdir(exist_ok=True)
     arguments = (["--base-directory", str(base)] if "--base-directory" in shown
                  else [flag for name in folders for flag in (f"--{name}-directory", str(base / name))])
     if "--database-url" in shown:
@@ -132,8 +139,17 @@ def core_arguments(root: Path, base: Path) -> list[str]:
 def server(comfy_root, tmp_path_factory):
     """A ComfyUI server on a free loopback port with the pack in a temporary custom_nodes and the example models
     (`example-models`: the ones the workflows name) in its models folder; stopped, whole group, at the end."""
-    root = comfy_root
     base = tmp_path_factory.mktemp("comfy-base")
+    with launched(comfy_root, base, prepared(comfy_root, base)) as started:
+        yield started
+
+
+def prepared(root: Path, base: Path) -> Path:
+    """`base` made a ComfyUI base folder: the pack in its custom_nodes, the example models in its models folder, the
+    core's example image in its input folder (as a fresh install has it); the extra_model_paths.yaml that names them,
+    returned."""
+    (base / "input").mkdir()
+    shutil.copy(root / "input" / "example.png", base / "input")
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK).symlink_to(REPO, target_is_directory=True)
     # the example models, written as a user of the ComfyUI install writes them: the pack's folder run as a command
@@ -142,9 +158,8 @@ def server(comfy_root, tmp_path_factory):
     assert written.returncode == 0, written.stderr[-3000:]
     paths = base / "extra_model_paths.yaml"  # custom_nodes too: a core without --base-directory still finds the pack
     paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n  LLM: models/LLM\n"
-                     "  custom_nodes: custom_nodes\n")
-    with launched(root, base, paths) as started:
-        yield started
+                     "  text_encoders: models/text_encoders\n  custom_nodes: custom_nodes\n")
+    return paths
 
 
 @contextlib.contextmanager
@@ -231,7 +246,7 @@ def test_every_shipped_workflow_ends_in_an_output_node_and_runs(server, object_i
     entry = server.run(graph)
     for key in sinks:  # what each output node shows: the reference text, or a playable audio file
         if graph[key]["class_type"] == "StreamwiseGenerateText":
-            assert entry["outputs"][key]["text"] == [reference_text(server.model, PROMPT, 8)]
+            assert entry["outputs"][key]["text"] == [expected_text(server.model, graph, key)]
         else:
             (audio,) = entry["outputs"][key]["audio"]
             assert audio["filename"].endswith(".flac") and audio["type"] == "temp"
@@ -245,7 +260,7 @@ def test_a_changed_input_re_executes_only_what_depends_on_it(server):
     graph["2"]["inputs"]["max_new_tokens"] = 4
     changed = server.run(graph)
     assert cached_nodes(changed) == {"1"}
-    assert changed["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 4)]
+    assert changed["outputs"]["2"]["text"] == [expected_text(server.model, graph)]
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +278,7 @@ def long_context(server) -> dict:
         shutil.copy(server.model / name, folder / name)
     graph = workflow("streamwise_generate_text")
     graph["1"]["inputs"]["model"] = "streamwise/long-qwen2"
+    graph["2"]["inputs"].update(system="", chat=False)  # its tokenizer files hold no chat template
     return graph
 
 
@@ -282,7 +298,7 @@ def test_an_encoder_decoder_generates_the_text_transformers_does(server):
     prompt = PROMPT + " and looked at the dog for a long while"  # longer than the output: all of it was cut before
     graph = workflow("streamwise_generate_text")
     graph["1"]["inputs"]["model"] = "streamwise/tiny-t5"
-    graph["2"]["inputs"]["prompt"] = prompt
+    graph["2"]["inputs"].update(prompt=prompt, system="", chat=False)
     (text,) = server.run(graph)["outputs"]["2"]["text"]
     model = transformers.T5ForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -361,7 +377,7 @@ def test_free_unloads_and_drops_the_cache(server):
     time.sleep(1.0)  # the worker takes the flags between prompts
     entry = server.run(graph)
     assert cached_nodes(entry) == set()
-    assert entry["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 8)]
+    assert entry["outputs"]["2"]["text"] == [expected_text(server.model, graph)]
 
 
 def test_the_loader_refuses_a_stranding_plan_unless_told_to_accept_it(server):
@@ -403,7 +419,7 @@ def test_a_host_budget_below_the_model_leaves_blocks_in_their_file_and_generates
     graph = workflow("streamwise_generate_text")
     graph["1"]["inputs"]["host_budget"] = f"{size // 2}B"
     entry = server.run(graph)
-    assert entry["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 8)]
+    assert entry["outputs"]["2"]["text"] == [expected_text(server.model, graph)]
     (report,) = entry["outputs"]["1"]["text"]
     assert ", file " in report and ", file 0 B" not in report, report
 
@@ -421,7 +437,7 @@ def test_a_loose_gguf_streamwise_quantize_wrote_is_offered_and_generates_alone(s
     graph = workflow("streamwise_generate_text")
     graph["1"]["inputs"]["model"] = "LLM/tiny-qwen2.streamwise.Q8_0.gguf"
     entry = server.run(graph)
-    assert entry["outputs"]["2"]["text"] == [reference_text(server.model, PROMPT, 8)]
+    assert entry["outputs"]["2"]["text"] == [expected_text(server.model, graph)]
     assert "kept quantized" in entry["outputs"]["1"]["text"][0]
 
 
@@ -457,7 +473,9 @@ def test_two_workflows_sharing_one_cached_loader_output_each_see_it_as_loaded(se
                       '[[quant.rule]]\nid = "q"\nselect = { class = "Linear" }\nformat = "convrot_int4"\n'
                       'group_size = 16\n')
     sampled = workflow("streamwise_generate_text")
-    sampled["2"]["inputs"].update(do_sample=True, seed=7)  # sampled text follows every change of the logits
+    # sampled text follows every change of the logits; the prompt continued as it is (the tiny model echoes a chat's
+    # newline whatever its weights)
+    sampled["2"]["inputs"].update(sampling="custom", seed=7, system="", chat=False)
     try:
         before = server.run(sampled)
         graph = json.loads(json.dumps(sampled))

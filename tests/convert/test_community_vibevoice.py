@@ -27,14 +27,13 @@ import os
 import site
 import subprocess
 import sys
-import tempfile
 import venv
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
-from helpers import TESTS
+from helpers import TESTS, cache_dir
 
 REQUIREMENTS = ["transformers==4.51.3", "diffusers==0.35.2"]
 NO_DEPS = ["vibevoice==0.0.1", "accelerate==1.6.0"]  # the package's own pins; its app extras are not needed
@@ -54,19 +53,6 @@ def active_site_dirs() -> list[str]:
     """This environment's site-packages in the order `site` adds them: the user site first where enabled."""
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     return [path for path in dict.fromkeys([*user, *site.getsitepackages()]) if os.path.isdir(path)]
-
-
-def cache_dir() -> Path:
-    """$STREAMWISE_CACHE, or a folder of this user's own under the system temp directory."""
-    if os.environ.get("STREAMWISE_CACHE"):
-        cache = Path(os.environ["STREAMWISE_CACHE"]).expanduser()
-        cache.mkdir(parents=True, exist_ok=True)
-        return cache
-    cache = Path(tempfile.gettempdir()) / f"streamwise-test-cache-{os.getuid()}"
-    cache.mkdir(mode=0o700, exist_ok=True)
-    if cache.stat().st_uid != os.getuid():  # a shared temp dir: never run an environment someone else planted
-        raise RuntimeError(f"{cache} belongs to another user; set STREAMWISE_CACHE to a folder of your own")
-    return cache
 
 
 def probe_failure(root: Path, *, imports: bool) -> str | None:

@@ -68,13 +68,14 @@ def test_chat_off_continues_the_prompt_as_it_is_and_a_system_turn_then_has_no_pl
         prompts(model, tokenizer, PROMPT, 4, chat=False, system=SYSTEM)
 
 
-def test_a_model_without_a_template_continues_the_prompt_saying_so(models):
+def test_a_model_without_a_template_continues_the_prompt_and_has_no_system_turn(models):
+    """Chat is on by default where a model has a template; one without simply continues the prompt."""
     folder = models / TEXT_FOLDER
     model, tokenizer = load_pretrained(folder).model, copy.deepcopy(load_tokenizer(folder))  # kept: never changed
     tokenizer.chat_template = None
     (given,) = prompts(model, tokenizer, PROMPT, 4)
-    assert not given.chat and given.note == ("chat is on, but the model has no chat template: the prompt is "
-                                             "continued as it is")
+    assert not given.chat and given.note is None
+    assert torch.equal(given.ids, tokenizer(PROMPT, return_tensors="pt").input_ids)
     with pytest.raises(PromptError, match=r"^system: the model has no chat template"):
         prompts(model, tokenizer, PROMPT, 4, system=SYSTEM)
 

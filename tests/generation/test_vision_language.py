@@ -19,30 +19,14 @@ from streamwise.runtime.checkpoint import load_pretrained, load_tokenizer
 from streamwise.runtime.generation import PromptError, Sampling, generate_text, load_processor, prompts
 
 from helpers import force_streaming
-from vision_language import FAMILIES, prompt
+from vision_language import ASKED, FAMILIES, transformers_inputs
 
-#: How each family is asked for a caption: chat models in their template, PaliGemma by a prefix, Florence-2 by a task.
-ASKED = {"paligemma": "caption en", "florence2": "<CAPTION>"}
 GREEDY = Sampling("greedy")
 
 
 @pytest.fixture(scope="module")
 def image():
     return Image.fromarray((np.random.default_rng(0).random((40, 30, 3)) * 255).astype(np.uint8))
-
-
-def transformers_inputs(family: str, processor, image, text: str) -> dict:
-    """What transformers' own processor makes: its `apply_chat_template` with the image, where that runs here
-    (SmolVLM's needs a video processor, so its template is rendered by the tokenizer first, as its processor would),
-    else the processor on the family's raw prompt."""
-    if family in ASKED:
-        return dict(processor(images=[image], text=[text], return_tensors="pt"))
-    conversation = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
-    try:
-        return dict(processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True, return_tensors="pt"))
-    except AttributeError:  # SmolVLM's reads its video processor's frame count
-        return dict(processor(images=[image], text=[prompt(family, processor, text)], return_tensors="pt"))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
