@@ -189,18 +189,6 @@ def _save_parts(folder: Path, model, processor_class: str, images, tokenizer, ch
     return folder
 
 
-def prompt(family: str, processor, text: str) -> str:
-    """The prompt to give `processor(images=[image], text=[prompt])` for one image. The chat families render their
-    template with the tokenizer (`processor` may be the tokenizer itself), the way their processors do: SmolVLM's
-    own `apply_chat_template` fails without a video processor. PaliGemma and Florence-2 take `text` as it is, a
-    prefix (`"caption en"`) and a task token (`"<CAPTION>"`)."""
-    if family in ("paligemma", "florence2"):
-        return text
-    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    tokenizer = getattr(processor, "tokenizer", processor)
-    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-
-
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen2_vl": write_qwen2_vl,
     "llava": write_llava,
@@ -210,19 +198,39 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
 }
 
 
-#: How each family is asked for a caption: chat models in their template, PaliGemma by a prefix, Florence-2 by a task.
-ASKED = {"paligemma": "caption en", "florence2": "<CAPTION>"}
+#: What each family is asked: chat models "describe the image" in their template, PaliGemma a prefix, Florence-2 a task.
+ASKED = {"qwen2_vl": "describe the image", "llava": "describe the image", "smolvlm": "describe the image",
+         "paligemma": "caption en", "florence2": "<CAPTION>"}
 
 
-def transformers_inputs(family: str, processor, image, text: str) -> dict:
-    """What transformers' own processor makes: its `apply_chat_template` with the image, where that runs here
-    (SmolVLM's needs a video processor, so its template is rendered by the tokenizer first, as its processor would),
-    else the processor on the family's raw prompt."""
-    if family in ASKED:
+def transformers_inputs(processor, image, text: str) -> dict:
+    """What transformers' own processor makes of one image and `text`: its `apply_chat_template` with the image where
+    it has a chat template (SmolVLM's needs a video processor, so its template is rendered by the tokenizer first, as
+    its processor would), else the processor on the raw prompt (PaliGemma's prefix, Florence-2's task token)."""
+    if getattr(processor, "chat_template", None) is None:
         return dict(processor(images=[image], text=[text], return_tensors="pt"))
     conversation = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
     try:
         return dict(processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True, return_tensors="pt"))
     except AttributeError:  # SmolVLM's reads its video processor's frame count
-        return dict(processor(images=[image], text=[prompt(family, processor, text)], return_tensors="pt"))
+        rendered = processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+            chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)
+        return dict(processor(images=[image], text=[rendered], return_tensors="pt"))
+
+
+def transformers_caption(folder: Path, image, text: str, tokens: int) -> str:
+    """transformers' own text for one image: `from_pretrained`, the processor (`transformers_inputs`), greedy
+    `generate`, decoded without special tokens."""
+    import transformers
+
+    from streamwise.runtime.generation import load_processor  # transformers' processor (without its video part)
+
+    processor = load_processor(folder)
+    inputs = transformers_inputs(processor, image, text)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
+    made = out[0] if model.config.is_encoder_decoder else out[0, inputs["input_ids"].shape[1]:]
+    return processor.tokenizer.decode(made, skip_special_tokens=True)

@@ -51,7 +51,8 @@ function clearResults() {
 function showError({ detail }) {
   const node = app.graph?.getNodeById?.(detail?.node_id);
   if (node && TEXT_NODES.has(node.type)) {
-    showText(node, [`error: ${detail.exception_type ?? "error"}`, detail.exception_message ?? ""]);
+    const kind = String(detail.exception_type ?? "").split(".").pop();  // the class, not its module path
+    showText(node, [`error: ${kind}: ${detail.exception_message ?? ""}`]);
   }
 }
 

@@ -17,6 +17,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 UI_FOLDER = HERE.parent.parent / "example_workflows"  # the name core's template browser looks for
 ORIGIN = (100, 160)  # the first node's corner: its title clear of the frontend's toolbars
+GAP = 60  # between nodes of a column, with their titles
+PREVIEW = 300  # an image upload's preview (LoadImage)
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEEDS = ("seed", "noise_seed")  # INT inputs after which the frontend keeps a control_after_generate value
 
@@ -61,6 +63,7 @@ def to_ui(api: dict, object_info: dict) -> dict:
     level = depths(api)
     keys = sorted(api, key=lambda k: (level[k], int(k)))
     nodes, links, outgoing = {}, [], {}
+    bottoms: dict[int, int] = {}  # each column's next free height
     for order, key in enumerate(keys):
         node, info = api[key], object_info[api[key]["class_type"]]
         inputs, widgets = [], []
@@ -81,11 +84,15 @@ def to_ui(api: dict, object_info: dict) -> dict:
                 slot["link"] = link[0]
                 outgoing.setdefault((value[0], value[1]), []).append(link[0])
             inputs.append(slot)
-        row = sum(level[k] == level[key] for k in keys[:order])
+        # room for each widget, for the result box the pack's frontend extension adds (web/streamwise.js), and for
+        # an image upload's preview
+        uploads = any(spec[1].get("image_upload") for _, spec in ordered_inputs(info) if len(spec) > 1)
+        height = 200 + 28 * len(widgets) + PREVIEW * uploads
+        top = bottoms.get(level[key], ORIGIN[1])
+        bottoms[level[key]] = top + height + GAP
         nodes[key] = {
-            "id": int(key), "type": node["class_type"], "pos": [ORIGIN[0] + 420 * level[key], ORIGIN[1] + 320 * row],
-            # room for each widget and for the result box the pack's frontend extension adds (web/streamwise.js)
-            "size": [380, 200 + 28 * len(widgets)], "flags": {}, "order": order, "mode": 0,
+            "id": int(key), "type": node["class_type"], "pos": [ORIGIN[0] + 420 * level[key], top],
+            "size": [380, height], "flags": {}, "order": order, "mode": 0,
             "inputs": inputs, "outputs": [], "properties": {"Node name for S&R": node["class_type"]},
             "widgets_values": widgets,
         }

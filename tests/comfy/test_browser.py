@@ -70,12 +70,15 @@ def prompt_ids(server) -> set[str]:
     return {item[1] for item in queue["queue_running"] + queue["queue_pending"]} | set(history(server))
 
 
-def queue_from_the_page(page, server) -> dict:
-    """Press the frontend's queue (as the Run button does) and wait for the prompt's /history entry. The prompt is
-    found in /queue as soon as the server takes it: a first compiled run on a busy machine outlasts the minute given
-    to the page to queue."""
+def queue_from_the_page(page, server, *, button: bool = False) -> dict:
+    """Press the frontend's queue (as the Run button does; with `button`, the Run button itself) and wait for the
+    prompt's /history entry. The prompt is found in /queue as soon as the server takes it: a first compiled run on a
+    busy machine outlasts the minute given to the page to queue."""
     before = prompt_ids(server)
-    page.evaluate("() => window.app.queuePrompt(0)")
+    if button:  # the toolbar's, in both frontends (1.49 also names its mode menu "Run": the first is the button)
+        page.get_by_role("button", name="Run", exact=True).first.click()
+    else:
+        page.evaluate("() => window.app.queuePrompt(0)")
     page.wait_for_function("() => true")  # let the request leave
     for _ in range(600):
         new = sorted(prompt_ids(server) - before)
@@ -90,6 +93,20 @@ RESULT_JS = """types => window.app.graph._nodes.filter(node => types.includes(no
         return box.element.tagName === "AUDIO" ? box.element.readyState >= 1 && box.element.duration > 0
                                                : box.element.value.length > 0;
     })"""
+
+
+def run_nodes(path: Path, info: dict) -> set[str]:
+    """The nodes a prompt of the workflow at `path` runs (its API twin's output nodes and all they take inputs
+    from): a CLIPTextEncode whose prompt is left for the user's sampler is not one."""
+    graph = json.loads((harness.WORKFLOWS / path.name).read_text())
+    left = [key for key, node in graph.items() if info[node["class_type"]]["output_node"]]
+    found: set[str] = set()
+    while left:
+        key = left.pop()
+        if key not in found:
+            found.add(key)
+            left += [value[0] for value in graph[key]["inputs"].values() if isinstance(value, list)]
+    return found
 
 
 def opened(browser, server, graph: dict):
@@ -139,9 +156,59 @@ def test_a_shipped_workflow_shows_its_results_on_its_nodes_run_and_cached(server
             entry = queue_from_the_page(page, server)
             assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
             if run != "run":  # queued again unchanged: nothing runs
-                assert harness.cached_nodes(entry) == {str(node["id"]) for node in graph["nodes"]}
+                assert harness.cached_nodes(entry) == run_nodes(path, info)
             expect_results(page, entry, shows)
             page.wait_for_timeout(500)  # the player repaints its duration
             page.screenshot(path=str(screenshots / f"{path.stem}-{run}.png"))
+    finally:
+        page.close()
+
+
+BOXES_JS = """() => Object.fromEntries(window.app.graph._nodes.filter(node => node.widgets?.some(
+    w => w.name === "streamwise_result")).map(node => [String(node.id),
+    node.widgets.find(w => w.name === "streamwise_result").element.value]))"""
+
+
+def test_the_caption_workflow_run_by_the_run_button_shows_each_caption_on_its_node(server, browser, screenshots):
+    """LoadImage -> Florence-2 -> CLIPTextEncode as shipped: the Run button, then the caption transformers makes of
+    the image, drawn on Generate Text."""
+    path = REPO / "example_workflows" / "streamwise_caption_image.json"
+    page = opened(browser, server, json.loads(path.read_text()))
+    try:
+        entry = queue_from_the_page(page, server, button=True)
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-2000:]
+        api = json.loads((harness.WORKFLOWS / path.name).read_text())
+        assert entry["outputs"]["3"]["text"] == [harness.caption_of(server, api, "3")]
+        page.wait_for_function(f"() => ({BOXES_JS})()['3'].length > 0", timeout=30_000)
+        assert page.evaluate(BOXES_JS)["3"] == entry["outputs"]["3"]["text"][0]
+        page.screenshot(path=str(screenshots / "caption-run-button.png"))
+    finally:
+        page.close()
+
+
+def test_a_failed_run_shows_its_error_on_the_node_and_no_earlier_result(server, browser, screenshots):
+    """A run that fails at the loader: its box shows that error (not the report of the run before), and the boxes of
+    the nodes after it are empty, not the text of the run before; the next good run fills them again."""
+    path = REPO / "example_workflows" / "streamwise_generate_text.json"
+    page = opened(browser, server, json.loads(path.read_text()))
+    budget = """value => { const node = window.app.graph._nodes.find(n => n.type === "StreamwiseModelLoader");
+        node.widgets.find(w => w.name === "host_budget").value = value; }"""
+    try:
+        assert queue_from_the_page(page, server, button=True)["status"]["status_str"] == "success"
+        page.wait_for_function(f"() => Object.values(({BOXES_JS})()).every(text => text.length > 0)",
+                               timeout=30_000)
+        page.evaluate(budget, "4KiB")  # a host budget no model fits: the loader fails
+        failed = queue_from_the_page(page, server, button=True)
+        assert failed["status"]["status_str"] == "error"
+        page.wait_for_function(f"() => ({BOXES_JS})()['1'].startsWith('error: CheckpointError: ')", timeout=30_000)
+        boxes = page.evaluate(BOXES_JS)
+        assert "the host budget is 4.0 KiB" in boxes["1"] and "covered" not in boxes["1"]
+        assert boxes["2"] == ""  # Generate Text did not run: nothing of the run before
+        page.screenshot(path=str(screenshots / "failed-run.png"))
+        page.evaluate(budget, "auto")
+        assert queue_from_the_page(page, server, button=True)["status"]["status_str"] == "success"
+        page.wait_for_function(f"() => Object.values(({BOXES_JS})()).every(text => text.length > 0)",
+                               timeout=30_000)
+        assert page.evaluate(BOXES_JS)["1"].startswith("`auto` picked")
     finally:
         page.close()

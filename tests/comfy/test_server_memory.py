@@ -15,7 +15,6 @@ import torch
 from helpers import REPO, memory_cgroup, module_from_file
 
 server_module = module_from_file(Path(__file__).with_name("test_server.py"))
-PROMPT = server_module.PROMPT
 
 
 def _larger_model(models: Path) -> tuple[Path, int]:
@@ -46,15 +45,15 @@ def test_a_model_larger_than_the_memory_left_generates_under_the_limit(comfy_roo
                    str(base / "models")]
         assert subprocess.run(command, capture_output=True, timeout=300).returncode == 0
         folder, size = _larger_model(base / "models")
-        expected = server_module.reference_text(folder, PROMPT, 8)
+        graph = server_module.workflow("streamwise_generate_text")
+        graph["1"]["inputs"]["model"] = "streamwise/larger-qwen2"
+        expected = server_module.expected_text(folder, graph)
         paths = base / "extra_model_paths.yaml"
         paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n"
                          "  custom_nodes: custom_nodes\n")
         with server_module.launched(comfy_root, base, paths, preexec_fn=cgroup.enter) as server:
             limit = cgroup.usage() + size // 4  # the idle server, and a quarter of the model
             cgroup.limit(limit)
-            graph = server_module.workflow("streamwise_generate_text")
-            graph["1"]["inputs"]["model"] = "streamwise/larger-qwen2"
             entry = server.wait(server.queue(graph), timeout=300)
             killed = server.process.poll()
             assert killed is None, f"the server was killed ({killed})\n{server.tail()}"

@@ -20,7 +20,7 @@ from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 
 from helpers import module_from_file
 from llama_cpp_files import float_model, llama_cpp_vocabulary, tokenizer_metadata, write_llama_cpp_gguf
-from vision_language import ASKED, FAMILIES, transformers_inputs
+from vision_language import ASKED, FAMILIES, transformers_caption
 
 server_module = module_from_file(Path(__file__).with_name("test_server.py"))
 PROMPT = "a cat sat on the mat"
@@ -80,19 +80,6 @@ def suppressing_t5(models: Path, tokenizer_folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def zero_clip_l(path: Path) -> None:
-    """A CLIP-L text encoder of zeros, the shape core's CLIPLoader builds for `stable_diffusion`: enough for
-    CLIPTextEncode to run, and 246 MB written in a second where random weights take many."""
-    from safetensors.torch import save_file
-
-    config = transformers.CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072,
-                                         num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77)
-    with torch.device("meta"):
-        shapes = {name: tensor.shape for name, tensor in transformers.CLIPTextModel(config).state_dict().items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({name: torch.zeros(shape, dtype=torch.float16) for name, shape in shapes.items()}, path)
-
-
 def chat_model(models: Path, name: str) -> None:
     """`streamwise/<name>-chat`: a tiny model driven by llama.cpp's real `<name>` tokenizer and chat template, with the
     ends its instruct checkpoints list; where its tokenizer loads from a GGUF, `LLM/<name>-chat.gguf` too, the same
@@ -126,7 +113,6 @@ def server(comfy_root, tmp_path_factory):
         chat_model(models, name)
     for family, write in FAMILIES.items():
         write(models / "streamwise" / f"vlm-{family}")
-    zero_clip_l(models / "text_encoders" / "clip_l.safetensors")  # the name the shipped caption workflow loads
     generator = np.random.default_rng(0)
     for name in IMAGES:  # one size: a batch node stacks them as they are
         Image.fromarray((generator.random((40, 30, 3)) * 255).astype(np.uint8)).save(base / "input" / name)
@@ -217,28 +203,20 @@ def caption_graph(model: str, prompt: str, images: tuple[str, ...], encode: bool
     return graph
 
 
-def transformers_caption(server, family: str, image: str) -> str:
-    folder = models_of(server) / "streamwise" / f"vlm-{family}"
-    from streamwise.runtime.generation import load_processor  # transformers' processor (without video, here)
-
-    processor = load_processor(folder)
+def caption(server, family: str, image: str) -> str:
+    """transformers' caption of one of the server's input images by `vlm-<family>`."""
     picture = Image.open(server.log.parent / "input" / image).convert("RGB")
-    inputs = transformers_inputs(family, processor, picture, ASKED.get(family, "describe the image"))
-    model = transformers.AutoModelForImageTextToText.from_pretrained(folder).eval()
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    made = out[0] if model.config.is_encoder_decoder else out[0, inputs["input_ids"].shape[1]:]
-    return processor.tokenizer.decode(made, skip_special_tokens=True)
+    return transformers_caption(models_of(server) / "streamwise" / f"vlm-{family}", picture, ASKED[family], 8)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_vision_language_model_captions_a_loaded_image_as_transformers_does(server, family):
-    graph = caption_graph(f"streamwise/vlm-{family}", ASKED.get(family, "describe the image"), IMAGES[:1])
-    assert texts(server, graph, "3") == [transformers_caption(server, family, IMAGES[0])]
+    graph = caption_graph(f"streamwise/vlm-{family}", ASKED[family], IMAGES[:1])
+    assert texts(server, graph, "3") == [caption(server, family, IMAGES[0])]
 
 
 def test_each_image_of_a_batch_gets_its_caption_and_the_text_encoder_runs_once_per_caption(server):
-    expected = [transformers_caption(server, "florence2", image) for image in IMAGES]
+    expected = [caption(server, "florence2", image) for image in IMAGES]
     entry = server.run(caption_graph("streamwise/vlm-florence2", "<CAPTION>", IMAGES, encode=True))
     assert expected[0] != expected[1] and entry["outputs"]["3"]["text"] == expected
     assert len(entry["outputs"]["8"]["text"]) == 2  # CLIPTextEncode, and what shows its output, once per caption
