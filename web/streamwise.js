@@ -4,8 +4,9 @@
 // such results only on nodes it knows, so this extension gives Streamwise's nodes the same displays: a read-only
 // text box that shows the latest text, and core's own audio player (the `AUDIO_UI` widget it gives PreviewAudio),
 // which the frontend fills from {"audio": [...]} itself. A cached node sends its result again, so both stay right.
-// Each run starts with empty boxes, and a node that fails shows its error instead: a box never shows what an
-// earlier run made beside this run's error.
+// Each run empties the boxes of the nodes it runs anew (all but those it takes from the cache, whose result stands;
+// older cores resend only output nodes' results), and a node that fails shows its error instead: a box never shows
+// what an earlier run made beside this run's error.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -36,15 +37,15 @@ function showText(node, text) {
   }
 }
 
-function resultBoxes() {
-  return (app.graph?._nodes ?? []).filter((node) => TEXT_NODES.has(node.type))
-    .map((node) => node.widgets?.find((w) => w.name === RESULT)).filter(Boolean);
-}
-
-function clearResults() {
-  for (const widget of resultBoxes()) {
-    widget.element.value = "";
-    widget.element.title = "";
+function clearResults({ detail }) {
+  const cached = new Set((detail?.nodes ?? []).map(String));
+  for (const node of app.graph?._nodes ?? []) {
+    const rerun = TEXT_NODES.has(node.type) && !cached.has(String(node.id));
+    const widget = rerun && node.widgets?.find((w) => w.name === RESULT);
+    if (widget) {
+      widget.element.value = "";
+      widget.element.title = "";
+    }
   }
 }
 
@@ -59,7 +60,7 @@ function showError({ detail }) {
 app.registerExtension({
   name: "Streamwise.Results",
   setup() {
-    api.addEventListener("execution_start", clearResults);
+    api.addEventListener("execution_cached", clearResults);  // sent once per run, before any node runs
     api.addEventListener("execution_error", showError);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
