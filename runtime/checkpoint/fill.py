@@ -31,6 +31,7 @@ from ..engine import protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileSource, FileTier, Sources
 from ..engine.journal import Journal
+from ..engine.row_reads import RowReads, row_reads
 from ..host_memory import return_large_frees
 from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
@@ -152,7 +153,7 @@ def load(
         if tiers.in_file:  # short of memory: what the load and the forwards free goes back to the system
             return_large_frees()
         filling.read_in(tiers)  # every read error surfaces here, before the tree changes
-        reads = FileTier(tiers.slabs)
+        reads = FileTier(tiers.slabs, tiers.staging_bytes // tiers.slabs)  # arenas the size the budget counted
         if progress is None or progress is True:
             from tqdm import tqdm
 
@@ -169,9 +170,10 @@ def load(
             dequant_cache.DEQUANT_CACHE.limit(left)
         for unit in units:
             if any(key in tiers.in_file for key, _ in unit.values):
-                leaf = model.get_submodule(unit.path)
-                journal.keep(leaf, (protocol.FETCH_FLAG,))
-                protocol.set_fetching(leaf, True)  # its weights come from the file at each forward
+                for path in (unit.path, *unit.also):
+                    leaf = model.get_submodule(path)
+                    journal.keep(leaf, (protocol.FETCH_FLAG,))
+                    protocol.set_fetching(leaf, True)  # its weights come from the file at each forward
     residents: dict[str, int] = {}
     for module in model.modules():
         handler = protocol.quant_handler(module)
@@ -185,6 +187,14 @@ def load(
     )
     _log.info("load: policy `%s`, %s", plan.policy, report)
     return report
+
+
+def _sharing(one: RowReads | None, other: RowReads | None) -> RowReads | None:
+    """How a unit of two leaves sharing a tensor reads it: whole where either does, else in chunks where either does,
+    else gathering rows."""
+    if one is None or other is None:
+        return None
+    return "chunks" if "chunks" in (one, other) else "gather"
 
 
 class _Filling:
@@ -358,37 +368,47 @@ class _Filling:
         return consumed
 
     def units(self, plan) -> tuple[list[object], list[Unit]]:
-        """What must be in memory (outside any streamed unit: buffers, relocated, tied or transformed tensors), and
-        each streamed unit's values, in the plan's order."""
-        streamed = {entry.path: Unit(entry.path, []) for entry in plan.modules if entry.stream}
+        """What must be in memory (outside any streamed unit: buffers, relocated or transformed tensors, a tied one
+        some holder of which streams in no unit), and each streamed unit's values, in the plan's order, with how its
+        leaf reads its weight from the file (`row_reads`). Units sharing a tied tensor (an embedding and the head it
+        is tied to) are one unit, in memory or in the file together."""
+        units = {entry.path: Unit(entry.path, [], row_reads(entry.stream, self.model.get_submodule(entry.path)))
+                 for entry in plan.modules if entry.stream}
         relocated = {(entry.path, name) for entry in plan.modules for name in entry.relocate}
+        merged: dict[str, Unit] = dict(units)  # each leaf's unit, after merging
         must_hold: list[object] = []
 
-        def unit_of(module_path: str) -> Unit | None:
-            path = module_path
+        def unit_of(key: str) -> Unit | None:
+            path = key.rpartition(".")[0]
             while True:
-                if path in streamed:
-                    return streamed[path]
+                if path in merged:
+                    return merged[path]
                 if not path:
                     return None
                 path = path.rpartition(".")[0]
 
         for name, value in self.tensors.items():
-            module_path, _, attribute = name.rpartition(".")
-            unit = unit_of(module_path)
-            if (unit is None or len(self.aliases[name]) > 1 or name in self.buffers
-                    or (module_path, attribute) in relocated):
+            holders = [unit_of(alias) for alias in self.aliases[name]]
+            if (None in holders or name in self.buffers
+                    or any(alias.rpartition(".")[::2] in relocated for alias in self.aliases[name])):
                 must_hold.append(value)
-            else:
-                unit.values.append((name, value))
+                continue
+            unit = holders[0]
+            for other in {id(h): h for h in holders[1:] if h is not unit}.values():  # tied: one unit from now on
+                unit.values += other.values
+                unit.also += (other.path, *other.also)
+                unit.reads = _sharing(unit.reads, other.reads)
+                other.values = []
+                merged.update(dict.fromkeys((other.path, *other.also), unit))
+            unit.values.append((name, value))
         for module_path, (_, stored, _) in self.residents.items():
-            unit = unit_of(module_path)
+            unit = unit_of(f"{module_path}.weight")
             for attribute, value in stored.items():
                 if unit is None:
                     must_hold.append(value)
                 else:
                     unit.values.append((f"{module_path}.{attribute}", value))
-        return must_hold, [unit for unit in streamed.values() if unit.values]
+        return must_hold, [unit for unit in units.values() if unit.values]
 
     def read_in(self, tiers: Tiers) -> None:
         """Read every value that stays in memory (those left in the file stay `FileSource`s)."""
@@ -421,7 +441,9 @@ class _Filling:
             if progress is not None:
                 progress(done, total)
             current = expected[name]
-            source = self.sources.get(name) if len(self.aliases[name]) == 1 else None
+            # a tied tensor is read back from its file only where it stays there (its unit's leaves read it from
+            # there); in memory it stays, as a later placing keeps tied tensors
+            source = self.sources.get(name) if len(self.aliases[name]) == 1 or isinstance(tensor, FileSource) else None
             if isinstance(tensor, FileSource):
                 value = tensor.placeholder(current)
             elif isinstance(current, nn.Parameter):

@@ -29,12 +29,12 @@ LLAMA_CPP_END_MARKERS = frozenset({
 _END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
-def from_folder(folder: str | os.PathLike, vocabulary: int | None = None):
+def from_folder(folder: str | os.PathLike):
     """The generation settings of the model folder `folder`, as transformers' `from_pretrained` reads them: its
     generation_config.json, else the generation fields its config.json holds; None where it has neither (a model a
     registered builder made from other files). A CheckpointError naming the file where one is unreadable, too large,
-    holds a setting transformers refuses, or a token id that is no integer (or a suppressed token outside the
-    `vocabulary`), which `generate` would fail on deep inside."""
+    holds a setting transformers refuses, or a token id that is no integer, which `generate` would fail on deep
+    inside."""
     import transformers
 
     folder = Path(folder)
@@ -59,30 +59,23 @@ def from_folder(folder: str | os.PathLike, vocabulary: int | None = None):
                                                                  _from_model_config=name == "config.json")
     except (OSError, ValueError, TypeError, AttributeError) as exc:  # its validator's refusals, the file gone since
         raise CheckpointError([f"{path}: {exc}"]) from None
-    problems = [f"{path}: {problem}" for problem in _token_problems(settings, vocabulary)]
+    problems = [f"{path}: `{name}` is {value!r}, where token ids are integers" for name, value in _not_ids(settings)]
     if problems:
         raise CheckpointError(problems)
     return settings
 
 
-_TOKEN_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
-_SUPPRESSED = ("suppress_tokens", "begin_suppress_tokens")
+_TOKEN_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id", "suppress_tokens",
+                 "begin_suppress_tokens")
 
 
-def _token_problems(settings, vocabulary: int | None) -> list[str]:
-    """The token fields `generate` would fail on: ids that are no integers, suppressed ids no logit has."""
-    problems = []
-    for name in (*_TOKEN_FIELDS, *_SUPPRESSED):
-        value = getattr(settings, name, None)
-        ids = value if isinstance(value, list) else [value]
-        if value is None or (name in _TOKEN_FIELDS and value == []):
-            continue
-        if not all(isinstance(each, int) and not isinstance(each, bool) for each in ids):
-            problems.append(f"`{name}` is {value!r}, where token ids are integers")
-        elif name in _SUPPRESSED and vocabulary is not None and not all(0 <= each < vocabulary for each in ids):
-            problems.append(f"`{name}` holds {next(each for each in ids if not 0 <= each < vocabulary)}, outside the "
-                            f"model's vocabulary of {vocabulary} tokens")
-    return problems
+def _not_ids(settings) -> list[tuple[str, object]]:
+    """The token-id fields of `settings` holding something other than integers, which `generate` fails on deep
+    inside (an id past the vocabulary it leaves alone: nothing is ever suppressed or ended at there)."""
+    found = [(name, getattr(settings, name, None)) for name in _TOKEN_FIELDS]
+    return [(name, value) for name, value in found if value is not None and not all(
+        isinstance(each, int) and not isinstance(each, bool) for each in (value if isinstance(value, list) else
+                                                                          [value]))]
 
 
 def from_llama_cpp(config, metadata: dict, tokens: list[str] | None):

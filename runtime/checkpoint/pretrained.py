@@ -30,7 +30,6 @@ from ..build.skeleton import built_skeleton, config_folder, model_type, skeleton
 from ..convert import applied_state
 from ..plan.auto import choose_policy
 from . import carried_files, generation_defaults
-from .discover import model_identity
 from .fill import LoadReport, load
 from .readers import Checkpoint, CheckpointError, open_checkpoint
 
@@ -83,8 +82,7 @@ def load_pretrained(
                 with carried_files.unpacked(_carried_model(checkpoint)) as carried:
                     model, built = built_skeleton(carried, dtype, model_class)
                     kind = model_type(carried)
-                    settings = _generation_settings(
-                        model, lambda: generation_defaults.from_folder(carried, _vocabulary(model)))
+                    settings = _generation_settings(model, lambda: generation_defaults.from_folder(carried))
             else:
                 from .llama_cpp import gguf_config, gguf_metadata  # GGUF only, as `gguf_reader` (open_checkpoint)
 
@@ -101,7 +99,7 @@ def load_pretrained(
     else:
         model, built = built_skeleton(folder, dtype, model_class)
         source, kind = str(folder), model_type(folder)
-        settings = _generation_settings(model, lambda: generation_defaults.from_folder(folder, _vocabulary(model)))
+        settings = _generation_settings(model, lambda: generation_defaults.from_folder(folder))
     choice = choose_policy(policy, model, model_type=kind, dirs=policy_dirs, skip_unreadable=skip_unreadable)
     policy, chosen = choice.policy, choice.reason
     _log.info("load_pretrained: %s: built %s; %s", path.name, built, chosen)
@@ -112,12 +110,6 @@ def load_pretrained(
     if settings is not None:  # the checkpoint's own, where the model generates
         model.generation_config = settings
     return Pretrained(model, report, chosen)
-
-
-def _vocabulary(model: nn.Module) -> int | None:
-    """The tokens a generating model has logits for (its text decoder's, in a vision-language model)."""
-    config = model.config.get_text_config(decoder=True)
-    return getattr(config, "vocab_size", None)
 
 
 def _generation_settings(model: nn.Module, read: Callable[[], object]):
@@ -169,6 +161,8 @@ def load_tokenizer(source: str | os.PathLike):
     carries (a Streamwise GGUF), else the one in its llama.cpp metadata (transformers rebuilds it:
     `AutoTokenizer.from_pretrained(folder, gguf_file=...)`). Read once per version of its files (`model_identity`):
     rebuilding a 150k-token vocabulary from GGUF metadata takes about 20 s, and a host tokenizes once per prompt."""
+    from .discover import model_identity  # its GGUF header reader imports gguf, which a safetensors load never needs
+
     source = Path(source)
     return _tokenizer(str(source), model_identity(source))
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..engine.file_tier import FileSource, FileTier
+from ..engine.row_reads import RowReads, staging_bytes
 from ..host_memory import HostMemoryError, host_memory
 from ..sizes import SizeError, human, parse_size
 from .errors import CheckpointError
@@ -74,14 +75,22 @@ def host_budget(max_memory: object) -> HostBudget:
 @dataclass
 class Unit:
     """A streamed unit's tensors as the load holds them: (key, value) where a value is read from the file
-    (`FileSource`) or was made in memory (a tensor)."""
+    (`FileSource`) or was made in memory (a tensor); how its leaves read their weight from the file (`reads`, by
+    rows or whole); and the other leaves it holds, that share a tensor with it (`also`: a tied embedding and head)."""
 
     path: str
     values: list[tuple[str, object]]
+    reads: RowReads | None = None
+    also: tuple[str, ...] = ()
 
     @property
     def bytes(self) -> int:
         return sum(_nbytes(value) for _, value in self.values)
+
+    @property
+    def staging(self) -> int:
+        """The staging it needs while in the file: all of it, a chunk of rows, or none (rows it gathers)."""
+        return staging_bytes(self.reads, self.bytes)
 
     @property
     def can_stay_in_file(self) -> bool:
@@ -121,15 +130,16 @@ class Tiers:
 def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, *,
           file_tier: bool = True, slabs: int = FileTier.SLABS, doing: str = "loading", working: int = 0) -> Tiers:
     """What stays in memory and what in the file, the fewest bytes in the file that fit `budget` after `must_hold`:
-    two staging buffers (read-ahead), else one; each sized for the largest unit left in the file, so every size of
-    that unit is tried (a large embedding kept in memory can leave far more of the rest there). A host that cannot
+    two staging buffers (read-ahead), else one; each sized for the largest staging a unit left in the file needs (a
+    unit read by rows needs a chunk or none: `row_reads`), so every size of that unit is tried (a large unit kept in
+    memory can leave far more of the rest there). A host that cannot
     read from files (`file_tier=False`) keeps all in memory; `slabs` is the most staging buffers there may be (a
     tree placed anew keeps the ones it has); `working` bytes stay free for the forward (expanding quantized weights).
     Nothing fits: a CheckpointError saying what `doing` needs, what the budget is and which budget to set."""
     room = HostBudget(None if budget.bytes is None else budget.bytes - working, budget.why)  # what weights may take
     fixed = sum(_nbytes(value) for value in must_hold)
     movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
-    caps = sorted({unit.bytes for unit in movable}, reverse=True) or [0]
+    caps = sorted({unit.staging for unit in movable}, reverse=True) or [0]
     for buffers in range(slabs, 0, -1):
         fitting = [tiers for cap in caps if _fits(tiers := _placed(fixed, units, movable, room, buffers, cap), room)]
         if fitting:
@@ -153,8 +163,9 @@ def _fits(tiers: Tiers, budget: HostBudget) -> bool:
 
 def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudget, slabs: int, cap: int) -> Tiers:
     """Units in memory in order while they fit beside `slabs` staging buffers of `cap` bytes; the rest in the file,
-    except units larger than `cap` (and those that cannot stay in the file), which are in memory whatever it costs."""
-    can_move = {id(unit) for unit in movable if unit.bytes <= cap}
+    except units needing more staging than `cap` (and those that cannot stay in the file), which are in memory
+    whatever it costs."""
+    can_move = {id(unit) for unit in movable if unit.staging <= cap}
     host = fixed + sum(unit.bytes for unit in units if id(unit) not in can_move)  # first: they come what may
     in_file, file_bytes, file_units, largest = set(), 0, 0, 0
     for unit in units:
@@ -165,7 +176,7 @@ def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudg
             host += size
         else:
             in_file.update(key for key, _ in unit.values)
-            file_bytes, file_units, largest = file_bytes + size, file_units + 1, max(largest, size)
+            file_bytes, file_units, largest = file_bytes + size, file_units + 1, max(largest, unit.staging)
     return Tiers(frozenset(in_file), host, file_bytes, file_units, slabs * largest, budget.bytes, slabs)
 
 

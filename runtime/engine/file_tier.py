@@ -121,12 +121,18 @@ class Sources:
     tensors: dict[str, FileSource]
 
 
-def read_back(module: nn.Module, name: str) -> Tensor:
-    """The value of a file-tier tensor, read into memory of its own (a Parameter where its placeholder is one)."""
+def read_back(module: nn.Module, name: str, read: dict[int, Tensor] | None = None) -> Tensor:
+    """The value of a file-tier tensor, read into memory of its own (a Parameter where its placeholder is one).
+    `read`: what one placing read back so far, by placeholder: a tensor tied across modules (an embedding and its
+    head share one placeholder) is read once and stays one tensor."""
     source, placeholder = sources(module)[name], module._parameters[name]
+    if read is not None and id(placeholder) in read:
+        return read[id(placeholder)]
     value = source.read()
     if isinstance(placeholder, nn.Parameter):
-        return nn.Parameter(value, requires_grad=placeholder.requires_grad)
+        value = nn.Parameter(value, requires_grad=placeholder.requires_grad)
+    if read is not None:
+        read[id(placeholder)] = value
     return value
 
 
@@ -214,11 +220,11 @@ class FileTier:
     """Staging, in multiples of the largest unit read from the file: the unit computing, and room to read ahead. One
     where memory is too short for two: then nothing is read ahead."""
 
-    def __init__(self, slabs: int = SLABS) -> None:
+    def __init__(self, slabs: int = SLABS, largest: int = 0) -> None:
         self.slabs = slabs
         self.read_ahead = slabs > 1
         self._pool: list[_Arena] = []
-        self._largest = 0
+        self._largest = largest
         self._order: list[weakref.ref] = []
         self._position: dict[int, int] = {}
         self._ahead: dict[int, _Pending] = {}
@@ -232,12 +238,36 @@ class FileTier:
     def __reduce__(self):
         """A copied or unpickled tree reads its file through staging of its own (the bookkeeping, the reader thread
         and the lock here are this tree's)."""
-        return FileTier, (self.slabs,)
+        return FileTier, (self.slabs, self._largest)
 
     @property
     def staging_bytes(self) -> int:
         """Bytes the pool holds now (at most `slabs` times the largest unit read)."""
         return sum(arena.buffer.numel() for arena in self._pool)
+
+    @property
+    def largest(self) -> int:
+        """The bytes of an arena: the largest unit read whole so far, at least what the load planned."""
+        return self._largest
+
+    def read_rows(self, source: FileSource, runs: list[tuple[int, int]], *, pooled: bool = True) -> Tensor:
+        """Rows [start, stop) of `source`'s 2-D tensor for each of `runs`, one after another, in the model's dtype,
+        read through its file's checked reads: into an arena's free end where they fit in one, else (and with
+        `pooled=False`) into memory of their own. Never grows the arenas: rows are read to spare staging
+        (`row_reads`)."""
+        row = source.range.nbytes // source.range.shape[0]
+        count = sum(stop - start for start, stop in runs)
+        buffer = self._buffer(count * row, pooled=True, grow=False) if pooled else None
+        if buffer is None:
+            buffer = torch.empty(count * row, dtype=torch.uint8)
+        ranges, at = [], 0
+        for start, stop in runs:
+            ranges.append((source.range.offset + start * row, buffer[at:at + (stop - start) * row]))
+            at += (stop - start) * row
+        if ranges:
+            source.range.file.read_into(ranges)
+        values = buffer.view(source.range.dtype).reshape(count, *source.range.shape[1:])
+        return values if values.dtype == source.dtype else values.to(source.dtype)
 
     def read(self, module: nn.Module) -> dict[str, Tensor]:
         """`module`'s file-tier tensors, read now or taken from the read ahead; then the next units' reads start."""
@@ -294,8 +324,8 @@ class FileTier:
             following = self._order[(position + step) % len(self._order)]()
             if following is None or id(following) in self._ahead or not in_file(following):
                 continue
-            nbytes = _unit_bytes(following)
-            buffer = None if past_pool is not None else self._buffer(nbytes, pooled=True)
+            nbytes = _unit_bytes(following)  # a unit larger than the arenas (read by rows) is never read ahead
+            buffer = None if past_pool is not None else self._buffer(nbytes, pooled=True, grow=False)
             if buffer is None:  # the pool is full: the reader goes on at a later fetch, the kernel meanwhile
                 past_pool = (past_pool or 0) + nbytes
                 if past_pool > self.slabs * self._largest:
@@ -331,11 +361,13 @@ class FileTier:
             file.read_into(ranges)
         return {name: source.as_model_tensor(raw) for (name, source), raw in zip(found, raws, strict=True)}
 
-    def _buffer(self, nbytes: int, *, pooled: bool) -> Tensor | None:
+    def _buffer(self, nbytes: int, *, pooled: bool, grow: bool = True) -> Tensor | None:
         """A uint8 buffer of `nbytes` no tensor views: the free end of an arena of the pool (an arena whose views
         are all gone starts over), else a new arena where the pool has room; else, unless `pooled`, a fresh buffer
-        outside the pool."""
+        outside the pool. Arenas grow to the largest read, unless not to `grow` (then a larger read finds none)."""
         with self._lock:
+            if not grow and nbytes > self._largest:
+                return None
             self._largest = max(self._largest, nbytes, 1)
             for arena in self._pool:
                 if _use_count(arena.buffer) == arena.idle:

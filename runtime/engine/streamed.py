@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from . import protocol
+from . import protocol, row_reads
 from .classes import derived_class
 from .file_tier import kept_in_file
 from .kinds import COMPUTE_KINDS
@@ -49,11 +49,16 @@ def leaf_namespace(cls: type[nn.Module], kind: Any) -> dict[str, object]:
     """The class body of a streamed leaf of `cls` computing with `kind` (a compute kind or a resident's)."""
     input_name = _input_name(cls.forward)
     original_apply = cls._apply
+    by_rows = row_reads.KINDS.get(kind.name)  # the kinds that can read a weight on the file tier by rows
 
     def streamed(self: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         x, args = kind.split(self, input_name, args, kwargs)
         tree = protocol.tree_of(self)
         tree.compute_device = x.device  # the activations' device: the one signal that never lies
+        if by_rows is not None and not args and not kwargs:
+            reads = row_reads.reading_by_rows(self, kind.name)
+            if reads is not None:  # a large weight left in its file, read a few rows at a time
+                return row_reads.computed_by_rows(reads, self, x)
         fetched = kind.fetch(tree.fetcher, self, x)
         try:
             return kind.compute(self, x, fetched, *args, **kwargs)

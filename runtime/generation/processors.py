@@ -15,8 +15,6 @@ import json
 import os
 from pathlib import Path
 
-from ..checkpoint.discover import model_identity
-
 #: The files a processor's class is named in; one mapping it to the folder's own code is refused.
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _NAMED_IN = (*PROCESSOR_FILES, "tokenizer_config.json")
@@ -25,6 +23,8 @@ _MAX_CONFIG = 16 * 2**20
 
 def load_processor(folder: str | os.PathLike):
     """The processor of the model folder `folder`; a ValueError saying what is missing where it has none."""
+    from ..checkpoint.discover import model_identity  # its GGUF header reader imports gguf: only when asked
+
     folder = Path(folder)
     return _processor(str(folder), model_identity(folder) if folder.is_dir() else ())
 

@@ -293,6 +293,7 @@ def dispatch(
         streamed = resident = 0
         placed_bytes = dict.fromkeys(limits, 0)
         seen: set[int] = set()
+        read: dict[int, torch.Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
         for atom, device in device_map.items():
             on_cpu = device in (CPU, DISK)
             target = torch.device(CPU if device == DISK else device)
@@ -313,7 +314,7 @@ def dispatch(
                     if name in relocated or device == DISK:
                         continue
                     if file_tier.on_file_tier(module, name):  # back from the file, then placed as any other
-                        journal.set_tensor(module, name, file_tier.read_back(module, name))
+                        journal.set_tensor(module, name, file_tier.read_back(module, name, read))
                         tensor = module._parameters[name]
                     pinned = pin and on_cpu and name in module._parameters
                     if tensor.device != target or (pinned and not tensor.is_pinned()):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,13 +128,14 @@ def offload(
                 placed = _residency(leaves, budget)
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
         host_tier = []
+        read: dict[int, Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
         for group, size, resident in placed:
             for leaf in group:
                 for owner in _owners(leaf):
                     if id(leaf) in in_file:
                         file_tier.leave_in_file(journal, owner)
                     else:
-                        _place(journal, owner, device if resident else offload_device)
+                        _place(journal, owner, device if resident else offload_device, read)
                         host_tier += [] if resident else [owner]
                 journal.keep(leaf, (protocol.FETCH_FLAG,))
                 protocol.set_fetching(leaf, not resident)
@@ -149,7 +151,7 @@ def offload(
         converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
         for module in model.modules():
             if id(module) not in converted and not protocol.relocated_names(module):
-                _place(journal, module, device)
+                _place(journal, module, device, read)
         journal.set_attributes(state.tree, {"compute_device": device, "fetcher": streamer})
         if policy.compile.enabled:
             _keep_arming(journal, model)
@@ -261,6 +263,7 @@ def _file_tier(model: nn.Module, placed: list[tuple[list[nn.Module], int, bool]]
     if host_budget is None:
         return set()
     held = {id(t): t for t in _outside_tensors(model, leaves)} if device.type == "cpu" else {}
+    shared = Counter(id(t) for leaf in leaves for owner in _owners(leaf) for t in owner._parameters.values())
     units = []
     for index, (group, _, resident) in enumerate(placed):
         tensors = [(owner, name, t) for leaf in group for owner in _owners(leaf)
@@ -268,8 +271,9 @@ def _file_tier(model: nn.Module, placed: list[tuple[list[nn.Module], int, bool]]
         if resident:
             held.update((id(t), t) for _, _, t in tensors if device.type == "cpu")
             continue
-        values = {id(t): (f"{index}.{position}", file_tier.sources(owner).get(name, t))
-                  for position, (owner, name, t) in enumerate(tensors)}  # tied tensors once
+        # tied tensors once, and in memory: a placing keeps them there (only a load leaves one in the file)
+        values = {id(t): (f"{index}.{position}", t if shared[id(t)] > 1 else file_tier.sources(owner).get(name, t))
+                  for position, (owner, name, t) in enumerate(tensors)}
         if values:  # a leaf without parameters (a norm without affine ones) has nothing to place
             units.append(tiers.Unit(str(index), list(values.values())))
     budget = tiers.HostBudget(host_budget, f"{human(host_budget)}, the tree's (max_memory['cpu'] at its load)")
@@ -309,15 +313,15 @@ def _tied_groups(leaves: list[nn.Module]) -> list[list[nn.Module]]:
     return groups
 
 
-def _place(journal: Journal, module: nn.Module, device: torch.device) -> None:
+def _place(journal: Journal, module: nn.Module, device: torch.device, read: dict[int, Tensor] | None = None) -> None:
     """Move a module's direct parameters and buffers in place; those it relocates (a generic streamed module's
-    buffers) follow the compute device on their own."""
+    buffers) follow the compute device on their own. `read`: as for `file_tier.read_back`."""
     relocated = protocol.relocated_names(module)
     for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
         if tensor is None or name in relocated:
             continue
         if file_tier.on_file_tier(module, name):  # back from the file: read, then placed as any other
-            journal.set_tensor(module, name, file_tier.read_back(module, name))
+            journal.set_tensor(module, name, file_tier.read_back(module, name, read))
             tensor = module._parameters[name]
         if tensor.device != device:
             journal.move(module, name, device)

@@ -138,7 +138,7 @@ def test_a_llama_cpp_gguf_ends_at_its_end_of_turn_token_and_at_llama_cpps_end_ma
     ("[1, 2]", "holds a list, where a JSON object of settings belongs"),
     (json.dumps({"max_new_tokens": -1}), "`max_new_tokens` must be greater than 0"),  # transformers' validator
     (json.dumps({"eos_token_id": "x"}), "`eos_token_id` is 'x', where token ids are integers"),
-    (json.dumps({"suppress_tokens": [3, 320]}), "`suppress_tokens` holds 320, outside the model's vocabulary of 320"),
+    (json.dumps({"suppress_tokens": [3, "4"]}), r"`suppress_tokens` is \[3, '4'\], where token ids are integers"),
 ])
 def test_a_broken_generation_config_json_is_an_error_naming_it_before_anything_loads(tmp_path, content, found):
     folder, _, _ = causal_folder(tmp_path / "broken")

@@ -1,0 +1,172 @@
+"""Large weights read from the file tier by their rows: an embedding gathers only its tokens' rows, a linear layer
+larger than the staging computes from chunks of its rows; both give the resident model's numbers bit for bit, tied or
+not, through staging far smaller than the weights, with the file tier's checks intact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import streamwise
+from streamwise.runtime.checkpoint import CheckpointError, tiers
+from streamwise.runtime.convert import applied_state
+from streamwise.runtime.engine import file_tier, protocol, row_reads
+
+IDS = torch.tensor([[5, 9, 100, 4000, 5, 7, 4095, 0]])
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Staging for chunks of a tiny model's head (4096 x 64 in float32: 1 MiB): 256 KiB."""
+    monkeypatch.setattr(row_reads, "CHUNK", 256 << 10)
+
+
+def saved(folder, tied: bool):
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def reads_of(model, monkeypatch) -> list[tuple[int, int]]:
+    """Every (offset, bytes) the model's checked file reads from now on."""
+    file = next(source.range.file for m in model.modules() for source in file_tier.sources(m).values())
+    read_into, seen = type(file).read_into, []
+
+    def recorded(self, ranges, **options):
+        seen.extend((offset, buffer.numel()) for offset, buffer in ranges)
+        return read_into(self, ranges, **options)
+
+    monkeypatch.setattr(type(file), "read_into", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_embedding_and_head_left_in_the_file_compute_the_resident_numbers_through_small_staging(
+        tmp_path, tied, small_chunks, monkeypatch):
+    reference = saved(tmp_path, tied)
+    with torch.no_grad():
+        expected_logits, expected_tokens = reference(IDS).logits, reference.generate(IDS, max_new_tokens=6,
+                                                                                         do_sample=False)
+    loaded = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "600KiB"}, progress=False)
+    model, placed = loaded.model, loaded.report.tiers
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert file_tier.on_file_tier(embedding, "weight") and file_tier.on_file_tier(head, "weight")
+    assert (embedding.weight is head.weight) is tied  # a tie stays one tensor, in the file
+    assert placed.staging_bytes <= 2 * (256 << 10) < head.weight.nbytes  # two chunks' staging: less than either
+    seen = reads_of(model, monkeypatch)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected_logits)
+        assert torch.equal(model.generate(IDS, max_new_tokens=6, do_sample=False), expected_tokens)
+    assert applied_state(model).tree.file_tier.staging_bytes <= placed.staging_bytes
+    source = file_tier.sources(embedding)["weight"].range
+    rows = [(offset, size) for offset, size in seen if source.offset <= offset < source.offset + source.nbytes
+            and size < source.nbytes]
+    assert rows and all(size % 256 == 0 for _, size in rows)  # the embedding's: rows of 64 float32s
+    assert seen.count((source.offset, source.nbytes)) == 0  # never its whole weight
+
+
+def test_an_embedding_gathers_only_the_distinct_rows_of_its_tokens(tmp_path, monkeypatch):
+    saved(tmp_path, tied=False)
+    model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "1MiB"}, progress=False).model
+    embedding = model.model.embed_tokens
+    assert row_reads.reading_by_rows(embedding, "embedding") == "gather"
+    ids = torch.tensor([[7, 8, 9, 7, 4000, 8]])
+    expected = F.embedding(ids, file_tier.sources(embedding)["weight"].read())
+    seen = reads_of(model, monkeypatch)
+    assert torch.equal(embedding(ids), expected)
+    assert sorted(size // 256 for _, size in seen) == [1, 3]  # rows 7..9 in one read, 4000 in another
+    with pytest.raises(IndexError, match="index out of range in self"):  # as F.embedding says it
+        embedding(torch.tensor([[3, 4096]]))
+
+
+def test_what_cannot_be_read_by_rows_is_read_whole(tmp_path, small_chunks):
+    """A renormalizing embedding writes its rows; a weight a LoRA function applies to is patched whole; a weight
+    that fits the staging is read whole, ahead of its turn."""
+    saved(tmp_path, tied=False)
+    model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "600KiB"}, progress=False).model
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert row_reads.reading_by_rows(head, "linear") == "chunks"
+    layer = next(m for m in model.model.layers.modules() if protocol.kind_of(m) == "linear"
+                 and file_tier.on_file_tier(m, "weight"))
+    assert row_reads.reading_by_rows(layer, "linear") is None  # 32 KiB: whole, in a 256 KiB arena
+    head.weight_function = [lambda weight: weight * 2]
+    assert row_reads.reading_by_rows(head, "linear") is None
+    with torch.no_grad():
+        doubled = head(torch.ones(1, 64))
+    head.weight_function = []
+    with torch.no_grad():
+        assert torch.equal(doubled, 2 * head(torch.ones(1, 64)))
+    embedding.max_norm = 1.0
+    assert row_reads.row_reads("embedding", embedding) is None
+
+
+def test_a_file_changed_under_a_row_read_is_an_error_naming_it(tmp_path, small_chunks):
+    saved(tmp_path, tied=True)
+    model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "600KiB"}, progress=False).model
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-8])  # truncated: a download cut short
+    with pytest.raises(CheckpointError, match=str(weights)):
+        model.model.embed_tokens(IDS)
+    os.utime(weights)
+    with pytest.raises(CheckpointError, match=str(weights)):
+        model.lm_head(torch.ones(1, 64))
+
+
+def test_a_unit_read_by_rows_needs_little_or_no_staging_so_more_of_the_rest_stays_in_memory(monkeypatch):
+    """The budget counts a gathering embedding's staging as none and a chunked head's as two chunks: where staging
+    for them whole takes most of the budget, a 1000-byte head stays in memory and far less is left in the file."""
+    def unit(path, size, reads=None):
+        source = file_tier.FileSource(type("Range", (), dict(file=None, offset=0, dtype=torch.uint8, shape=(size,),
+                                                             nbytes=size))(), torch.uint8, (size,))
+        return tiers.Unit(path, [(path, source)], reads)
+
+    monkeypatch.setattr(row_reads, "CHUNK", 200)
+    whole = [unit("embed", 1000), *(unit(f"layer{i}", 100) for i in range(10)), unit("head", 1000)]
+    by_rows = [unit("embed", 1000, "gather"), *whole[1:-1], unit("head", 1000, "chunks")]
+    as_whole = tiers.place("model", [], whole, tiers.HostBudget(1200, "a test's"))
+    placed = tiers.place("model", [], by_rows, tiers.HostBudget(1200, "a test's"))
+    assert (as_whole.staging_bytes, as_whole.file_bytes) == (1000, 2800)  # one buffer of a whole embedding or head
+    assert placed.in_file == {"embed", *(f"layer{i}" for i in range(10))} and placed.host_bytes == 1000
+    assert (placed.staging_bytes, placed.file_bytes) == (200, 2000)  # two staging buffers of the largest layer
+
+
+#: Shapes of heads and projections (vocabularies, odd counts), dtypes and positions the chunking is held to.
+SHAPES = [(4099, 64), (32000, 896), (151936 // 8 + 5, 1024)]
+
+
+@pytest.mark.parametrize("rows, width", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_chunks_of_aligned_rows_compute_the_whole_weights_bits_on_the_cpu(rows, width, dtype):
+    """A remainder block sums in another order than a full one: with chunks of `ALIGN` multiples, the last taking
+    the rest, every output feature is computed in the same block as with the whole weight."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(rows, width).to(dtype), torch.randn(rows).to(dtype)
+    step = 4 * row_reads.ALIGN
+    for positions in (1, 3, 77, 300):
+        x = torch.randn(1, positions, width).to(dtype)
+        chunks = row_reads.chunks(rows, step)
+        assert chunks[0][0] == 0 and chunks[-1][1] == rows and rows - chunks[-1][0] < 2 * step
+        parts = [F.linear(x, weight[start:stop], bias[start:stop]) for start, stop in chunks]
+        assert torch.equal(torch.cat(parts, dim=-1), F.linear(x, weight, bias)), positions
+
+
+def test_a_tied_weight_a_later_placing_reads_back_stays_one_tensor(tmp_path, small_chunks):
+    """A load leaves a tied embedding and head in the file; a placing that holds them in memory reads them once."""
+    from streamwise.runtime.hosts.dispatch import dispatch
+
+    saved(tmp_path, tied=True)
+    model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "600KiB"}, progress=False).model
+    with torch.no_grad():
+        expected = model(IDS).logits
+    dispatch(model, "decoder-llm", max_memory={"cpu": "1GiB"})
+    assert model.lm_head.weight is model.model.embed_tokens.weight and file_tier.in_memory(model.lm_head.weight)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
