@@ -9,7 +9,7 @@ from comfy_api.latest import io, ui
 
 from ..runtime.checkpoint import load_pretrained
 from ..runtime.checkpoint.discover import list_models, model_identity, resolve_model
-from ..runtime.hosts.comfyui import model_patcher
+from ..runtime.hosts.comfyui import load_again, model_patcher
 from .folders import (
     allow_stranded_input,
     chosen_policy,
@@ -58,6 +58,7 @@ class StreamwiseModelLoader(io.ComfyNode):
                             "before anything is read, with both figures, instead of ending in the OOM killer."),
                 skip_unreadable_input(),
             ],
+            hidden=[io.Hidden.unique_id],
             outputs=[
                 io.Model.Output("model_out", display_name="model",
                                 tooltip="The converted model, ready to partial-load."),
@@ -90,13 +91,18 @@ class StreamwiseModelLoader(io.ComfyNode):
         policy = chosen_policy(policy, dirs, auto=True)
         path = resolve_model(model, model_roots())
         progress = comfy.utils.ProgressBar(100)
-        tree, report, chosen = load_pretrained(
-            path, policy, dtype=DTYPES[dtype], policy_dirs=dirs, allow_stranded=allow_stranded,
-            progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
-            max_memory={"cpu": host_budget}, skip_unreadable=skip_unreadable_policies,
-        )
-        patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
-                                offload_device=comfy.model_management.unet_offload_device(),
-                                allow_stranded=allow_stranded)
-        text = f"{chosen}; {report}"
+
+        def load():
+            tree, report, chosen = load_pretrained(
+                path, policy, dtype=DTYPES[dtype], policy_dirs=dirs, allow_stranded=allow_stranded,
+                progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),
+                max_memory={"cpu": host_budget}, skip_unreadable=skip_unreadable_policies,
+            )
+            patcher = model_patcher(tree, load_device=comfy.model_management.get_torch_device(),
+                                    offload_device=comfy.model_management.unet_offload_device(),
+                                    allow_stranded=allow_stranded)
+            return patcher, f"{chosen}; {report}"
+
+        node = getattr(cls.hidden, "unique_id", None)  # None: called outside a prompt (a test, another node)
+        patcher, text = load_again(node, load)  # this node's previous model makes room if need be
         return io.NodeOutput(patcher, text, ui=ui.PreviewText(text))

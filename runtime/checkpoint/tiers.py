@@ -36,6 +36,10 @@ HOST_MARGIN = 0.10
 free: activations, the KV cache, the allocator's slack, and a later model in the same process."""
 
 
+class HostBudgetError(CheckpointError):
+    """What a load or placing must hold does not fit the host budget: refused before anything is read or moved."""
+
+
 @dataclass(frozen=True)
 class HostBudget:
     bytes: int | None
@@ -149,7 +153,7 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
                 else "of units whose values were transformed on load")
     staging = caps[0]
     expanding = f", and {human(working)} to expand the largest quantized weight at each call" if working else ""
-    raise CheckpointError([
+    raise HostBudgetError([
         f"{path}: {doing} needs at least {human(fixed + kept + staging + working)} of host memory, but the host budget "
         f"is {budget.why}. In memory must be {human(fixed)} of tensors outside streamed units (tied or transformed "
         f"ones too), {human(kept)} {kept_why}, {human(staging)} for a staging buffer of the largest unit left in the "

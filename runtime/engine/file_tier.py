@@ -145,6 +145,25 @@ def leave_in_file(journal: Journal, module: nn.Module) -> None:
             journal.set_tensor(module, name, source.placeholder(tensor))
 
 
+def leave_tree_in_file(journal: Journal, model: nn.Module) -> int:
+    """Put every streamed leaf of `model` whose tensors (and those it claims) can all be read back from their file
+    there, fetching from then on: what a host does with a model it keeps but no longer runs, to give its host memory
+    back (its tier's staging too: `FileTier.drop_staging`). The bytes given back."""
+    given = 0
+    for leaf in model.modules():
+        owners = [leaf, *protocol.claimed(leaf)]
+        held = [(owner, name, tensor) for owner in owners for name, tensor in owner._parameters.items()
+                if tensor is not None and in_memory(tensor)]
+        if protocol.kind_of(leaf) is None or not held or any(name not in sources(owner) for owner, name, _ in held):
+            continue
+        for owner in owners:
+            leave_in_file(journal, owner)
+        journal.keep(leaf, (protocol.FETCH_FLAG,))
+        protocol.set_fetching(leaf, True)
+        given += sum(tensor.nbytes for _, _, tensor in held)
+    return given
+
+
 def sources(module: nn.Module) -> dict[str, FileSource]:
     """The tensors of `module` that can go back to their file, by attribute name."""
     record = module.__dict__.get(protocol.SOURCES)
@@ -298,6 +317,12 @@ class FileTier:
         if not self._outside_graphs:
             self._outside_graphs = True
             self.read = torch.compiler.disable(self.read)
+
+    def drop_staging(self) -> None:
+        """Let the staging arenas go, and what was read ahead (the tree does not run for now; a read makes new ones)."""
+        self.forget()
+        with self._lock:
+            self._pool = []
 
     def forget(self) -> None:
         """Drop what was read ahead and the order learnt (the tree was placed anew)."""

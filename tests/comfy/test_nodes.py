@@ -601,3 +601,37 @@ def test_generate_text_passes_only_the_flags_that_apply(nodes):
     finally:
         library.removeHandler(handler)
     assert "not valid" not in captured.getvalue()
+
+
+def test_a_previous_model_gives_its_host_memory_back_and_still_computes_the_same(nodes):
+    """What a loader node run again does with its previous model before a load is refused for memory: its weights
+    go back to their file, and it computes what it computed."""
+    from streamwise.runtime.checkpoint.tiers import HostBudgetError
+    from streamwise.runtime.hosts.comfyui import give_back_host_memory, load_again
+
+    mappings, root = nodes
+    patcher, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "decoder-llm", "auto").args
+    ((before,),) = generate_text(mappings, patcher, "a cat sat on the mat", 8).args
+    tree = patcher.model
+    held = sum(p.nbytes for p in tree.parameters() if file_tier.in_memory(p))
+    given = give_back_host_memory(patcher)
+    assert given > held // 2 and file_tier.in_file(tree.lm_head) and file_tier.in_file(tree.model.layers[0].mlp.up_proj)
+    ((after,),) = generate_text(mappings, patcher, "a cat sat on the mat", 8).args
+    assert after == before == reference_text(root / "tiny-qwen2", "a cat sat on the mat", 8)
+    again, _ = mappings["StreamwiseModelLoader"].execute("streamwise/tiny-qwen2", "decoder-llm", "auto").args
+    tries = []
+
+    def load():  # refused for memory while the node's previous model holds it
+        tries.append(file_tier.in_file(again.model.lm_head))
+        if len(tries) == 1:
+            raise HostBudgetError(["a test's budget"])
+        return again, "loaded"
+
+    load_again("7", lambda: (again, "first"))
+    assert load_again("7", load) == (again, "loaded") and tries == [False, True]  # it gave its memory back first
+
+    def refused():
+        raise HostBudgetError(["a test's budget"])
+
+    with pytest.raises(HostBudgetError):
+        load_again("8", refused)  # no previous model of that node to make room: the refusal stands
