@@ -39,8 +39,8 @@ TIMEOUT = 600
 CHILD = r"""
 import json, sys, torch, transformers
 from transformers import AutoModelForCausalLM, Qwen2ForCausalLM  # noqa: F401  (the modeling code, imported first)
-import streamwise
 from streamwise import load_pretrained
+from streamwise.runtime.checkpoint import CheckpointError
 
 def usage():
     for line in open("/proc/self/cgroup"):
@@ -64,7 +64,7 @@ if loader == "transformers":
 else:
     try:
         loaded = load_pretrained(folder, "auto", progress=False)
-    except streamwise.CheckpointError as exc:
+    except CheckpointError as exc:
         print("REFUSED", json.dumps(str(exc)), flush=True)
         sys.exit(1)
     model, said = loaded.model, str(loaded.report.tiers)

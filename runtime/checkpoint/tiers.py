@@ -40,11 +40,18 @@ class HostBudgetError(CheckpointError):
     """What a load or placing must hold does not fit the host budget: refused before anything is read or moved."""
 
 
+SHORT_MARGIN = 16 << 20
+"""What a load short of memory leaves free at least for the forward (activations, the KV cache of a short prompt,
+the allocator's slack), where `HOST_MARGIN` of the ceiling leaves too little for what must be in memory."""
+
+
 @dataclass(frozen=True)
 class HostBudget:
     bytes: int | None
     """None: no limit (everything the load reads stays in memory)."""
     why: str
+    short: HostBudget | None = None
+    """Where memory is short, the budget that leaves only `SHORT_MARGIN` free (`"auto"` budgets)."""
 
 
 def host_budget(max_memory: object) -> HostBudget:
@@ -61,8 +68,11 @@ def host_budget(max_memory: object) -> HostBudget:
         except HostMemoryError as exc:
             raise CheckpointError([f"{exc}: pass max_memory={{'cpu': '8GiB'}}"]) from None
         spare = max(0, memory.available - int(HOST_MARGIN * memory.total))
+        least = max(0, memory.available - SHORT_MARGIN)
+        short = HostBudget(least, f"{human(least)}: {human(memory.available)} available less {human(SHORT_MARGIN)}, "
+                                  f"short of memory ({memory.source})") if least > spare else None
         return HostBudget(spare, f"{human(spare)}: {human(memory.available)} available less {HOST_MARGIN:.0%} of "
-                                 f"{human(memory.total)} ({memory.source})")
+                                 f"{human(memory.total)} ({memory.source})", short)
     try:
         size = parse_size(max_memory, "max_memory['cpu']")
     except SizeError as exc:
@@ -139,13 +149,26 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
     memory can leave far more of the rest there). A host that cannot
     read from files (`file_tier=False`) keeps all in memory; `slabs` is the most staging buffers there may be (a
     tree placed anew keeps the ones it has); `working` bytes stay free for the forward (expanding quantized weights).
-    Nothing fits: a CheckpointError saying what `doing` needs, what the budget is and which budget to set."""
+    Nothing fits: within the budget's short one where it has one (`"auto"`: only `SHORT_MARGIN` left free), every
+    unit that can stay in the file there, so that what memory is left is the forward's; else a HostBudgetError saying
+    what `doing` needs, what the budget is and which budget to set."""
+    try:
+        return _place(path, must_hold, units, budget, file_tier, slabs, doing, working)
+    except HostBudgetError:
+        if budget.short is None:
+            raise
+        return _place(path, must_hold, units, budget.short, file_tier, slabs, doing, working, fill=False)
+
+
+def _place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, file_tier: bool, slabs: int,
+           doing: str, working: int, fill: bool = True) -> Tiers:
     room = HostBudget(None if budget.bytes is None else budget.bytes - working, budget.why)  # what weights may take
     fixed = sum(_nbytes(value) for value in must_hold)
     movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
     caps = sorted({unit.staging for unit in movable}, reverse=True) or [0]
     for buffers in range(slabs, 0, -1):
-        fitting = [tiers for cap in caps if _fits(tiers := _placed(fixed, units, movable, room, buffers, cap), room)]
+        fitting = [tiers for cap in caps
+                   if _fits(tiers := _placed(fixed, units, movable, room, buffers, cap, fill), room)]
         if fitting:
             return replace(min(fitting, key=lambda tiers: tiers.file_bytes), budget=budget.bytes, working_bytes=working)
     kept = sum(unit.bytes for unit in units) - sum(unit.bytes for unit in movable)
@@ -165,10 +188,11 @@ def _fits(tiers: Tiers, budget: HostBudget) -> bool:
     return budget.bytes is None or tiers.host_bytes + tiers.staging_bytes <= budget.bytes
 
 
-def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudget, slabs: int, cap: int) -> Tiers:
-    """Units in memory in order while they fit beside `slabs` staging buffers of `cap` bytes; the rest in the file,
-    except units needing more staging than `cap` (and those that cannot stay in the file), which are in memory
-    whatever it costs."""
+def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudget, slabs: int, cap: int,
+            fill: bool = True) -> Tiers:
+    """Units in memory in order while they fit beside `slabs` staging buffers of `cap` bytes (none, unless `fill`);
+    the rest in the file, except units needing more staging than `cap` (and those that cannot stay in the file),
+    which are in memory whatever it costs."""
     can_move = {id(unit) for unit in movable if unit.staging <= cap}
     host = fixed + sum(unit.bytes for unit in units if id(unit) not in can_move)  # first: they come what may
     in_file, file_bytes, file_units, largest = set(), 0, 0, 0
@@ -176,7 +200,7 @@ def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudg
         size = unit.bytes
         if id(unit) not in can_move:
             continue
-        if budget.bytes is None or host + size + slabs * cap <= budget.bytes:
+        if budget.bytes is None or (fill and host + size + slabs * cap <= budget.bytes):
             host += size
         else:
             in_file.update(key for key, _ in unit.values)
