@@ -441,9 +441,7 @@ class _Filling:
             if progress is not None:
                 progress(done, total)
             current = expected[name]
-            # a tied tensor is read back from its file only where it stays there (its unit's leaves read it from
-            # there); in memory it stays, as a later placing keeps tied tensors
-            source = self.sources.get(name) if len(self.aliases[name]) == 1 or isinstance(tensor, FileSource) else None
+            source = self.sources.get(name)  # a tied tensor's too: its holders leave it there together, one tensor
             if isinstance(tensor, FileSource):
                 value = tensor.placeholder(current)
             elif isinstance(current, nn.Parameter):

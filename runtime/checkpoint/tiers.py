@@ -82,7 +82,8 @@ def host_budget(max_memory: object) -> HostBudget:
     except CheckpointError:  # no figure of the host's memory here: the budget given is all there is to go by
         spare = None
     if spare is not None and spare.bytes < size:  # a budget is a most, never more than the memory there is
-        return HostBudget(spare.bytes, f"{spare.why}, less than the {human(size)} given (max_memory['cpu'])")
+        return HostBudget(spare.bytes, f"{spare.why}, less than the {human(size)} given (max_memory['cpu'])",
+                          spare.short)
     return HostBudget(size, f"{human(size)}, as given (max_memory['cpu'])")
 
 

@@ -136,31 +136,39 @@ def read_back(module: nn.Module, name: str, read: dict[int, Tensor] | None = Non
     return value
 
 
-def leave_in_file(journal: Journal, module: nn.Module) -> None:
-    """Put a module's tensors back in their file: each becomes its `FileTensor` (those there already stay)."""
+def leave_in_file(journal: Journal, module: nn.Module, made: dict[int, Tensor] | None = None) -> None:
+    """Put a module's tensors back in their file: each becomes its `FileTensor` (those there already stay). `made`:
+    the placeholders one placing made so far, by the tensor they replace: a tensor tied across modules becomes one
+    placeholder, still tied."""
     for name, source in sources(module).items():
         tensor = module._parameters.get(name)
         if tensor is not None and not isinstance(tensor, FileTensor):
             source.range.file.verify()  # a file changed since the load could not give the same values back
-            journal.set_tensor(module, name, source.placeholder(tensor))
+            placeholder = made.get(id(tensor)) if made is not None else None
+            if placeholder is None:
+                placeholder = source.placeholder(tensor)
+                if made is not None:
+                    made[id(tensor)] = placeholder
+            journal.set_tensor(module, name, placeholder)
 
 
 def leave_tree_in_file(journal: Journal, model: nn.Module) -> int:
     """Put every streamed leaf of `model` whose tensors (and those it claims) can all be read back from their file
     there, fetching from then on: what a host does with a model it keeps but no longer runs, to give its host memory
     back (its tier's staging too: `FileTier.drop_staging`). The bytes given back."""
-    given = 0
+    given, made = 0, {}
     for leaf in model.modules():
         owners = [leaf, *protocol.claimed(leaf)]
         held = [(owner, name, tensor) for owner in owners for name, tensor in owner._parameters.items()
                 if tensor is not None and in_memory(tensor)]
         if protocol.kind_of(leaf) is None or not held or any(name not in sources(owner) for owner, name, _ in held):
             continue
+        fresh = {id(tensor): tensor for _, _, tensor in held if id(tensor) not in made}  # a tied one counts once
         for owner in owners:
-            leave_in_file(journal, owner)
+            leave_in_file(journal, owner, made)
         journal.keep(leaf, (protocol.FETCH_FLAG,))
         protocol.set_fetching(leaf, True)
-        given += sum(tensor.nbytes for _, _, tensor in held)
+        given += sum(tensor.nbytes for tensor in fresh.values())
     return given
 
 

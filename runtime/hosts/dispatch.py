@@ -294,6 +294,7 @@ def dispatch(
         placed_bytes = dict.fromkeys(limits, 0)
         seen: set[int] = set()
         read: dict[int, torch.Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
+        made: dict[int, torch.Tensor] = {}  # what is left there, by the tensor: tied ones one placeholder
         for atom, device in device_map.items():
             on_cpu = device in (CPU, DISK)
             target = torch.device(CPU if device == DISK else device)
@@ -301,7 +302,7 @@ def dispatch(
             modules = [owner] if slot is not None else list(owner.modules())
             for module in modules:
                 if device == DISK:
-                    _leave_in_file(journal, atom, module)
+                    _leave_in_file(journal, atom, module, made)
                 if not on_cpu and protocol.relocated_names(module):  # accelerate places them: keep them there
                     journal.set_attributes(module, {protocol.RELOCATED: ()})
                 relocated = protocol.relocated_names(module)
@@ -340,7 +341,7 @@ def dispatch(
     return DispatchReport(dict(device_map), placed_bytes, streamed, resident)
 
 
-def _leave_in_file(journal: Journal, atom: str, module: nn.Module) -> None:
+def _leave_in_file(journal: Journal, atom: str, module: nn.Module, made: dict[int, torch.Tensor]) -> None:
     """A module of a `"disk"` entry: its parameters back in their file, or a DispatchError where one has none."""
     missing = [name for name, tensor in module._parameters.items()
                if tensor is not None and name not in file_tier.sources(module)]
@@ -348,7 +349,7 @@ def _leave_in_file(journal: Journal, atom: str, module: nn.Module) -> None:
         raise DispatchError(f"{atom!r} goes to \"disk\" but its `{missing[0]}` was not loaded from a file it can be "
                             "read back from: load the model with streamwise.load or load_pretrained, or raise the "
                             "cpu budget")
-    file_tier.leave_in_file(journal, module)
+    file_tier.leave_in_file(journal, module, made)
 
 
 def _target(model: nn.Module, atom: str) -> tuple[nn.Module, str | None]:

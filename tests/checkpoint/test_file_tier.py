@@ -303,6 +303,29 @@ def test_a_budget_larger_than_the_memory_there_is_is_held_to_what_can_be_spared(
     assert loaded.report.tiers.budget == (200 << 10) - (1 << 20) // 10 and loaded.report.tiers.file_bytes > 0
 
 
+def test_short_of_memory_an_auto_budget_leaves_only_the_forwards_room_with_everything_it_can_in_the_file(
+        tmp_path, monkeypatch):
+    """Where 10% of the ceiling leaves too little for what must be in memory, `auto` keeps `SHORT_MARGIN` free and
+    every unit that can stay in the file there, so that what is left is the forward's; below that, refused."""
+    from streamwise.runtime import host_memory
+    from streamwise.runtime.checkpoint import tiers
+
+    path, policy = _saved(tmp_path, "safetensors")
+    expected, _ = _logits_and_tokens(streamwise.load_pretrained(path, policy, progress=False).model)
+    ceiling = 2 << 30  # 10% of it: more than what is available
+    available = tiers.SHORT_MARGIN + (96 << 10)
+    monkeypatch.setattr(tiers, "host_memory", lambda: host_memory.HostMemory(available, ceiling, "a test's"))
+    loaded = streamwise.load_pretrained(path, policy, progress=False)
+    placed = loaded.report.tiers
+    assert placed.budget == available - tiers.SHORT_MARGIN and placed.host_bytes < 1024  # the norms alone
+    assert placed.file_units == sum(1 for m in loaded.model.modules() if file_tier.in_file(m))
+    assert torch.equal(_logits_and_tokens(loaded.model)[0], expected)
+    available = tiers.SHORT_MARGIN + (8 << 10)
+    with pytest.raises(tiers.HostBudgetError, match=r"host budget is 8\.0 KiB: .* less 16\.0 MiB, short of memory "
+                                                      r"\(a test's\)"):
+        streamwise.load_pretrained(path, policy, progress=False)
+
+
 def test_revert_refuses_a_tree_whose_weights_are_in_their_file(tmp_path):
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
@@ -434,14 +457,46 @@ def _saved_model(folder: Path, hidden: int, layers: int) -> int:
 
 
 def _child(folder: Path, budget: str, cgroup: MemoryCgroup | None = None, *, lease: bool = True) -> dict:
+    result = _run_child(folder, budget, cgroup, lease=lease)
+    assert result.returncode == 0, f"exit code {result.returncode} (-9: killed by the kernel): {result.stderr[-3000:]}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _run_child(folder: Path, budget: str, cgroup: MemoryCgroup | None = None, *,
+               lease: bool = True) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", CHILD, str(folder), budget]
     if cgroup is not None:
         command = cgroup.command(command)
     environment = {**os.environ, "STREAMWISE_LEASE": "1" if lease else "0"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO / "tests",
-                            env=environment)
-    assert result.returncode == 0, f"exit code {result.returncode} (-9: killed by the kernel): {result.stderr[-3000:]}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO / "tests", env=environment)
+
+
+#: What transformers' `from_pretrained` + `generate` needed on the folder of the test below, above its imports (the
+#: modeling code included), tied and untied: it was killed, or timed out thrashing, below
+#: (`benchmarks/bench_headroom.py`, `benchmarks/results/headroom-2026-12-06.md`).
+TRANSFORMERS_ROOM = {"tied": None, "untied": None}
+
+
+@pytest.mark.parametrize("variant", ["tied", "untied"])
+def test_a_model_whose_embedding_is_a_fifth_of_its_bytes_runs_in_the_room_transformers_needs(tmp_path, variant):
+    """A float32 Qwen2 with a 32,000-token vocabulary (its 125 MiB embedding a fifth of the untied model's bytes,
+    shared with the head where tied) under a memory cgroup leaving it transformers' room above the imports: the
+    embedding and head stay in the file, read by rows, and the tokens are those of an unlimited run. With 8 MiB, the
+    clear refusal, never the OOM killer."""
+    with memory_cgroup() as cgroup:
+        torch.manual_seed(0)
+        tiny_qwen2(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=variant == "tied"
+                   ).save_pretrained(tmp_path)
+        size = (tmp_path / "model.safetensors").stat().st_size
+        expected = _child(tmp_path, str(size * 4))
+        imports = _child(tmp_path, "imports", cgroup)["anon"]  # its libraries' page cache stays charged to the cgroup
+        cgroup.limit(cgroup.usage() + imports + TRANSFORMERS_ROOM[variant])
+        limited = _child(tmp_path, "auto", cgroup)
+        assert limited["tokens"] == expected["tokens"] and limited["file"] > size * 9 // 10, limited
+        cgroup.limit(cgroup.usage() + imports + (8 << 20))
+        refused = _run_child(tmp_path, "auto", cgroup)
+        assert refused.returncode == 1 and "loading needs at least" in refused.stderr, refused.stderr[-3000:]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="RssAnon is read from /proc (Linux)")

@@ -1,18 +1,18 @@
 """A user short of memory: a real ComfyUI server inside a memory cgroup whose limit leaves the model only a quarter
-of its size beyond what the idle server holds. The loader's default host budget reads the limit, keeps what does
-not fit in the file, and Generate Text gives transformers' text; the server is never killed."""
+of its size beyond what the idle server holds, or less than transformers needs beyond what a server that ran a
+model holds. The loader's default host budget reads the limit, keeps what does not fit in the file, and Generate
+Text gives transformers' text; a loader run again makes room with its previous model; the server is never killed."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from helpers import REPO, memory_cgroup, module_from_file
+from helpers import memory_cgroup, module_from_file
 
 server_module = module_from_file(Path(__file__).with_name("test_server.py"))
 
@@ -39,18 +39,12 @@ def _larger_model(models: Path) -> tuple[Path, int]:
 def test_a_model_larger_than_the_memory_left_generates_under_the_limit(comfy_root, tmp_path):
     with memory_cgroup() as cgroup:
         base = tmp_path / "base"
-        (base / "custom_nodes").mkdir(parents=True)
-        (base / "custom_nodes" / server_module.PACK).symlink_to(REPO, target_is_directory=True)
-        command = [sys.executable, str(base / "custom_nodes" / server_module.PACK), "example-models",
-                   str(base / "models")]
-        assert subprocess.run(command, capture_output=True, timeout=300).returncode == 0
+        base.mkdir()
+        paths = server_module.prepared(comfy_root, base)
         folder, size = _larger_model(base / "models")
         graph = server_module.workflow("streamwise_generate_text")
         graph["1"]["inputs"]["model"] = "streamwise/larger-qwen2"
         expected = server_module.expected_text(folder, graph)
-        paths = base / "extra_model_paths.yaml"
-        paths.write_text(f"streamwise_tests:\n  base_path: {base}\n  streamwise: models/streamwise\n"
-                         "  custom_nodes: custom_nodes\n")
         with server_module.launched(comfy_root, base, paths, preexec_fn=cgroup.enter) as server:
             limit = cgroup.usage() + size // 4  # the idle server, and a quarter of the model
             cgroup.limit(limit)
@@ -61,3 +55,85 @@ def test_a_model_larger_than_the_memory_left_generates_under_the_limit(comfy_roo
             assert entry["outputs"]["2"]["text"] == [expected]
             (report,) = entry["outputs"]["1"]["text"]
             assert ", file " in report, report  # most of it stayed in the file
+
+
+def _fifth_embedding_model(models: Path) -> Path:
+    """A float32 Qwen2 (tied, as Qwen2-0.5B is) whose 125 MiB embedding, shared with its head, is a quarter of its
+    469 MiB; a word-level tokenizer naming each of its 32,000 ids, with the example's ChatML template."""
+    import transformers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+
+    from streamwise.runtime.cli.example_models import CHAT_TEMPLATE, CORPUS
+
+    folder = models / "streamwise" / "fifth-qwen2"
+    words = ["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>", *dict.fromkeys(" ".join(CORPUS).split())]
+    words += [f"w{index}" for index in range(32000 - len(words))]
+    backend = Tokenizer(tokenizer_models.WordLevel({word: index for index, word in enumerate(words)},
+                                                   unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                                     eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                                     additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    config = transformers.Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                                      tie_word_embeddings=True, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+#: Room above a server that ran a model (its imports and the modeling code) where transformers' own
+#: `from_pretrained` + `generate` of the fifth-embedding model survived (`benchmarks/bench_headroom.py`, standalone).
+ROOM = 32 << 20
+
+
+def _evicted(folder: Path) -> None:
+    """The model's file out of the page cache: the cgroup's usage is then what the server holds."""
+    for path in folder.glob("*.safetensors"):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
+def test_a_loader_run_again_makes_room_with_its_previous_model_and_runs_in_the_room_transformers_needs(
+        comfy_root, tmp_path):
+    """The fifth-embedding model loaded whole, then a limit leaving 20 MiB beyond the server's use: the loader run
+    again with another `host_budget` is refused only until its previous model gives its memory back (its weights
+    back to their file), then runs. With transformers' room beyond what the server then holds, it runs again, all of
+    it read from the file; with 4 MiB, the clear refusal. Transformers' text each time, and the server alive."""
+    with memory_cgroup() as cgroup:
+        base = tmp_path / "base"
+        base.mkdir()
+        paths = server_module.prepared(comfy_root, base)
+        folder = _fifth_embedding_model(base / "models")
+        graph = server_module.workflow("streamwise_generate_text")
+        graph["1"]["inputs"]["model"] = "streamwise/fifth-qwen2"
+        expected = server_module.expected_text(folder, graph)
+        assert expected.strip()  # words, not nothing
+
+        def run(host_budget: str, room: int) -> dict:
+            _evicted(folder)
+            cgroup.limit(cgroup.usage() + room)
+            graph["1"]["inputs"]["host_budget"] = host_budget  # another input: the loader runs again
+            entry = server.wait(server.queue(graph), timeout=600)
+            assert server.process.poll() is None, f"the server was killed\n{server.tail()}"
+            return entry
+
+        with server_module.launched(comfy_root, base, paths, preexec_fn=cgroup.enter) as server:
+            _evicted(folder)  # read by the server: charged to its cgroup (v1 charges a page to its first reader)
+            first = server.run(graph)  # no limit yet: loaded whole
+            assert first["outputs"]["2"]["text"] == [expected] and ", file " not in first["outputs"]["1"]["text"][0]
+            for host_budget, room in (("64GiB", 20 << 20), ("auto", ROOM)):
+                entry = run(host_budget, room)
+                assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
+                assert entry["outputs"]["2"]["text"] == [expected]
+            assert "its previous model gave" in server.tail() and ", file 469.1 MiB" in entry["outputs"]["1"]["text"][0]
+            refused = run("8GiB", 4 << 20)
+            (error,) = [data for kind, data in refused["status"]["messages"] if kind == "execution_error"]
+            assert error["node_type"] == "StreamwiseModelLoader" and "loading needs at least" in error[
+                "exception_message"], error

@@ -9,6 +9,7 @@ a workflow use it again), and the load is tried once more.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,8 +19,11 @@ from ...convert import applied_state
 from ...engine import file_tier
 from ...engine.exclusive import one_writer
 from ...engine.journal import Journal
+from ...host_memory import return_large_frees
+from ...sizes import human
 
 Loaded = TypeVar("Loaded", bound=tuple)
+_log = logging.getLogger("streamwise.load")
 
 #: Each loader node's latest model (its patcher), held weakly: once ComfyUI lets it go, so does this.
 _PREVIOUS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -33,8 +37,11 @@ def load_again(node_id: str | None, load: Callable[[], Loaded]) -> Loaded:
     try:
         loaded = load()
     except HostBudgetError:
-        if previous is None or not give_back_host_memory(previous):
+        given = 0 if previous is None else give_back_host_memory(previous)
+        if not given:
             raise
+        _log.info("loader %s: its previous model gave %s of host memory back (its weights back to their file)",
+                  node_id, human(given))
         loaded = load()
     if node_id is not None:
         _PREVIOUS[node_id] = loaded[0]
@@ -57,4 +64,5 @@ def give_back_host_memory(patcher: Any) -> int:
         given = file_tier.leave_tree_in_file(journal, patcher.model)
     if state.tree.file_tier is not None:
         state.tree.file_tier.drop_staging()
+    return_large_frees()  # short of memory: a copied host tier's freed buffers go back to the system, not the heap
     return given
