@@ -30,7 +30,8 @@ import time
 import uuid
 from pathlib import Path
 
-from report import recorded  # this folder's
+from bench_memory_tiers import evict, memory_cgroup, remove_cgroup  # this folder's
+from report import recorded
 
 WORK = Path("/tmp/streamwise-bench-headroom")
 SIZES = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -74,16 +75,6 @@ print("DONE", json.dumps({"tokens": tokens[0, 16:].tolist(), "tiers": said}), fl
 """
 
 
-def own_cgroup() -> tuple[str, Path]:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return "v1", Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
-            return "v2", Path("/sys/fs/cgroup") / path.lstrip("/")
-    raise SystemExit("no memory cgroup to make trials' cgroups under")
-
-
 def make_model(variant: str) -> Path:
     import torch
     import transformers
@@ -96,18 +87,12 @@ def make_model(variant: str) -> Path:
     return folder
 
 
-def evict(folder: Path) -> None:
-    for path in folder.glob("*.safetensors"):
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(descriptor)
-
-
 def trial(loader: str, folder: Path, headroom_mib: float) -> dict:
     """One child under idle + `headroom_mib`: its outcome, the idle usage, the limit and what it printed last."""
-    version, parent = own_cgroup()
+    found = memory_cgroup()
+    if found is None:
+        raise SystemExit("no memory cgroup to make trials' cgroups under")
+    version, parent = found
     group = parent / f"swbench-headroom-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     limit_files = ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"] if version == "v1" else ["memory.max"]
@@ -143,12 +128,7 @@ def trial(loader: str, folder: Path, headroom_mib: float) -> dict:
                 **(done[0] if done else {}), **({"said": refused[0]} if refused else {}),
                 **({"last": lines[-1][-300:]} if not done and not refused else {})}
     finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(group)
 
 
 def search(folder: Path, resolution: float, repeat: int, expected: list[int]) -> dict:

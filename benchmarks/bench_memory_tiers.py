@@ -558,12 +558,17 @@ def under_limit(mode: str, folder: Path, extra: dict, limit: int, state: str) ->
             out["cgroup"] = {name: read_text(group / f"memory.{name}") for name in ("peak", "events")}
         return out
     finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(group)
+
+
+def remove_cgroup(group: Path) -> None:
+    """Remove a trial's cgroup once the kernel has let its last process go (it may take a moment)."""
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 # --- main --------------------------------------------------------------------------------------------------------

@@ -31,15 +31,6 @@ class PromptError(Error, ValueError):
 
 
 @dataclass(frozen=True)
-class PromptFit:
-    """A checked prompt: its token ids, the new tokens it leaves room for, and a note when that had to be less."""
-
-    ids: torch.Tensor
-    max_new_tokens: int
-    note: str | None = None
-
-
-@dataclass(frozen=True)
 class Prompt:
     """One generation's input: what the model's forward takes (`input_ids`, and `pixel_values` and the like for an
     image), the new tokens it leaves room for, a note when that had to be less, and how it was framed."""
@@ -115,16 +106,6 @@ def fit_ids(ids: torch.Tensor, model, context: tuple[int, str], max_new_tokens: 
         return max_new_tokens, None
     return room, (f"max_new_tokens clipped from {max_new_tokens} to {room}: the model's context is {positions} "
                   f"positions ({source})" + ("" if decoder else f" and the prompt takes {ids.shape[1]}"))
-
-
-def fit_prompt(prompt: str, tokenizer, model, max_new_tokens: int, what: str = "prompt") -> PromptFit:
-    """`prompt` tokenized as it is for `model`, checked before any forward (`check_text`, then `fit_ids`):
-    `max_new_tokens` is clipped to the room left, with a note. Raises `PromptError` naming the input (`what`)."""
-    context = context_of(model, tokenizer)
-    check_text(prompt, what, context)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    room, note = fit_ids(ids, model, context, max_new_tokens, what)
-    return PromptFit(ids, room, note)
 
 
 def prompts(model, tokenizer, prompt: str, max_new_tokens: int, *, system: str = "", chat: bool = True,

@@ -12,16 +12,22 @@ import transformers
 from streamwise.runtime.generation import (
     PromptError,
     Sampling,
-    fit_prompt,
     generation_config,
     interrupt_at_blocks,
     new_tokens,
+    prompts,
 )
 from streamwise.runtime.generation import text as text_module
 from streamwise.runtime.generation.prompts import CHARACTERS_PER_POSITION, DEFAULT_CONTEXT
 from streamwise.runtime.generation.text import prefill_chunk
 
 from helpers import tiny_llava, tiny_qwen2, tiny_t5, tiny_tokenizer
+
+
+def fit_prompt(prompt: str, tokenizer, model, max_new_tokens: int):
+    """The one prompt `prompts` makes of `prompt` continued as it is (chat off)."""
+    (given,) = prompts(model, tokenizer, prompt, max_new_tokens, chat=False)
+    return given
 
 
 class Counted:
