@@ -1,12 +1,14 @@
 """The smallest memory headroom a load survives, Streamwise beside transformers on the same folder.
 
-Headroom is a memory cgroup's limit less what the process holds before it loads: torch, transformers with the
-model's modeling code, and streamwise imported (what both loaders import lazily otherwise, counted in neither's
-figure). Each trial is a fresh child in a fresh cgroup under this process's own (v1 `memory.limit_in_bytes` with
-swap, or v2 `memory.max`): it imports, reports its usage, waits while the parent sets the limit to that usage plus
-the headroom, then loads the float32 Qwen2 folder (`from_pretrained`, or `load_pretrained(folder, "auto")` with its
-default host budget, which reads the limit) and generates 8 greedy tokens from a 16-token prompt. The model file is
-evicted from the page cache first, so each child reads it cold and is charged for what it reads.
+Headroom is a memory cgroup's limit less what the process holds of its own before it loads (the cgroup's use less its
+file pages: a library's page cache is charged to whichever cgroup read it first, and is the kernel's to drop): torch,
+transformers with the model's modeling code, and streamwise imported (what both loaders import lazily otherwise,
+counted in neither's figure). Each trial is a fresh child in a fresh cgroup under this process's own (v1
+`memory.limit_in_bytes` with swap, or v2 `memory.max`): it imports, reports its usage, waits while the parent sets
+the limit to that usage plus the headroom, then loads the float32 Qwen2 folder (`from_pretrained`, or
+`load_pretrained(folder, "auto")` with its default host budget, which reads the limit) and generates 8 greedy tokens
+from a 16-token prompt. The model file is evicted from the page cache first, so each child reads it cold and is
+charged for what it reads.
 
 A trial ends `ok` (the tokens: each loader's must be transformers' unlimited ones), `refused` (Streamwise's
 CheckpointError: it says what it needs), `killed` (the OOM killer) or `timeout`. The search halves the interval
@@ -43,16 +45,18 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM  # noqa: F401  (
 from streamwise import load_pretrained
 from streamwise.runtime.checkpoint import CheckpointError
 
-def usage():
+def usage():  # the cgroup's use less its file pages: a library's page cache is the kernel's to drop
     for line in open("/proc/self/cgroup"):
         _, controllers, path = line.strip().split(":", 2)
         if "memory" in controllers.split(",") or controllers == "":
-            for name in ("memory.usage_in_bytes", "memory.current"):
-                for root in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
-                    try:
-                        return int(open(root + path + "/" + name).read())
-                    except OSError:
-                        pass
+            for root, name, files in (("/sys/fs/cgroup/memory", "memory.usage_in_bytes", "total_"),
+                                      ("/sys/fs/cgroup", "memory.current", "")):
+                try:
+                    used = int(open(root + path + "/" + name).read())
+                    stat = dict(line.split() for line in open(root + path + "/memory.stat"))
+                except OSError:
+                    continue
+                return used - int(stat[files + "active_file"]) - int(stat[files + "inactive_file"])
 
 loader, folder = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)

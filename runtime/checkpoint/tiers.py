@@ -40,9 +40,11 @@ class HostBudgetError(CheckpointError):
     """What a load or placing must hold does not fit the host budget: refused before anything is read or moved."""
 
 
-SHORT_MARGIN = 16 << 20
+SHORT_MARGIN = 24 << 20
 """What a load short of memory leaves free at least for the forward (activations, the KV cache of a short prompt,
-the allocator's slack), where `HOST_MARGIN` of the ceiling leaves too little for what must be in memory."""
+torch's and the allocator's slack), where `HOST_MARGIN` of the ceiling leaves too little for what must be in memory:
+a 156 M-parameter Qwen2 generating from a 16-token prompt was killed with 20 MiB free and ran with 24
+(`benchmarks/bench_headroom.py`)."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ def _place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Ho
     room = HostBudget(None if budget.bytes is None else budget.bytes - working, budget.why)  # what weights may take
     fixed = sum(_nbytes(value) for value in must_hold)
     movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
-    caps = sorted({unit.staging for unit in movable}, reverse=True) or [0]
+    # every arena size a unit may ask for: one it reads whole (read ahead), or the least it reads by rows with
+    caps = sorted({size for unit in movable for size in (unit.bytes, unit.staging)}, reverse=True) or [0]
     for buffers in range(slabs, 0, -1):
         fitting = [tiers for cap in caps
                    if _fits(tiers := _placed(fixed, units, movable, room, buffers, cap, fill), room)]
@@ -175,7 +178,7 @@ def _place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Ho
     kept = sum(unit.bytes for unit in units) - sum(unit.bytes for unit in movable)
     kept_why = ("of streamed units this host keeps in memory (it reads no weight from files)" if not file_tier
                 else "of units whose values were transformed on load")
-    staging = caps[0]
+    staging = max((unit.staging for unit in movable), default=0)  # everything in the file, read as sparingly as can be
     expanding = f", and {human(working)} to expand the largest quantized weight at each call" if working else ""
     raise HostBudgetError([
         f"{path}: {doing} needs at least {human(fixed + kept + staging + working)} of host memory, but the host budget "
@@ -204,8 +207,9 @@ def _placed(fixed: int, units: list[Unit], movable: list[Unit], budget: HostBudg
         if budget.bytes is None or (fill and host + size + slabs * cap <= budget.bytes):
             host += size
         else:
-            in_file.update(key for key, _ in unit.values)
-            file_bytes, file_units, largest = file_bytes + size, file_units + 1, max(largest, unit.staging)
+            in_file.update(key for key, _ in unit.values)  # whole where it fits the arena, else by rows
+            file_bytes, file_units = file_bytes + size, file_units + 1
+            largest = max(largest, unit.staging, min(size, cap) if unit.reads != "gather" else 0)
     return Tiers(frozenset(in_file), host, file_bytes, file_units, slabs * largest, budget.bytes, slabs)
 
 

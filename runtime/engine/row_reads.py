@@ -27,7 +27,7 @@ from .file_tier import FileTensor, FileTier, on_file_tier, sources
 RowReads = Literal["gather", "chunks"]
 #: How a leaf of each compute kind reads its weight by rows.
 KINDS: dict[str, RowReads] = {"embedding": "gather", "linear": "chunks"}
-CHUNK = 8 << 20
+CHUNK = 4 << 20
 """Bytes of staging a linear layer read in chunks needs (where no larger unit sizes the staging): two chunks' worth,
 as the last chunk takes the remainder."""
 ALIGN = 256
