@@ -100,6 +100,24 @@ def tiny_tokenizer(vocabulary: int = 128):
     )
 
 
+def reference_text(folder: Path, prompt: str, tokens: int, system: str = "", chat: bool = True) -> str:
+    """transformers' own text: `from_pretrained` (with its generation_config.json), the prompt framed by the
+    tokenizer's chat template where it has one and `chat` (after a `system` turn where given), greedy."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if chat and tokenizer.chat_template:
+        turns = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
 def tiny_acoustic_tokenizer():
     import transformers
 

@@ -16,7 +16,7 @@ from streamwise.runtime.generation import Sampling, generation_config
 from streamwise.schemas import Policy
 
 from comfy_harness import generate_text, load_custom_node
-from helpers import REPO, tiny_llava, tiny_qwen2, tiny_t5, tiny_tokenizer, write_policy
+from helpers import REPO, reference_text, tiny_llava, tiny_qwen2, tiny_t5, tiny_tokenizer, write_policy
 
 COMPILE = dict(backend="aot_eager", fullgraph=False, mode="default", dynamic_shape_tracing=False,
                dynamo_cache_size_limit=64, use_guard_filter=True, disable_dynamic_vram=False, verbose=False)
@@ -35,24 +35,6 @@ def nodes(comfy_nodes, tmp_path_factory):
     tiny_tokenizer().save_pretrained(root / "tiny-qwen2")
     folder_paths.add_model_folder_path("streamwise", str(root), is_default=True)
     return comfy_nodes.NODE_CLASS_MAPPINGS, root
-
-
-def reference_text(folder: Path, prompt: str, tokens: int, system: str = "", chat: bool = True) -> str:
-    """transformers' own text: `from_pretrained` (with its generation_config.json), the prompt framed by the
-    tokenizer's chat template where it has one and `chat` (after a `system` turn where given), greedy."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    if chat and tokenizer.chat_template:
-        turns = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 def test_loader_lists_models_and_policies_and_picks_a_policy(nodes):

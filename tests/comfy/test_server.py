@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, module_from_file, reference_text
 
 LAUNCHER = Path(__file__).with_name("launch_core.py")
 WORKFLOWS = REPO / "examples" / "workflows"
@@ -29,16 +28,7 @@ PACK_NODES = {"StreamwiseModelLoader", "ApplyStreamwisePolicy", "INT8LazyTorchCo
 PROMPT = "a cat sat on the mat"
 
 
-def from_file(path: Path):
-    """A module by path: neither the example script nor a sibling test module is importable by name here."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ui_format = from_file(WORKFLOWS / "ui_format.py")
-reference_text = from_file(Path(__file__).with_name("test_nodes.py")).reference_text
+ui_format = module_from_file(WORKFLOWS / "ui_format.py")
 
 
 def expected_text(folder: Path, graph: dict, node: str = "2") -> str:

@@ -57,16 +57,17 @@ def test_a_model_larger_than_the_memory_left_generates_under_the_limit(comfy_roo
             assert ", file " in report, report  # most of it stayed in the file
 
 
-def _fifth_embedding_model(models: Path) -> Path:
-    """A float32 Qwen2 (tied, as Qwen2-0.5B is) whose 125 MiB embedding, shared with its head, is a quarter of its
-    469 MiB; a word-level tokenizer naming each of its 32,000 ids, with the example's ChatML template."""
+def fifth_embedding_model(models: Path, tied: bool = True) -> Path:
+    """A float32 Qwen2 whose 125 MiB embedding is a fifth of its 594 MiB, or (tied, as Qwen2-0.5B is: shared with
+    its head) a quarter of its 469 MiB; a word-level tokenizer naming each of its 32,000 ids, with the example's
+    ChatML template. `benchmarks/bench_headroom.py` loads it in its server trials."""
     import transformers
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers import models as tokenizer_models
 
     from streamwise.runtime.cli.example_models import CHAT_TEMPLATE, CORPUS
 
-    folder = models / "streamwise" / "fifth-qwen2"
+    folder = models / "streamwise" / ("fifth-qwen2" if tied else "fifth-qwen2-untied")
     words = ["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>", *dict.fromkeys(" ".join(CORPUS).split())]
     words += [f"w{index}" for index in range(32000 - len(words))]
     backend = Tokenizer(tokenizer_models.WordLevel({word: index for index, word in enumerate(words)},
@@ -78,7 +79,7 @@ def _fifth_embedding_model(models: Path) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     config = transformers.Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                       num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
-                                      tie_word_embeddings=True, eos_token_id=1, pad_token_id=1)
+                                      tie_word_embeddings=tied, eos_token_id=1, pad_token_id=1)
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -110,7 +111,7 @@ def test_a_loader_run_again_makes_room_with_its_previous_model_and_runs_in_the_r
         base = tmp_path / "base"
         base.mkdir()
         paths = server_module.prepared(comfy_root, base)
-        folder = _fifth_embedding_model(base / "models")
+        folder = fifth_embedding_model(base / "models")
         graph = server_module.workflow("streamwise_generate_text")
         graph["1"]["inputs"]["model"] = "streamwise/fifth-qwen2"
         expected = server_module.expected_text(folder, graph)
