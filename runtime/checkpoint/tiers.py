@@ -40,11 +40,11 @@ class HostBudgetError(CheckpointError):
     """What a load or placing must hold does not fit the host budget: refused before anything is read or moved."""
 
 
-SHORT_MARGIN = 24 << 20
+SHORT_MARGIN = 12 << 20
 """What a load short of memory leaves free at least for the forward (activations, the KV cache of a short prompt,
 torch's and the allocator's slack), where `HOST_MARGIN` of the ceiling leaves too little for what must be in memory:
-a 156 M-parameter Qwen2 generating from a 16-token prompt was killed with 20 MiB free and ran with 24
-(`benchmarks/bench_headroom.py`)."""
+twice what a 156 M-parameter Qwen2 generating from a 16-token prompt needed (killed with 4 MiB free beside its
+staging, ran with 6: `benchmarks/bench_headroom.py`)."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,10 @@ class Unit:
 
     @property
     def staging(self) -> int:
-        """The staging it needs while in the file: all of it, a chunk of rows, or none (rows it gathers)."""
-        return staging_bytes(self.reads, self.bytes)
+        """The staging it needs while in the file: all of it, chunks of rows, or none (rows it gathers)."""
+        ranges = [value.range for _, value in self.values if isinstance(value, FileSource)]
+        row = max((stored.nbytes // stored.shape[0] for stored in ranges if len(stored.shape) == 2), default=0)
+        return staging_bytes(self.reads, sum(stored.nbytes for stored in ranges), row)
 
     @property
     def can_stay_in_file(self) -> bool:

@@ -28,8 +28,8 @@ RowReads = Literal["gather", "chunks"]
 #: How a leaf of each compute kind reads its weight by rows.
 KINDS: dict[str, RowReads] = {"embedding": "gather", "linear": "chunks"}
 CHUNK = 4 << 20
-"""Bytes of staging a linear layer read in chunks needs (where no larger unit sizes the staging): two chunks' worth,
-as the last chunk takes the remainder."""
+"""Bytes of staging a linear layer read in chunks needs at least (where no larger unit sizes the staging): two
+chunks' worth, as the last chunk takes the remainder."""
 ALIGN = 256
 """Rows a chunk holds a multiple of."""
 
@@ -44,12 +44,13 @@ def row_reads(kind: str | None, module: nn.Module) -> RowReads | None:
     return reads
 
 
-def staging_bytes(reads: RowReads | None, nbytes: int) -> int:
-    """The staging a unit of `nbytes` needs on the file tier: none for a gather (its rows are the size of its output,
-    which the forward's own memory holds), a chunk for a linear layer, else all of it."""
+def staging_bytes(reads: RowReads | None, nbytes: int, row_bytes: int) -> int:
+    """The staging a unit of `nbytes` in its file needs on the file tier: none for a gather (its rows are the size of
+    its output, which the forward's own memory holds); for a linear layer whose weight's rows take `row_bytes`, two
+    chunks of `ALIGN` rows, at least `CHUNK` (`_chunk_rows` reads it whole in less); else all of it."""
     if reads == "gather":
         return 0
-    return min(nbytes, CHUNK) if reads == "chunks" else nbytes
+    return min(nbytes, max(CHUNK, 2 * ALIGN * row_bytes)) if reads == "chunks" else nbytes
 
 
 def reading_by_rows(module: nn.Module, kind: str | None) -> RowReads | None:

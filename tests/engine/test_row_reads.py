@@ -72,6 +72,22 @@ def test_an_embedding_and_head_left_in_the_file_compute_the_resident_numbers_thr
     assert seen.count((source.offset, source.nbytes)) == 0  # never its whole weight
 
 
+def test_the_staging_a_forward_reads_through_is_what_the_load_counted_however_wide_the_rows(tmp_path, monkeypatch):
+    """Chunks hold a multiple of `ALIGN` rows: where two such chunks of a projection's wide rows are larger than
+    `CHUNK`, the load counts them (read whole where they take all of it), so the forward never grows the staging past
+    the host budget (a float32 Qwen2's down projection took 11.5 MiB beside the 4 MiB counted, and was killed)."""
+    monkeypatch.setattr(row_reads, "ALIGN", 32)
+    monkeypatch.setattr(row_reads, "CHUNK", 8 << 10)  # a gate projection's aligned chunks (128 x 256 B rows): 16 KiB
+    expected = saved(tmp_path, tied=False)
+    loaded = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "100KiB"}, progress=False)
+    model, placed = loaded.model, loaded.report.tiers
+    gate = model.model.layers[-1].mlp.gate_proj
+    assert file_tier.on_file_tier(gate, "weight") and placed.staging_bytes >= 2 * 32 * 256
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected(IDS).logits)
+    assert 0 < applied_state(model).tree.file_tier.staging_bytes <= placed.staging_bytes
+
+
 def test_an_embedding_gathers_only_the_distinct_rows_of_its_tokens(tmp_path, monkeypatch):
     saved(tmp_path, tied=False)
     model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "1MiB"}, progress=False).model
