@@ -44,7 +44,7 @@ SHORT_MARGIN = 12 << 20
 """What a load short of memory leaves free at least for the forward (activations, the KV cache of a short prompt,
 torch's and the allocator's slack), where `HOST_MARGIN` of the ceiling leaves too little for what must be in memory:
 twice what a 156 M-parameter Qwen2 generating from a 16-token prompt needed (killed with 4 MiB free beside its
-staging, ran with 6: `benchmarks/bench_headroom.py`)."""
+staging, ran with 7: `benchmarks/bench_headroom.py`)."""
 
 
 @dataclass(frozen=True)
