@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
 from comfy_api.latest import io, ui
 
-from ..runtime.checkpoint import load_pretrained
+from ..runtime.checkpoint import load_pretrained, load_tokenizer
 from ..runtime.checkpoint.discover import list_models, model_identity, resolve_model
 from ..runtime.hosts.comfyui import load_again, model_patcher
 from .folders import (
@@ -93,6 +94,10 @@ class StreamwiseModelLoader(io.ComfyNode):
         progress = comfy.utils.ProgressBar(100)
 
         def load():
+            # The generate nodes read the model's tokenizer next (cached): read first, the host budget counts it (a
+            # 32,000-word one holds 8 MiB). A failure here is said where the tokenizer is used, if it is.
+            with contextlib.suppress(Exception):
+                load_tokenizer(path)
             tree, report, chosen = load_pretrained(
                 path, policy, dtype=DTYPES[dtype], policy_dirs=dirs, allow_stranded=allow_stranded,
                 progress=lambda done, total: progress.update_absolute(done * 100 // max(total, 1), 100),

@@ -30,7 +30,7 @@ KINDS: dict[str, RowReads] = {"embedding": "gather", "linear": "chunks"}
 CHUNK = 4 << 20
 """Bytes of staging a linear layer read in chunks needs at least (where no larger unit sizes the staging): two
 chunks' worth, as the last chunk takes the remainder."""
-ALIGN = 256
+ALIGN = 128
 """Rows a chunk holds a multiple of."""
 
 

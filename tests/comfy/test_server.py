@@ -190,7 +190,8 @@ def launched(root: Path, base: Path, paths: Path, preexec_fn=None):
                 time.sleep(0.5)
         yield started
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # gone already: killed for memory, say
+            os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=15)
         except subprocess.TimeoutExpired:

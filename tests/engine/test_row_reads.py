@@ -155,7 +155,7 @@ def test_a_unit_read_by_rows_needs_little_or_no_staging_so_more_of_the_rest_stay
 
 
 #: Shapes of heads and projections (vocabularies, odd counts), dtypes and positions the chunking is held to.
-SHAPES = [(4099, 64), (32000, 896), (151936 // 8 + 5, 1024)]
+SHAPES = [(4099, 64), (32000, 896), (151936 // 8 + 5, 1024), (1024, 2816)]
 
 
 @pytest.mark.parametrize("rows, width", SHAPES)
