@@ -86,8 +86,9 @@ def fifth_embedding_model(models: Path, tied: bool = True) -> Path:
     return folder
 
 
-#: Room above a server that ran a model (its imports and the modeling code) where transformers' own
-#: `from_pretrained` + `generate` of the fifth-embedding model survived (`benchmarks/bench_headroom.py`, standalone).
+#: Room above an idle server (its imports and the modeling code) where transformers' own `from_pretrained` +
+#: `generate` of the fifth-embedding model ran, its tokenizer and chat template read in the run too: killed or out of
+#: time with 16 to 28 MiB (`benchmarks/bench_headroom.py --server`, `benchmarks/results/headroom_server-2026-12-06.md`).
 ROOM = 32 << 20
 
 
