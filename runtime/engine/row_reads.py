@@ -93,6 +93,8 @@ def computed_by_rows(reads: RowReads, module: nn.Module, x: Tensor) -> Tensor:
 def _gathered(module: nn.Module, x: Tensor, tier: FileTier) -> Tensor:
     """`F.embedding(x, weight)` from the rows `x` names alone: each distinct row read once, in file order."""
     source = sources(module)["weight"]
+    if x.is_meta:  # a placement's trial run: no ids, so no rows to read
+        return torch.empty((*x.shape, source.shape[1]), dtype=source.dtype, device=x.device)
     ids = x.detach().reshape(-1).to("cpu", torch.long)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= source.shape[0]):
         raise IndexError("index out of range in self")  # F.embedding's own words

@@ -200,7 +200,7 @@ def test_a_failed_run_shows_its_error_on_the_node_and_no_earlier_result(server, 
         page.evaluate(budget, "4KiB")  # a host budget no model fits: the loader fails
         failed = queue_from_the_page(page, server, button=True)
         assert failed["status"]["status_str"] == "error"
-        page.wait_for_function(f"() => ({BOXES_JS})()['1'].startsWith('error: CheckpointError: ')", timeout=30_000)
+        page.wait_for_function(f"() => ({BOXES_JS})()['1'].startsWith('error: HostBudgetError: ')", timeout=30_000)
         boxes = page.evaluate(BOXES_JS)
         assert "the host budget is 4.0 KiB" in boxes["1"] and "covered" not in boxes["1"]
         assert boxes["2"] == ""  # Generate Text did not run: nothing of the run before

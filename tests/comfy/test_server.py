@@ -434,7 +434,7 @@ def test_the_loader_refuses_a_model_larger_than_its_host_budget_naming_both_figu
     assert entry["status"]["status_str"] == "error"
     (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
     assert error["node_type"] == "StreamwiseModelLoader"
-    assert error["exception_type"] == "streamwise.runtime.checkpoint.errors.CheckpointError"
+    assert error["exception_type"] == "streamwise.runtime.checkpoint.tiers.HostBudgetError"  # a CheckpointError
     message = error["exception_message"]
     assert "loading needs at least" in message and "the host budget is 4.0 KiB" in message, message
 

@@ -104,7 +104,7 @@ def _evicted(folder: Path) -> None:
 
 def test_a_loader_run_again_makes_room_with_its_previous_model_and_runs_in_the_room_transformers_needs(
         comfy_root, tmp_path):
-    """The fifth-embedding model loaded whole, then a limit leaving 20 MiB beyond the server's use: the loader run
+    """The fifth-embedding model loaded whole, then a limit leaving 12 MiB beyond the server's use: the loader run
     again with another `host_budget` is refused only until its previous model gives its memory back (its weights
     back to their file), then runs. With transformers' room beyond what the server then holds, it runs again, all of
     it read from the file; with 4 MiB, the clear refusal. Transformers' text each time, and the server alive."""
@@ -130,7 +130,7 @@ def test_a_loader_run_again_makes_room_with_its_previous_model_and_runs_in_the_r
             _evicted(folder)  # read by the server: charged to its cgroup (v1 charges a page to its first reader)
             first = server.run(graph)  # no limit yet: loaded whole
             assert first["outputs"]["2"]["text"] == [expected] and ", file " not in first["outputs"]["1"]["text"][0]
-            for host_budget, room in (("64GiB", 20 << 20), ("auto", ROOM)):
+            for host_budget, room in (("64GiB", 12 << 20), ("auto", ROOM)):
                 entry = run(host_budget, room)
                 assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
                 assert entry["outputs"]["2"]["text"] == [expected]

@@ -98,6 +98,8 @@ def test_an_embedding_gathers_only_the_distinct_rows_of_its_tokens(tmp_path, mon
     seen = reads_of(model, monkeypatch)
     assert torch.equal(embedding(ids), expected)
     assert sorted(size // 256 for _, size in seen) == [1, 3]  # rows 7..9 in one read, 4000 in another
+    on_meta = embedding(ids.to("meta"))  # a placement's trial run on a meta device: no ids, nothing read
+    assert on_meta.is_meta and on_meta.shape == (*ids.shape, 64) and len(seen) == 2
     with pytest.raises(IndexError, match="index out of range in self"):  # as F.embedding says it
         embedding(torch.tensor([[3, 4096]]))
 
