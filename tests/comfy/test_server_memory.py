@@ -107,7 +107,8 @@ def test_a_loader_run_again_makes_room_with_its_previous_model_and_runs_in_the_r
     """The fifth-embedding model loaded whole, then a limit leaving 12 MiB beyond the server's use: the loader run
     again with another `host_budget` is refused only until its previous model gives its memory back (its weights
     back to their file), then runs. With transformers' room beyond what the server then holds, it runs again, all of
-    it read from the file; with 4 MiB, the clear refusal. Transformers' text each time, and the server alive."""
+    it read from the file; with 4 MiB, the clear refusal. Transformers' text each time, and the server alive. The
+    older core lets the previous model go before the loader runs again: each run has its memory, and runs."""
     with memory_cgroup() as cgroup:
         base = tmp_path / "base"
         base.mkdir()
@@ -134,8 +135,12 @@ def test_a_loader_run_again_makes_room_with_its_previous_model_and_runs_in_the_r
                 entry = run(host_budget, room)
                 assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
                 assert entry["outputs"]["2"]["text"] == [expected]
-            assert "its previous model gave" in server.tail() and ", file 469.1 MiB" in entry["outputs"]["1"]["text"][0]
-            refused = run("8GiB", 4 << 20)
-            (error,) = [data for kind, data in refused["status"]["messages"] if kind == "execution_error"]
-            assert error["node_type"] == "StreamwiseModelLoader" and "loading needs at least" in error[
-                "exception_message"], error
+            log = (base / "server.log").read_text(errors="replace")
+            last = run("8GiB", 4 << 20)
+            if "Using RAM pressure cache" in log:  # v0.33 holds the previous model while its loader runs again
+                assert "its previous model gave" in log and ", file 469.1 MiB" in entry["outputs"]["1"]["text"][0]
+                (error,) = [data for kind, data in last["status"]["messages"] if kind == "execution_error"]
+                assert error["node_type"] == "StreamwiseModelLoader" and "loading needs at least" in error[
+                    "exception_message"], error
+            else:  # the older core lets it go first: its memory is the next load's, nothing to give back or refuse
+                assert "its previous model gave" not in log and last["outputs"]["2"]["text"] == [expected]
