@@ -170,7 +170,7 @@ def _place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Ho
     room = HostBudget(None if budget.bytes is None else budget.bytes - working, budget.why)  # what weights may take
     fixed = sum(_nbytes(value) for value in must_hold)
     movable = [unit for unit in units if file_tier and unit.can_stay_in_file]
-    # every arena size a unit may ask for: one it reads whole (read ahead), or the least it reads by rows with
+    # every arena size a unit may ask for: itself whole (read ahead of its turn), or the least it reads by rows in
     caps = sorted({size for unit in movable for size in (unit.bytes, unit.staging)}, reverse=True) or [0]
     for buffers in range(slabs, 0, -1):
         fitting = [tiers for cap in caps

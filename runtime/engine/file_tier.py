@@ -140,15 +140,14 @@ def leave_in_file(journal: Journal, module: nn.Module, made: dict[int, Tensor] |
     """Put a module's tensors back in their file: each becomes its `FileTensor` (those there already stay). `made`:
     the placeholders one placing made so far, by the tensor they replace: a tensor tied across modules becomes one
     placeholder, still tied."""
+    made = {} if made is None else made
     for name, source in sources(module).items():
         tensor = module._parameters.get(name)
         if tensor is not None and not isinstance(tensor, FileTensor):
             source.range.file.verify()  # a file changed since the load could not give the same values back
-            placeholder = made.get(id(tensor)) if made is not None else None
+            placeholder = made.get(id(tensor))
             if placeholder is None:
-                placeholder = source.placeholder(tensor)
-                if made is not None:
-                    made[id(tensor)] = placeholder
+                placeholder = made[id(tensor)] = source.placeholder(tensor)
             journal.set_tensor(module, name, placeholder)
 
 
