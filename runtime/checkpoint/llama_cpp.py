@@ -39,17 +39,22 @@ from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
 _FULL_PROBE_LIMIT = 1 << 26  # a row-index probe of a whole 2-D tensor, at most this many elements
 
 
-def supported_architectures() -> list[str]:
-    """The GGUF architectures transformers reads config and tensor maps for (its legacy GGUF loader)."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+ARCHITECTURES = ("bloom", "falcon", "gemma2", "gemma3", "gpt2", "lfm2", "llama", "mamba", "nemotron", "phi3", "qwen2",
+                 "qwen2moe", "qwen3", "qwen3moe", "stablelm", "starcoder2", "t5", "t5encoder")
+"""The `general.architecture` values Streamwise builds right, each proven against its float model on a file
+llama.cpp's own converter wrote (`tests/checkpoint/test_llama_cpp_converter.py`, which also fails when this list
+names one no test proves or leaves out one that is). `llama` covers Mistral and Mixtral, `t5` UMT5. transformers'
+reader accepts more (Gemma 4, gpt-oss, MiniMax-M2, Deci); those are refused by name until a test proves them."""
 
-    return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
 
 
 def _unsupported(path: str, architecture: str | None, detail: str = "") -> CheckpointError:
     return CheckpointError([
-        f"{path}: a GGUF in llama.cpp's layout of architecture `{architecture}`, which Streamwise cannot map to a "
-        f"transformers model{detail}; supported architectures: {', '.join(supported_architectures())}"
+        f"{path}: a GGUF in llama.cpp's layout of architecture `{architecture}`, which Streamwise cannot build "
+        f"right{detail}; the architectures it builds: {', '.join(supported_architectures())}"
     ])
 
 
@@ -76,6 +81,8 @@ def _parsed_metadata(path: str, size: int, modified: int) -> dict:
     if checkpoint.architecture is None:
         raise CheckpointError([f"{path}: no `general.architecture` string in the GGUF metadata, so nothing says "
                                "which model it holds"])
+    if checkpoint.architecture not in ARCHITECTURES:
+        raise _unsupported(path, checkpoint.architecture)
     try:
         with checkpoint.header_copy() as copy:
             parsed = load_gguf_checkpoint(copy, return_tensors=False)
@@ -101,6 +108,7 @@ _PER_LAYER = (gguf.Keys.LLM.FEED_FORWARD_LENGTH, gguf.Keys.Attention.HEAD_COUNT,
 _SIZES = (*_POSITIVE, *_PER_LAYER, gguf.Keys.LLM.VOCAB_SIZE, gguf.Keys.LLM.EXPERT_COUNT,
           gguf.Keys.LLM.EXPERT_USED_COUNT, gguf.Keys.Rope.DIMENSION_COUNT)
 _BLOCK = re.compile(r"(?:(.*)\.)?blk\.(\d+)\.")
+_QUERY = re.compile(r"\.attn_q(?:kv|_a)?\.")  # an attention layer's query projection (fused, low-rank)
 
 
 def check_shape(checkpoint: Checkpoint) -> None:
@@ -110,6 +118,7 @@ def check_shape(checkpoint: Checkpoint) -> None:
     holds, and `block_count` the number of `blk.N` layers present, numbered from 0."""
     path, architecture, metadata = checkpoint.path, checkpoint.architecture, checkpoint.metadata
     largest = max((max(t.shape) for t in checkpoint.tensors.values() if t.shape and math.prod(t.shape)), default=0)
+    attention = any(_QUERY.search(name) for name in checkpoint.tensors)
     problems, values = [], {}
     for template in dict.fromkeys(_SIZES):
         key = template.format(arch=architecture)
@@ -121,10 +130,12 @@ def check_shape(checkpoint: Checkpoint) -> None:
             what = f"an array of {found.type.name}" if found.array else found.type.name
             problems.append(f"{path}: metadata `{key}`: {what}, where llama.cpp writes an integer")
             continue
-        least = 1 if template in _POSITIVE and not found.array else 0  # a layer may have no heads (a state space one)
+        # a layer may have no heads (a state-space one), and a model without attention tensors none at all (Mamba)
+        headless = template == gguf.Keys.Attention.HEAD_COUNT and not attention
+        least = 0 if found.array or headless else int(template in _POSITIVE)
         if min(numbers) < least:
             problems.append(f"{path}: metadata `{key}` is {min(numbers)}; it must be at least {least}")
-        elif template in _POSITIVE and max(numbers) < 1:
+        elif template in _POSITIVE and not headless and max(numbers) < 1:
             problems.append(f"{path}: metadata `{key}` is 0 for every layer; some layer must have one")
         elif template not in (_LAYERS, _CONTEXT) and max(numbers) > largest:
             problems.append(f"{path}: metadata `{key}` is {max(numbers)}, larger than any dimension of the file's "
@@ -169,12 +180,56 @@ def gguf_config(path: str | Path):
                                                              local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers signals a config it cannot build with many exception types
         raise CheckpointError([f"{path}: transformers cannot build a config from this GGUF ({exc})"]) from None
-    # transformers reads the head size for some architectures only (Qwen3 keeps its class default of 128);
-    # llama.cpp's converter writes it for all as the key length
-    key_length = checkpoint.metadata.get(gguf.Keys.Attention.KEY_LENGTH.format(arch=checkpoint.architecture))
-    if key_length is not None and isinstance(getattr(config, "head_dim", None), int):
-        config.head_dim = key_length.integers[0]
+    config = as_llama_cpp_builds(config, checkpoint)
     config._name_or_path = str(Path(path).parent)  # as transformers names it for the file itself
+    return config
+
+
+def as_llama_cpp_builds(config, checkpoint: Checkpoint):
+    """`config` corrected where transformers' reader is wrong or silent, decided as llama.cpp's model graphs decide:
+    from the metadata its converter writes and the tensors the file holds. A file whose model the config cannot
+    describe is refused by name (`_unsupported`), never built approximately."""
+    import transformers
+
+    architecture, names = checkpoint.architecture, checkpoint.tensors.keys()
+
+    def integer(template: str) -> int | None:
+        found = checkpoint.metadata.get(template.format(arch=architecture))
+        return None if found is None or found.integers is None else found.integers[0]
+
+    def holds(part: str) -> bool:
+        return any(f".{part}." in name for name in names)
+
+    # the head size: transformers reads it for some architectures only (Qwen3 keeps its class default of 128)
+    if (key_length := integer(gguf.Keys.Attention.KEY_LENGTH)) and isinstance(getattr(config, "head_dim", None), int):
+        config.head_dim = key_length
+    if architecture in ("t5", "t5encoder"):  # llama.cpp: gated GELU (tanh) where `ffn_gate` exists, else ReLU
+        gated = holds("ffn_gate")
+        config.feed_forward_proj, config.dense_act_fn, config.is_gated_act = (
+            ("gated-gelu", "gelu_new", True) if gated else ("relu", "relu", False))
+        # a head of its own (Flan-T5) or the embedding; scaled by d_model ** -0.5 only in the original T5 (ReLU, tied)
+        config.tie_word_embeddings = "output.weight" not in names
+        config.scale_decoder_outputs = config.tie_word_embeddings and not gated
+    if architecture == "gpt2" and (context := integer(gguf.Keys.LLM.CONTEXT_LENGTH)):
+        config.n_positions = context  # the rows of `position_embd`; transformers reads the context into `n_ctx`
+    if architecture == "falcon" and holds("attn_norm_2"):  # Falcon-40B's layout: two norms, grouped key-values
+        config.new_decoder_architecture = True
+        config.num_kv_heads = integer(gguf.Keys.Attention.HEAD_COUNT_KV) or 1
+        if config.num_kv_heads > 1:  # the converter regroups the fused QKV rows; undoing that is not built
+            raise _unsupported(checkpoint.path, architecture, f" (a Falcon with {config.num_kv_heads} key-value "
+                               "groups: llama.cpp's converter regroups their fused QKV rows)")
+    for template, field in ((gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, "moe_intermediate_size"),
+                            (gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, "shared_expert_intermediate_size")):
+        if (width := integer(template)) is not None and hasattr(config, field):
+            setattr(config, field, width)
+    if architecture == "llama" and holds("ffn_gate_exps"):  # Mixtral: llama.cpp writes it as a Llama with experts
+        settings = {**config.to_dict(), "num_local_experts": integer(gguf.Keys.LLM.EXPERT_COUNT),
+                    "num_experts_per_tok": integer(gguf.Keys.LLM.EXPERT_USED_COUNT)}
+        settings.pop("model_type", None)
+        config = transformers.MixtralConfig(**settings)
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < getattr(config, "vocab_size", pad + 1):
+        config.pad_token_id = integer(gguf.Keys.Tokenizer.PAD_ID)  # a class default beyond this vocabulary
     return config
 
 
@@ -208,13 +263,16 @@ class Mapped:
         if not isinstance(model, PreTrainedModel):
             raise _unsupported(path, architecture, f" ({type(model).__name__} is not a transformers model)")
         config = gguf_metadata(path)["config"]
-        self.processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+        mixtral = model.config.model_type == "mixtral"  # written by llama.cpp as a Llama with experts
+        self.processor = (_mixtral_processor(config) if mixtral else
+                          TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config))
         try:
             with _NAME_MAPS.active({}):
-                self.names = get_gguf_hf_weights_map(model, self.processor)
+                self.names = get_gguf_hf_weights_map(model, self.processor, model_type="llama" if mixtral else None)
         except NotImplementedError as exc:  # the gguf package has no name map for this model type
             raise _unsupported(path, architecture, f" ({exc})") from None
         self.checkpoint = checkpoint
+        self.shapes = {key: tuple(value.shape) for key, value in model.state_dict(keep_vars=True).items()}
         self.tensors: dict[str, StoredTensor] = {}
         self.ignored: dict[str, str] = {}
         self.dequantized: dict[str, str] = {}  # model key -> why its values were needed
@@ -224,6 +282,11 @@ class Mapped:
         for key, tensor in side["tensors"].items():
             self._add(key, StoredTensor(key, path, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t,
                                         note=f"assembled by transformers' {type(self.processor).__name__}"))
+        # a weight the model class declares shared with another (T5's encoder and decoder embeddings are its
+        # `shared`) reads the file's one tensor also where the config unties them (Flan-T5's head of its own)
+        for key, source in (getattr(type(model), "_tied_weights_keys", None) or {}).items():
+            if key not in self.tensors and source in self.tensors:
+                self._add(key, replace(self.tensors[source], name=key))
 
     def checkpoint_view(self) -> Checkpoint:
         return replace(self.checkpoint, tensors=self.tensors)
@@ -258,10 +321,30 @@ class Mapped:
             self.ignored[name] = "transformers maps it to no parameter of this model (it skips it too)"
             return
         tensor = torch.from_numpy(np.ascontiguousarray(result.weights))
+        if tuple(tensor.shape[:1]) == (1,) and tuple(tensor.shape[1:]) == self.shapes.get(key):
+            tensor = tensor[0]  # Qwen2-MoE's processor gives the shared-expert gate, 1-D in older files, a row axis
         if stored.qtype is None:
             tensor = tensor.to(stored.dtype)  # a float tensor keeps its stored dtype, as transformers' own path does
         self._add(key, StoredTensor(key, stored.file, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t,
                                     note=note))
+
+
+def _mixtral_processor(config: dict):
+    """Mixtral as llama.cpp's converter writes it: Llama's Q/K rows undone by transformers' Llama processor, the
+    experts assembled as transformers' Qwen2-MoE processor assembles the same `ffn_*_exps` tensors."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, Qwen2MoeTensorProcessor
+
+    class MixtralTensorProcessor(Qwen2MoeTensorProcessor):
+        def __init__(self, config=None):
+            super().__init__(config=config)
+            self.llama = LlamaTensorProcessor(config=config)
+
+        def process(self, weights, name: str, **kwargs):
+            if self.GGUF_MOE_WEIGHTS_PATTERN.fullmatch(name):
+                return super().process(weights, name, **kwargs)
+            return self.llama.process(weights, name, **kwargs)
+
+    return MixtralTensorProcessor(config=config)
 
 
 def _probe(processor, name: str, shape: tuple[int, ...], names: dict[str, str]):

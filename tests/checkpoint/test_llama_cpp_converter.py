@@ -1,0 +1,111 @@
+"""GGUF files llama.cpp's own converter wrote (`tests/fixtures/llama_cpp_converter`, made by its `make_fixtures.py`),
+one tiny model per architecture Streamwise lists, each loaded from the `.gguf` alone and compared with the float
+model it was converted from (saved beside it with `save_pretrained`), never only with transformers' GGUF loader:
+that peer builds T5 with the wrong activation and computes the same wrong numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+import transformers
+
+import streamwise
+from streamwise.runtime.checkpoint import CheckpointError
+from streamwise.runtime.checkpoint.llama_cpp import supported_architectures
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_converter"
+FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+# the relative error of the output against the float model: an F16 file computes in float16; Q8_0 adds its rounding
+BOUNDS = {"f16": 3e-3, "q8_0": 5e-2}
+# Linear layers no GGUF resident can serve: Falcon's own Linear class computes `x @ weight.T` itself; GPT-2's
+# Conv1D holds its weights transposed (transformers' processor transposes the values)
+FLOAT_LINEARS = {"falcon", "gpt2"}
+BUILT_AS = {"MistralForCausalLM": "LlamaForCausalLM"}  # llama.cpp writes Mistral as `llama`; both compute alike
+IDS = torch.tensor([[1, 5, 17, 42, 33, 7, 60, 2]])
+
+
+def output(model) -> torch.Tensor:
+    with torch.no_grad():
+        if model.config.is_encoder_decoder:
+            return model(input_ids=IDS, decoder_input_ids=IDS[:, :4]).logits.float()
+        result = model(input_ids=IDS)
+        return (result.logits if hasattr(result, "logits") else result.last_hidden_state).float()
+
+
+@pytest.fixture(scope="module")
+def float_outputs():
+    computed = {}
+
+    def compute(family):
+        if family not in computed:
+            (name,) = json.loads((FIXTURES / family / "config.json").read_text())["architectures"]
+            model = getattr(transformers, name).from_pretrained(FIXTURES / family, dtype=torch.float32).eval()
+            computed[family] = (name, output(model))
+        return computed[family]
+
+    return compute
+
+
+@pytest.mark.parametrize("outtype", list(BOUNDS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_converted_file_alone_computes_what_its_float_model_computes(family, outtype, float_outputs):
+    path = FIXTURES / f"{family}.{outtype}.gguf"
+    class_name, expected = float_outputs(family)
+
+    model, report, _ = streamwise.load_pretrained(path, "auto")
+
+    assert type(model).__name__ == BUILT_AS.get(class_name, class_name)
+    if outtype == "q8_0":  # each block kept, or dequantized saying why
+        kept = set(report.quantized.values())  # the converter keeps F16 where a row is no whole block
+        assert "Q8_0" in kept and kept <= {"Q8_0", "F16"} if family not in FLOAT_LINEARS else not kept
+        assert all(why.startswith("dequantized from Q8_0") or why.startswith("assembled by")
+                   for why in report.dequantized_tensors.values())
+    error = ((output(model) - expected).norm() / expected.norm()).item()
+    assert error < BOUNDS[outtype], f"{family} {outtype}: {error:.2e} off the float model"
+
+
+def test_the_architectures_listed_are_exactly_those_the_fixtures_prove():
+    proven = {gguf.GGUFReader(FIXTURES / f"{family}.f16.gguf").fields["general.architecture"].contents()
+              for family in FAMILIES}
+    assert supported_architectures() == sorted(proven)
+
+
+def test_an_architecture_no_test_proves_is_refused_by_name_before_transformers_reads_it(tmp_path):
+    """gpt-oss: transformers' reader accepts the architecture; Streamwise has no converter-made file proving it."""
+    path = tmp_path / "gpt-oss.gguf"
+    writer = gguf.GGUFWriter(path, "gpt-oss")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError) as caught:
+        streamwise.load_pretrained(path, "auto")
+    text = str(caught.value)
+    assert str(path) in text and "`gpt-oss`" in text and "cannot build right" in text and "t5encoder" in text
+
+
+def test_a_falcon_with_several_key_value_groups_is_refused_by_name(tmp_path):
+    """llama.cpp's converter regroups a Falcon-40B's fused QKV rows; Streamwise does not undo that, so it refuses."""
+    source = gguf.GGUFReader(FIXTURES / "falcon.f16.gguf")
+    path = tmp_path / "falcon-40b-like.gguf"
+    writer = gguf.GGUFWriter(path, "falcon")
+    for field in source.fields.values():
+        if field.name.startswith("falcon."):
+            value = 2 if field.name == "falcon.attention.head_count_kv" else field.contents()
+            add = {float: writer.add_float32, int: writer.add_uint32, str: writer.add_string}[type(value)]
+            add(field.name, value)
+    for tensor in source.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="Falcon with 2 key-value groups"):
+        streamwise.load_pretrained(path, "auto")
