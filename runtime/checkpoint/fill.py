@@ -463,7 +463,8 @@ class _Filling:
                 source = self.sources.get(f"{module_path}.{attribute}")
                 if source is not None:
                     found.setdefault(module_path, {})[attribute] = source
-            make_resident(self.model.get_submodule(module_path), format_name, held, attributes, journal)
+            make_resident(self.model.get_submodule(module_path), format_name, held,
+                          {**attributes, protocol.NAME: module_path}, journal)
             if progress is not None:
                 progress(done, total)
         for module_path, tensors in found.items():

@@ -144,7 +144,8 @@ def _apply(
                         shared[cls] = record  # the modules converted to `cls` next join it
             step, converting = "making quantized residents", None
             for entry, module, stored in quantized:
-                make_resident(module, entry.quant, stored, {protocol.GROUP_SIZE: entry.group_size}, journal, tree)
+                make_resident(module, entry.quant, stored,
+                              {protocol.GROUP_SIZE: entry.group_size, protocol.NAME: entry.path}, journal, tree)
             step = "recording the conversion"
             journal.set_attributes(state, {"records": state.records + records, "plan": plan})
             journal.set_attributes(model, {protocol.STATE: state})

@@ -39,6 +39,7 @@ TREE = "_sw_tree"  # on converted instances: the tree's StreamTree
 RELOCATED = "_sw_relocated"  # on relocating instances: the names of the tensors that follow the compute device
 CLAIMED = "_sw_claimed"  # on generic containers: the descendants whose parameters it fetches with its own
 SOURCES = "_sw_sources"  # on modules loaded from a file: where each tensor can be read back from (`file_tier`)
+NAME = "_sw_name"  # on residents: the module's path in the model it was made in, for messages
 COMPUTE_DTYPE = "_sw_compute_dtype"  # on residents: the dtype of the float weight their storage quantizes
 GROUP_SIZE = "_sw_group_size"  # on INT8/INT4 residents: the quantization group size (None: one scale per row)
 STATE = "_streamwise"  # on a converted root: its `AppliedState` (the tree, the records that undo it, the plan)

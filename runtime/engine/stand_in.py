@@ -14,8 +14,14 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ...errors import Error
+
 _ALIASING = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 """Ops that make the same tensor anew (a Parameter's creation, `.data`, `state_dict`): the same stand-in."""
+
+
+class WriteRefused(Error, RuntimeError):
+    """A write into a weight that cannot keep it (a stand-in, a quantized resident's storage)."""
 
 
 class StandIn(Tensor):
@@ -47,6 +53,15 @@ class StandIn(Tensor):
         """What to do instead of writing into it, for messages."""
         raise NotImplementedError
 
+    @property
+    def data(self) -> StandIn:
+        return self.alias()  # as `.data` of any tensor: the same values, a new tensor object
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        raise WriteRefused(f"`.data = ...` replaces the values of {self.describe()}: the new values would be lost; "
+                           f"{self.remedy()}")
+
     def __reduce_ex__(self, protocol: int):
         return self.values(None).__reduce_ex__(protocol)  # `torch.save(model.state_dict())` saves the values
 
@@ -62,7 +77,7 @@ class StandIn(Tensor):
             return False
         for argument, value in _written(func, args, kwargs):
             if isinstance(value, StandIn):
-                raise RuntimeError(
+                raise WriteRefused(
                     f"`{func.overloadpacket.__name__}` writes into its argument `{argument}`, which is "
                     f"{value.describe()}: a write would be lost; {value.remedy()}")
         device = next((t.device for t in tree_flatten((args, kwargs))[0]

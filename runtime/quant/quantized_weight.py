@@ -44,9 +44,11 @@ class QuantizedWeight(StandIn):
     def of(cls, module: nn.Module) -> QuantizedWeight:
         """What `module` (a resident) shows as its `weight` now: the resident class's `weight` property."""
         handler = protocol.quant_handler(module)
-        return cls({name: module._parameters[name] for name in handler.stored}, handler.name,
-                   tuple((name, _frozen(getattr(module, name))) for name in handler.attributes),
-                   (module.out_features, module.in_features), module.__dict__[protocol.COMPUTE_DTYPE])
+        shown = cls({name: module._parameters[name] for name in handler.stored}, handler.name,
+                    tuple((name, _frozen(getattr(module, name))) for name in handler.attributes),
+                    (module.out_features, module.in_features), module.__dict__[protocol.COMPUTE_DTYPE])
+        shown.module_name = module.__dict__.get(protocol.NAME)  # for messages only
+        return shown
 
     @property
     def nbytes(self) -> int:
@@ -60,11 +62,17 @@ class QuantizedWeight(StandIn):
     def alias(self) -> QuantizedWeight:
         return QuantizedWeight(self.stored, self.format_name, self.attributes, tuple(self.shape), self.dtype)
 
+    module_name: str | None = None
+
     def describe(self) -> str:
-        return f"a `{self.format_name}` quantized weight (a Streamwise resident: its raw storage is the parameter)"
+        where = f"`{self.module_name}.weight`, " if self.module_name else ""
+        return (f"{where}a `{self.format_name}` quantized weight (a Streamwise resident: its raw storage is the "
+                "parameter)")
 
     def remedy(self) -> str:
-        return "keep the layer float in the policy, or write its storage (`module._parameters`)"
+        return ("keep the layer float in the policy (a quant rule that does not select it; for a head tied to the "
+                "embedding, untie it with `config.tie_word_embeddings = False` first), or write its storage "
+                "(`module._parameters`)")
 
     def __tensor_flatten__(self):
         return list(self.names), (self.format_name, self.attributes, tuple(self.shape), self.dtype)

@@ -21,7 +21,7 @@ from ..engine import protocol
 from ..engine.classes import derived_class
 from ..engine.journal import Journal
 from ..engine.kinds import ComputeKind
-from ..engine.stand_in import applied_dtype
+from ..engine.stand_in import WriteRefused, applied_dtype
 from ..engine.streamed import leaf_namespace
 from ..engine.tree import StreamTree, cast_for_compute
 from .formats import FORMATS, QuantFormat
@@ -87,9 +87,15 @@ def resident_class(cls: type[nn.Module], format_name: str) -> type[nn.Module]:
             module.__dict__[protocol.COMPUTE_DTYPE] = applied_dtype(fn, module.__dict__[protocol.COMPUTE_DTYPE])
             return applied
 
+        def __setattr__(module: nn.Module, name: str, value: object) -> None:
+            if name in handler.stored and isinstance(value, Tensor):
+                return _kept_out(module, name, value)
+            return original.__setattr__(module, name, value)
+
         return {
             **leaf,
             "_apply": _apply,
+            "__setattr__": __setattr__,
             "weight": property(QuantizedWeight.of, doc="The float weight the storage stands for (`QuantizedWeight`)."),
             "__doc__": f"{original.__qualname__} holding its weight as `{format_name}` (Streamwise resident).",
             protocol.HANDLER: handler,
@@ -97,6 +103,15 @@ def resident_class(cls: type[nn.Module], format_name: str) -> type[nn.Module]:
 
     name = f"{format_name.title().replace('_', '')}{original.__name__}"
     return derived_class(resident_class, (original, format_name), name, original, namespace)
+
+
+def _kept_out(module: nn.Module, name: str, value: Tensor) -> None:
+    """Refuse a tensor assigned over a resident's storage (`m.weight = nn.Parameter(t)`, `load_state_dict(...,
+    assign=True)`, and transformers' `tie_weights()` on a head a rule quantized): the storage would become values its
+    format's kernel cannot read, and the next forward would fail inside it."""
+    shown = QuantizedWeight.of(module)
+    raise WriteRefused(f"assigning `{name}` a {tuple(value.shape)} {value.dtype} tensor over {shown.describe()}: its "
+                       f"storage would become values its `{shown.format_name}` kernel cannot read; {shown.remedy()}")
 
 
 def make_resident(

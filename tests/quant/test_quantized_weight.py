@@ -71,9 +71,9 @@ def _quantized(module: nn.Module, fmt: str, tmp_path, build=None) -> nn.Module:
                              quant={"rule": [rule]})
         streamwise.apply(streamwise.resolve(policy, module), module)
         return module
-    from safetensors.torch import save_file
+    from safetensors.torch import save_model
 
-    save_file(module.state_dict(), tmp_path / "float.safetensors")
+    save_model(module, tmp_path / "float.safetensors")  # a tied weight once
     policy = gguf_policy(tmp_path, "Q8_0", "any-module")
     quantize_to_gguf(tmp_path / "float.safetensors", tmp_path / "q.gguf", policy, module)
     with streamwise.skeleton():
@@ -108,6 +108,56 @@ def test_a_write_into_a_quantized_weight_is_refused(tmp_path, fmt):
     with torch.no_grad(), pytest.raises(RuntimeError, match=f"`add_` writes into .* a `{fmt}` quantized weight"):
         module.proj.weight.add_(1)
     assert torch.equal(module.proj._parameters["weight"], stored)
+
+
+@pytest.mark.parametrize("fmt", list(ENVELOPE))
+@pytest.mark.parametrize("write", ["`.data =`", "a float Parameter", "`load_state_dict(assign=True)`"])
+def test_a_replacement_a_quantized_weight_cannot_keep_is_refused_naming_the_module(tmp_path, fmt, write):
+    module = _quantized(DirectReads("F.linear"), fmt, tmp_path)
+    stored = module.proj._parameters["weight"]
+    floats = torch.randn(OUT, IN)
+    refused, said = streamwise.Error, rf"`proj\.weight`, a `{fmt}` quantized weight.*keep the layer float"
+    if "load_state_dict" in write:  # torch says it: a storage of another shape (INT4's packed), or wraps ours
+        refused, said = RuntimeError, rf"proj\.weight.*(shape|{said})"
+    with pytest.raises(refused, match=said):
+        if write == "`.data =`":
+            module.proj.weight.data = floats
+        elif write == "a float Parameter":
+            module.proj.weight = nn.Parameter(floats)
+        else:
+            module.load_state_dict({"proj.weight": floats}, strict=False, assign=True)
+    assert module.proj._parameters["weight"] is stored
+    with torch.no_grad():
+        module(torch.randn(2, IN))  # still computes
+
+
+def _tied_lm(tie: bool) -> transformers.PreTrainedModel:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=IN, intermediate_size=IN, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("fmt", list(ENVELOPE))
+def test_tie_weights_on_a_tied_model_under_a_quant_rule(tmp_path, fmt):
+    """GGUF keeps the tie: a tied head loads as the embedding's own float values (one stored tensor, read once), so
+    transformers' `tie_weights()` changes nothing. A rule quantizing the head of a tied model cannot keep it: refused,
+    with the advice, and the model still computes as before."""
+    model = _quantized(_tied_lm(tie=True), fmt, tmp_path, build=lambda: _tied_lm(tie=True))
+    ids = torch.tensor([[1, 5, 9, 33]])
+    head = model.lm_head._parameters["weight"]
+    with torch.no_grad():
+        before = model(ids).logits
+    if fmt == "gguf":
+        assert head is model.model.embed_tokens.weight and head.is_floating_point()
+        model.tie_weights()
+    else:
+        assert head.dtype in (torch.int8, torch.uint8)  # the rule quantized the head
+        with pytest.raises(streamwise.Error, match=r"`lm_head\.weight`.*tie_word_embeddings = False"):
+            model.tie_weights()
+    assert model.lm_head._parameters["weight"] is head
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
 
 
 @pytest.mark.parametrize("fmt", list(ENVELOPE))
