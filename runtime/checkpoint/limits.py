@@ -26,9 +26,10 @@ MAX_GGUF_KEYS = 2**16
 """Metadata keys in one GGUF file (real files hold about 40)."""
 MAX_GGUF_KEY = 2**16 - 1
 """Bytes of a GGUF metadata key: the format's own limit."""
-MAX_GGUF_ARRAY_ITEMS = 2**20
-"""Items of all GGUF metadata arrays together (Gemma 3's tokenizer, one of the largest, holds 786,432): transformers'
-GGUF reader spends about 30 µs and 1.5 KB on each, so this bounds what it costs too."""
+MAX_GGUF_ARRAY_ITEMS = 2**22
+"""Items of all GGUF metadata arrays together: Gemma 4's tokenizer, the largest known, holds 1,301,398 (262,144 tokens,
+scores and types, 514,906 merges); a 350k-token BPE vocabulary with its merges passes 2**20. transformers' GGUF reader
+spends about 30 µs and 1.5 KB on each, so this bounds what it costs too (a file must hold the items' bytes)."""
 MAX_GGUF_HEADER = 128 * 2**20
 """Bytes of a GGUF file's metadata and tensor table, read into memory once (a 262k-token tokenizer takes 6 MB)."""
 MAX_ELEMENTS = 2**63

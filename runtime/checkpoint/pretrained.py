@@ -177,9 +177,23 @@ def _tokenizer(source: str, identity: tuple):
         if checkpoint.architecture == carried_files.ARCHITECTURE:
             with carried_files.unpacked(carried_files.carried(checkpoint.metadata, checkpoint.path)) as carried:
                 return _folder_tokenizer(carried)
-        with checkpoint.header_copy() as copy:  # the checked header, never the file itself
-            return transformers.AutoTokenizer.from_pretrained(os.path.dirname(copy), gguf_file=os.path.basename(copy),
-                                                              local_files_only=True, trust_remote_code=False)
+        if not any(key.startswith("tokenizer.ggml.") for key in checkpoint.metadata):
+            raise CheckpointError([f"{source}: the file carries no tokenizer (no `tokenizer.ggml.*` metadata); load "
+                                   "it from the model's own folder instead (`load_tokenizer(folder)`, the folder "
+                                   "holding its tokenizer.json or tokenizer.model)"])
+        try:
+            with checkpoint.header_copy() as copy:  # the checked header, never the file itself
+                return transformers.AutoTokenizer.from_pretrained(
+                    os.path.dirname(copy), gguf_file=os.path.basename(copy), local_files_only=True,
+                    trust_remote_code=False)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # transformers' GGUF tokenizer conversion signals with many exception types
+            model = checkpoint.metadata.get("tokenizer.ggml.model")
+            raise CheckpointError([f"{source}: transformers builds no tokenizer from this GGUF's "
+                                   f"`{model.value if model else '?'}` vocabulary of architecture "
+                                   f"`{checkpoint.architecture}` ({type(exc).__name__}: {exc}); load it from the "
+                                   "model's own folder instead (`load_tokenizer(folder)`)"]) from None
     return _folder_tokenizer(source)
 
 

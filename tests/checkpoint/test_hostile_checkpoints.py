@@ -26,7 +26,7 @@ from torch import nn
 
 import streamwise
 from streamwise.runtime.build.model_spec import ModelSpecError, auto_model
-from streamwise.runtime.checkpoint import readers
+from streamwise.runtime.checkpoint import limits, readers
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.checkpoint.readers import CheckpointError, open_checkpoint
 
@@ -538,11 +538,11 @@ def gguf_with_array(path, count: int) -> None:
     path.write_bytes(bytes(data[:end]) + struct.pack("<Qc", 1, b"a") * (count - 3) + bytes(data[end:]))
 
 
-def test_two_million_metadata_strings_are_refused_after_reading_one_chunk(tmp_path, monkeypatch):
-    """56 s and 3 GB in the gguf package's reader before; here the array's claimed length is held to the limit on
-    all metadata items before its first item is read."""
+def test_more_metadata_strings_than_the_limit_are_refused_after_reading_one_chunk(tmp_path, monkeypatch):
+    """Two million took 56 s and 3 GB in the gguf package's reader; here the array's claimed length is held to the
+    limit on all metadata items before its first item is read."""
     path = tmp_path / "strings.gguf"
-    gguf_with_array(path, 2_000_000)
+    gguf_with_array(path, limits.MAX_GGUF_ARRAY_ITEMS + 1)
     reads = []
     real_open = open
 
@@ -554,11 +554,18 @@ def test_two_million_metadata_strings_are_refused_after_reading_one_chunk(tmp_pa
         return handle
 
     monkeypatch.setattr(readers, "open", counting_open, raising=False)
-    with pytest.raises(CheckpointError, match="the metadata arrays hold more than 1048576 items together"):
+    with pytest.raises(CheckpointError, match=f"the metadata arrays hold more than {limits.MAX_GGUF_ARRAY_ITEMS} "):
         open_checkpoint(path)
-    assert sum(reads) <= 2**20  # one chunk of the 18 MB file
+    assert sum(reads) <= 2**20  # one chunk of the 38 MB file
     gguf_with_array(path, 1000)
     assert open_checkpoint(path).metadata["test.tokens"].value.count == 1000
+
+
+def test_a_header_with_gemma_4_sized_vocabulary_arrays_is_read(tmp_path):
+    """Gemma 4's tokenizer: 262,144 tokens, scores and types and 514,906 merges, 1,301,398 items together."""
+    path = tmp_path / "gemma-4-sized.gguf"
+    gguf_with_array(path, 1_301_398)
+    assert open_checkpoint(path).metadata["test.tokens"].value.count == 1_301_398
 
 
 def small_gguf(path, **values) -> bytearray:
@@ -758,8 +765,6 @@ def test_an_index_whose_weight_map_is_no_map_is_no_shard_index(tmp_path):
 
 
 def test_an_index_at_its_limits(tmp_path, monkeypatch):
-    from streamwise.runtime.checkpoint import limits
-
     _write(tmp_path / "a.safetensors", {"x": torch.zeros(1)})
     _write(tmp_path / "b.safetensors", {"y": torch.zeros(1)})
     index = tmp_path / "model.safetensors.index.json"
