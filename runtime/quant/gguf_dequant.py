@@ -57,6 +57,11 @@ class UnsupportedQuantType(Error, ValueError):
     """A GGML type without a dequantizer here."""
 
 
+class BadBlocks(Error, ValueError, TypeError):
+    """Bytes that are no GGML blocks of the type and shape given (a ValueError, or a TypeError for a tensor that is
+    not raw bytes, as these were before)."""
+
+
 def check_blocks(qtype: QType, shape: tuple[int, ...], nbytes: int) -> int:
     """The number of blocks `nbytes` of `qtype` hold for `shape`; raises if this module cannot expand them."""
     if qtype not in DEQUANTIZERS and qtype not in STORED_FLOATS:
@@ -65,12 +70,12 @@ def check_blocks(qtype: QType, shape: tuple[int, ...], nbytes: int) -> int:
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     row = shape[-1] if shape else 1
     if row % block_size:
-        raise ValueError(
+        raise BadBlocks(
             f"{qtype.name} rows hold whole blocks of {block_size} values, but shape {shape} has rows of {row}"
         )
     n_blocks = math.prod(shape) // block_size
     if nbytes != n_blocks * type_size:
-        raise ValueError(f"{qtype.name} tensor of shape {shape} needs {n_blocks * type_size} bytes, got {nbytes}")
+        raise BadBlocks(f"{qtype.name} tensor of shape {shape} needs {n_blocks * type_size} bytes, got {nbytes}")
     return n_blocks
 
 
@@ -83,7 +88,7 @@ def dequantize(
     """
     shape = tuple(shape)
     if blocks.dtype != torch.uint8:
-        raise TypeError(f"GGML blocks must be a uint8 tensor of raw bytes, got {blocks.dtype}")
+        raise BadBlocks(f"GGML blocks must be a uint8 tensor of raw bytes, got {blocks.dtype}")
     n_blocks = check_blocks(qtype, shape, blocks.numel())
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     kernel = DEQUANTIZERS.get(qtype)

@@ -18,6 +18,7 @@ import torch
 from forked import in_forked_child
 from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, random_bytes
 
+import streamwise
 from streamwise.runtime.quant import gguf_dequant, torch_openmp
 from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, UnsupportedQuantType, dequantize
 
@@ -293,12 +294,13 @@ def test_empty_tensor_gives_an_empty_result(qtype):
 
 def test_wrong_byte_count_is_rejected():
     raw = torch.from_numpy(random_bytes(Q.Q8_0, (4, 256)))
-    with pytest.raises(ValueError, match="needs 1088 bytes, got 1054"):
+    with pytest.raises(streamwise.Error, match="needs 1088 bytes, got 1054") as caught:
         dequantize(raw.reshape(-1)[:-34], Q.Q8_0, (4, 256))
+    assert isinstance(caught.value, ValueError)  # as it was before it was a streamwise.Error
 
 
 def test_rows_must_hold_whole_blocks():
-    with pytest.raises(ValueError, match="blocks of 256"):
+    with pytest.raises(streamwise.Error, match="blocks of 256"):
         dequantize(torch.zeros(144 * 2, dtype=torch.uint8), Q.Q4_K, (4, 128))
 
 
