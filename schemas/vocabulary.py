@@ -50,9 +50,10 @@ QUANT_FORMATS: dict[str, str] = {
     "convrot_int4": "INT4, two per byte, with per-group scales after a ConvRot rotation; not compile-safe.",
 }
 
-#: GGML types `streamwise quantize` can write (those the gguf package quantizes), for `gguf_type`.
+#: GGML types `streamwise quantize` can write (those the gguf package quantizes, and the K-quants it does not:
+#: `runtime/quant/k_quants.py`), for `gguf_type`.
 GGUF_WRITE_TYPES: tuple[str, ...] = (
-    "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "MXFP4", "TQ2_0", "TQ1_0", "F16", "BF16", "F32",
+    "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "MXFP4", "TQ2_0", "TQ1_0", "F16", "BF16", "F32",
 )
 DEFAULT_GGUF_TYPE = "Q8_0"
 

@@ -1,7 +1,8 @@
 """`streamwise quantize`: write a checkpoint as GGUF, with GGML types chosen by a policy.
 
 - each weight of a layer that a `gguf` quant rule selects is quantized to the rule's `gguf_type` (or the one type
-  the caller gives) with the gguf package's own quantizers (every type it quantizes: `GGUF_WRITE_TYPES`);
+  the caller gives) with the gguf package's own quantizers (every type it quantizes) and, for Q4_K, Q5_K and
+  Q6_K, ggml's reference quantizers as ported in `k_quants` (`GGUF_WRITE_TYPES`);
 - every other tensor keeps its type (the quantized blocks of a GGUF source too), and each weight matrix left in
   float is reported with why (no rule, excluded, another format, too few weights, rows not filling blocks);
 - tensor names stay the model's state-dict keys, so `streamwise.load` reads the file back into the same tree;
@@ -27,6 +28,7 @@ from ...schemas.vocabulary import GGUF_WRITE_TYPES
 from ..build.skeleton import config_folder
 from ..plan import plan_for
 from ..plan.selectors import CompiledSelector, walk_modules
+from ..quant import k_quants
 from ..quant.gguf_dequant import dequantize
 from . import carried_files
 from .conversion import under_model_keys
@@ -56,7 +58,7 @@ def quantize_to_gguf(
     `gguf_type` when given (one of `GGUF_WRITE_TYPES`); an existing destination is replaced only once the whole file
     is written, and the source is never the destination."""
     if gguf_type is not None and gguf_type not in GGUF_WRITE_TYPES:
-        raise CheckpointError([f"--type {gguf_type}: the gguf package quantizes {', '.join(GGUF_WRITE_TYPES)}"])
+        raise CheckpointError([f"--type {gguf_type}: Streamwise writes {', '.join(GGUF_WRITE_TYPES)}"])
     policy, plan = plan_for(policy, model)
     chosen = {entry.path: gguf_type or entry.gguf_type for entry in plan.modules if entry.gguf_type}
     destination = Path(destination)
@@ -224,7 +226,8 @@ def _encode(
         if gguf_type in ("F32", "F16"):
             return tensor.to(torch.float32 if gguf_type == "F32" else torch.float16).numpy(), None
         if tensor.ndim >= 2 and tensor.shape[-1] % block == 0:
-            return gguf.quants.quantize(tensor.float().numpy(), qtype), qtype
+            quantize = k_quants.quantize if qtype in k_quants.QUANTIZERS else gguf.quants.quantize
+            return quantize(tensor.float().numpy(), qtype), qtype
     # Not quantized (or rows that do not fill whole blocks): the tensor's own type, unchanged.
     if tensor.dtype == torch.bfloat16:
         bf16 = gguf.GGMLQuantizationType.BF16

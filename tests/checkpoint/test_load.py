@@ -22,6 +22,7 @@ from streamwise.runtime.checkpoint import comfy_quant
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.cli.streamwise import main as streamwise_main
 from streamwise.runtime.sizes import human
+from streamwise.runtime.quant import k_quants
 from streamwise.schemas.vocabulary import GGUF_WRITE_TYPES
 
 from helpers import gguf_policy, make_policy, tiny_qwen2, write_policy
@@ -643,7 +644,7 @@ def test_a_gguf_load_report_says_what_stayed_quantized_and_why_the_rest_did_not(
 WRITTEN_QUANTIZED = [t for t in GGUF_WRITE_TYPES if t not in ("F32", "F16", "BF16")]
 
 
-def test_the_writable_types_are_every_type_the_gguf_package_quantizes():
+def test_the_writable_types_are_every_type_the_gguf_package_quantizes_and_the_k_quants():
     def quantizes(qtype):
         block, _ = gguf.GGML_QUANT_SIZES[qtype]
         try:
@@ -652,7 +653,8 @@ def test_the_writable_types_are_every_type_the_gguf_package_quantizes():
             return False
         return True
 
-    assert set(GGUF_WRITE_TYPES) == {t.name for t in gguf.GGMLQuantizationType if quantizes(t)}
+    assert set(GGUF_WRITE_TYPES) == {t.name for t in gguf.GGMLQuantizationType if quantizes(t)} | {
+        t.name for t in k_quants.QUANTIZERS}
 
 
 @pytest.mark.parametrize("gguf_type", WRITTEN_QUANTIZED)
