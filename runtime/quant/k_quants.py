@@ -4,9 +4,10 @@ quantizers make (`quantize_row_q4_K_ref`, `..._q5_K_ref`, `..._q6_K_ref` in `ggm
 matrix. The gguf package quantizes none of them.
 
 The C code works one 32- or 16-value sub-block at a time; here every sub-block of a tensor is worked at once, each
-step on whole arrays. Bit-exactness rests on three things kept from the C: every value is float32 (no float64
-intermediate), each sum runs in the C's order (`np.cumsum`, sequential, never numpy's pairwise `sum`), and rounding
-is ggml's `nearest_int` (to nearest, ties to even: `np.rint`).
+step on whole arrays (one column per sub-block, so that each of the C's sums is a run of vector adds).
+Bit-exactness rests on three things kept from the C: every value is float32 (no float64 intermediate), each sum
+runs in the C's order (`_sequential_sum`, never numpy's pairwise `sum`), and rounding is ggml's `nearest_int` (to
+nearest, ties to even: `np.rint`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ _EPS = F32(1e-15)  # GROUP_MAX_EPS
 
 
 def _sequential_sum(values: np.ndarray) -> np.ndarray:
-    """`s = v[0]; s += v[1]; ...` along the last axis, in float32, as the C loops add."""
-    return np.cumsum(values, axis=-1, dtype=F32)[..., -1]
+    """`s = v[0]; s += v[1]; ...` along the first axis (a sub-block's values, one column per sub-block), in
+    float32, as the C loops add: one vector add per value, across every sub-block at once."""
+    total = values[0].copy()
+    for row in values[1:]:
+        total += row
+    return total
 
 
 def _nearest(values: np.ndarray) -> np.ndarray:
@@ -34,42 +39,40 @@ def _fp16(values: np.ndarray) -> np.ndarray:
 
 
 def _min_scale_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
-    """`make_qkx2_quants` on every row of `x` (sub-blocks of 32): levels in 0..nmax, the scale and the (negated)
-    minimum that fit them best by weighted squared error over `nstep + 1` trial scales."""
-    low = x.min(axis=-1)
+    """`make_qkx2_quants` on every column of `x` (sub-blocks of 32): levels in 0..nmax (as float32), the scale and
+    the (negated) minimum that fit them best by weighted squared error over `nstep + 1` trial scales."""
+    low = x.min(axis=0)
     low = np.where(low > 0, F32(0), low)  # `if (min > 0) min = 0`, keeping a -0.0 as the C does
-    high = x.max(axis=-1)
+    high = x.max(axis=0)
     flat = high == low
     sum_w = _sequential_sum(weights)
     sum_x = _sequential_sum(weights * x)
     with np.errstate(divide="ignore", invalid="ignore"):
-        span = np.where(flat, F32(1), high - low)
-        iscale = F32(nmax) / span
+        iscale = F32(nmax) / np.where(flat, F32(1), high - low)
         scale = F32(1) / iscale
-        levels = np.clip(_nearest(iscale[:, None] * (x - low[:, None])), 0, nmax)
-        diff = scale[:, None] * levels.astype(F32) + low[:, None] - x
+        levels = np.clip(np.rint(iscale * (x - low)), 0, nmax)
+        diff = scale * levels + low - x
         best = _sequential_sum(weights * (diff * diff))
         minimum = low.copy()
         for step in range(nstep + 1):  # from the minimum found so far, as the C's `min` is updated in place
             trial = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / np.where(flat, F32(1), high - minimum)
-            trial_levels = np.clip(_nearest(trial[:, None] * (x - minimum[:, None])), 0, nmax)
-            lf = trial_levels.astype(F32)
-            wl = weights * lf
-            sum_l, sum_l2, sum_xl = _sequential_sum(wl), _sequential_sum(wl * lf), _sequential_sum(wl * x)
+            trial_levels = np.clip(np.rint(trial * (x - minimum)), 0, nmax)
+            wl = weights * trial_levels
+            sum_l, sum_l2, sum_xl = _sequential_sum(wl), _sequential_sum(wl * trial_levels), _sequential_sum(wl * x)
             det = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
             positive = this_min > 0
             this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
             this_min = np.where(positive, F32(0), this_min)
-            diff = this_scale[:, None] * lf + this_min[:, None] - x
+            diff = this_scale * trial_levels + this_min - x
             error = _sequential_sum(weights * (diff * diff))
             better = (det > 0) & (error < best) & ~flat
-            levels = np.where(better[:, None], trial_levels, levels)
+            levels = np.where(better, trial_levels, levels)
             best = np.where(better, error, best)
             scale = np.where(better, this_scale, scale)
             minimum = np.where(better, this_min, minimum)
-    levels = np.where(flat[:, None], 0, levels)
+    levels = np.where(flat, F32(0), levels)
     scale = np.where(flat, F32(0), scale)
     return levels, scale.astype(F32), (-minimum).astype(F32)
 
@@ -95,16 +98,18 @@ def _packed_scales_and_mins(scales: np.ndarray, mins: np.ndarray):
 def _min_scale_blocks(x: np.ndarray, nmax: int, rmin: float, nstep: int):
     """What Q4_K and Q5_K share: per 32-value sub-block levels in 0..nmax, then the super-block's packed scales."""
     blocks = x.reshape(-1, QK_K)
-    sub = blocks.reshape(-1, 32)
+    sub = np.ascontiguousarray(blocks.reshape(-1, 32).T)  # one column per sub-block
     average = np.sqrt(_sequential_sum(sub * sub) / F32(32))
-    weights = average[:, None] + np.abs(sub)
+    weights = average + np.abs(sub)
     levels, scales, mins = _min_scale_quants(sub, weights, nmax, rmin, 0.1, nstep)
+    levels = levels.T
     packed, d, dmin, ls, lm = _packed_scales_and_mins(scales.reshape(-1, 8), mins.reshape(-1, 8))
     step = d.astype(F32)[:, None] * ls.astype(F32)
     offset = dmin.astype(F32)[:, None] * lm.astype(F32)
     with np.errstate(divide="ignore", invalid="ignore"):
         final = np.clip(_nearest((blocks.reshape(-1, 8, 32) + offset[..., None]) / step[..., None]), 0, nmax)
-    levels = np.where((step != 0)[..., None], final, levels.reshape(-1, 8, 32)).astype(np.uint8).reshape(-1, QK_K)
+    levels = np.where((step != 0)[..., None], final, levels.reshape(-1, 8, 32).astype(np.int32))
+    levels = levels.astype(np.uint8).reshape(-1, QK_K)
     return levels, packed, d, dmin
 
 
@@ -126,37 +131,36 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
 
 
 def _symmetric_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)` on every row of `x`: levels in 0..2 nmax - 1 and the scale,
-    weighted by x², searched over 18 trial scales around nmax / max."""
-    first = np.argmax(np.abs(x), axis=-1)
-    peak = np.take_along_axis(x, first[:, None], axis=-1)[:, 0]  # the first value of the largest magnitude
+    """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)` on every column of `x`: levels in 0..2 nmax - 1 and the
+    scale, weighted by x², searched over 18 trial scales around nmax / max."""
+    first = np.argmax(np.abs(x), axis=0)
+    peak = np.take_along_axis(x, first[None, :], axis=0)[0]  # the first value of the largest magnitude
     zero = np.abs(peak) < _EPS
     peak = np.where(zero, F32(1), peak)
     weights = x * x
 
     def trial(iscale):
-        levels = np.clip(_nearest(iscale[:, None] * x), -nmax, nmax - 1)
-        lf = levels.astype(F32)
-        return levels, _sequential_sum(weights * x * lf), _sequential_sum(weights * lf * lf)
+        levels = np.clip(np.rint(iscale * x), -nmax, nmax - 1)
+        return levels, _sequential_sum(weights * x * levels), _sequential_sum(weights * levels * levels)
 
-    iscale = F32(-nmax) / peak
-    levels, sumlx, suml2 = trial(iscale)
+    levels, sumlx, suml2 = trial(F32(-nmax) / peak)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(suml2 != 0, sumlx / suml2, F32(0))
         best = scale * sumlx
         for step in (*range(-9, 0), *range(1, 10)):
             candidate, sumlx, suml2 = trial(-(F32(nmax) + F32(0.1) * F32(step)) / peak)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            levels = np.where(better[:, None], candidate, levels)
+            levels = np.where(better, candidate, levels)
             scale = np.where(better, sumlx / suml2, scale)
             best = np.where(better, scale * sumlx, best)
-    levels = np.where(zero[:, None], -nmax, levels) + nmax
+    levels = np.where(zero, F32(-nmax), levels) + F32(nmax)
     return levels.astype(np.int32), np.where(zero, F32(0), scale).astype(F32)
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     blocks = x.reshape(-1, QK_K)
-    levels, scales = _symmetric_quants(blocks.reshape(-1, 16), 32)
+    levels, scales = _symmetric_quants(np.ascontiguousarray(blocks.reshape(-1, 16).T), 32)
+    levels = levels.T
     scales = scales.reshape(-1, 16)
     first = np.argmax(np.abs(scales), axis=-1)
     max_scale = np.take_along_axis(scales, first[:, None], axis=-1)[:, 0]
