@@ -34,6 +34,7 @@ from . import carried_files
 from .conversion import under_model_keys
 from .gguf_reader import ORIGINAL_SHAPE
 from .limits import MAX_GGUF_DIMS
+from .llama_quant_mix import MIXES, mix_types
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 
 
@@ -57,12 +58,15 @@ def quantize_to_gguf(
     """Write `source` to `destination` (a new `.gguf`) as `policy` says, every layer its `gguf` rules select in
     `gguf_type` when given (one of `GGUF_WRITE_TYPES`); an existing destination is replaced only once the whole file
     is written, and the source is never the destination."""
-    if gguf_type is not None and gguf_type not in GGUF_WRITE_TYPES:
-        raise CheckpointError([f"--type {gguf_type}: Streamwise writes {', '.join(GGUF_WRITE_TYPES)}"])
+    if gguf_type is not None and gguf_type not in (*GGUF_WRITE_TYPES, *MIXES):
+        raise CheckpointError([f"--type {gguf_type}: Streamwise writes {', '.join((*GGUF_WRITE_TYPES, *MIXES))}"])
     policy, plan = plan_for(policy, model)
-    chosen = {entry.path: gguf_type or entry.gguf_type for entry in plan.modules if entry.gguf_type}
     destination = Path(destination)
     checkpoint = under_model_keys(open_checkpoint(source), model)  # named as the model names them
+    if gguf_type in MIXES:
+        chosen = _mixed(gguf_type, model, checkpoint)
+    else:
+        chosen = {f"{entry.path}.weight": gguf_type or entry.gguf_type for entry in plan.modules if entry.gguf_type}
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
     files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
              else carried_files.collect(config_folder(Path(source))))
@@ -78,7 +82,7 @@ def quantize_to_gguf(
             writer.add_string(key, value)
         try:
             for name, stored in sorted(checkpoint.tensors.items()):
-                wanted = chosen.get(name.rpartition(".")[0]) if name.endswith(".weight") else None
+                wanted = chosen.get(name)
                 data, qtype, size = _convert(name, stored, wanted)
                 if len(stored.shape) > MAX_GGUF_DIMS:  # no GGUF holds it: rows of its first dimension, as ComfyUI-GGUF
                     data = data.reshape(stored.shape[0], -1)
@@ -106,12 +110,33 @@ def quantize_to_gguf(
     except BaseException:
         Path(partial).unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
         raise
-    unselected = _unselected(policy, plan, model, [name.rpartition(".")[0] for name, why in left.items() if not why])
+    unselected = ({} if gguf_type in MIXES else
+                  _unselected(policy, plan, model, [name.rpartition(".")[0] for name, why in left.items() if not why]))
+    kept = f"{gguf_type} keeps it as llama-quantize does (no weight matrix it quantizes, or no llama.cpp name)"
     return QuantizeReport(
         os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in,
-        os.path.getsize(destination), {name: why or unselected[name.rpartition(".")[0]] for name, why in left.items()},
+        os.path.getsize(destination),
+        {name: why or unselected.get(name.rpartition(".")[0], kept) for name, why in left.items()},
         tuple(files),
     )
+
+
+def _mixed(mix: str, model: nn.Module, checkpoint) -> dict[str, str]:
+    """Each tensor's type under llama-quantize's `mix`, chosen by its llama.cpp name (`llama_cpp_names`): every weight
+    matrix llama-quantize quantizes, whatever the policy selects, so that the file is the mix llama.cpp makes."""
+    from .llama_cpp import llama_cpp_names
+
+    try:
+        architecture, names = llama_cpp_names(model)
+    except CheckpointError as exc:
+        raise CheckpointError([f"--type {mix}: llama-quantize chooses its types by llama.cpp tensor roles, and "
+                               f"{exc.problems[0]}; give one type instead (--type {MIXES[mix].name})"]) from None
+    llama_names = {names[key]: key for key in checkpoint.tensors if key in names}
+    config = model.config
+    types = mix_types(mix, {llama: checkpoint.tensors[key].shape for llama, key in llama_names.items()},
+                      architecture=architecture, layers=config.num_hidden_layers,
+                      experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0)
+    return {llama_names[llama]: kind.name for llama, kind in types.items()}
 
 
 def _too_small(path: str, module: nn.Module | None, rules: list) -> object | None:

@@ -329,6 +329,34 @@ class Mapped:
                                     note=note))
 
 
+# transformers' model types whose llama.cpp architecture is named otherwise (its `get_gguf_hf_weights_map` renames)
+_ARCHITECTURE_OF = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "umt5": "t5",
+                    "mixtral": "llama", "cohere": "command-r", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
+
+
+def llama_cpp_names(model: nn.Module) -> tuple[str, dict[str, str]]:
+    """A transformers model's llama.cpp architecture and the llama.cpp name of each state-dict key that has one
+    (`blk.3.attn_v.weight`): the same map `Mapped` reads files through, the other way round. A CheckpointError where
+    the model is no transformers model or the gguf package has no name map for it."""
+    from transformers import PreTrainedModel
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    if not isinstance(model, PreTrainedModel):
+        raise CheckpointError([f"{type(model).__name__} is not a transformers model, so it has no llama.cpp names"])
+    model_type = model.config.model_type
+    architecture = _ARCHITECTURE_OF.get(model_type, model_type)
+    config = model.config.to_dict()
+    processor = (_mixtral_processor(config) if model_type == "mixtral" else
+                 TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config))
+    try:
+        with _NAME_MAPS.active({}):
+            names = get_gguf_hf_weights_map(model, processor, model_type="llama" if model_type == "mixtral" else None)
+    except NotImplementedError:
+        raise CheckpointError([f"{type(model).__name__}: the gguf package has no llama.cpp name map for model type "
+                               f"`{model_type}`"]) from None
+    return architecture, {key: name for name, key in names.items()}
+
+
 def _mixtral_processor(config: dict):
     """Mixtral as llama.cpp's converter writes it: Llama's Q/K rows undone by transformers' Llama processor, the
     experts assembled as transformers' Qwen2-MoE processor assembles the same `ffn_*_exps` tensors."""

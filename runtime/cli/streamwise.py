@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...schemas.vocabulary import GGUF_WRITE_TYPES
+from ..checkpoint.llama_quant_mix import MIXES
 from ..checkpoint.readers import CheckpointError
 from ..policy.diagnostics import PolicyError
 from ..policy.load import load_policy
@@ -26,8 +27,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--policy", default="auto",
         help="a policy name or file whose `gguf` quant rules pick the layers and types (default: auto)",
     )
-    quantize.add_argument("--type", choices=GGUF_WRITE_TYPES, dest="gguf_type",
-                          help="one GGML type for every layer the policy's gguf rules select")
+    quantize.add_argument("--type", choices=(*GGUF_WRITE_TYPES, *MIXES), dest="gguf_type",
+                          help="one GGML type for every layer the policy's gguf rules select; or Q4_K_M / Q5_K_M, "
+                               "llama-quantize's per-tensor choices for every weight matrix it quantizes "
+                               "(transformers models the gguf package names)")
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
     commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
