@@ -6,7 +6,10 @@
 - every other tensor keeps its type (the quantized blocks of a GGUF source too), and each weight matrix left in
   float is reported with why (no rule, excluded, another format, too few weights, rows not filling blocks);
 - tensor names stay the model's state-dict keys, so `streamwise.load` reads the file back into the same tree;
-- the model's config.json and tokenizer files go into the metadata (`carried_files`), so the file stands alone.
+- the model's config.json and tokenizer files go into the metadata (`carried_files`), so the file stands alone;
+- `Q4_K_M` / `Q5_K_M` give each tensor llama-quantize's type for its llama.cpp role (`llama_quant_mix`);
+- a GGUF in llama.cpp's layout is requantized in that layout, as llama-quantize does (its names, order and metadata,
+  the tokenizer included; the tensors byte for byte llama-quantize's where it can make them): llama.cpp loads it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
-from ...schemas.vocabulary import GGUF_WRITE_TYPES
+from ...schemas.vocabulary import DEFAULT_GGUF_TYPE, GGUF_WRITE_TYPES
 from ..build.skeleton import config_folder
 from ..plan import plan_for
 from ..plan.selectors import CompiledSelector, walk_modules
@@ -34,7 +37,8 @@ from . import carried_files
 from .conversion import under_model_keys
 from .gguf_reader import ORIGINAL_SHAPE
 from .limits import MAX_GGUF_DIMS
-from .llama_quant_mix import MIXES, mix_types
+from .llama_cpp import is_llama_cpp_file
+from .llama_quant_mix import MIXES, fitting, llama_order, mix_types, quantized
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 
 
@@ -49,39 +53,53 @@ class QuantizeReport:
     """Weight matrices written in float -> why no quantized type applies."""
     carried: tuple[str, ...] = ()
     """The model's files the GGUF carries (`carried_files`): with config.json it loads alone."""
+    layout: str = "streamwise"
+    """`streamwise` (state-dict names, the model's files carried) or `llama.cpp` (a llama.cpp source's own)."""
 
 
 def quantize_to_gguf(
-    source: str | os.PathLike, destination: str | os.PathLike, policy: Policy | str, model: nn.Module, *,
+    source: str | os.PathLike, destination: str | os.PathLike, policy: Policy | str, model: nn.Module | None, *,
     gguf_type: str | None = None,
 ) -> QuantizeReport:
     """Write `source` to `destination` (a new `.gguf`) as `policy` says, every layer its `gguf` rules select in
-    `gguf_type` when given (one of `GGUF_WRITE_TYPES`); an existing destination is replaced only once the whole file
-    is written, and the source is never the destination."""
+    `gguf_type` when given (one of `GGUF_WRITE_TYPES`, or a mix of `MIXES`); an existing destination is replaced only
+    once the whole file is written, and the source is never the destination. A GGUF in llama.cpp's layout is
+    requantized in that layout, as llama-quantize does (`gguf_type` a mix, or one type for every tensor it quantizes;
+    Q8_0 by default), and needs no `model`; the policy does not apply to it."""
     if gguf_type is not None and gguf_type not in (*GGUF_WRITE_TYPES, *MIXES):
         raise CheckpointError([f"--type {gguf_type}: Streamwise writes {', '.join((*GGUF_WRITE_TYPES, *MIXES))}"])
-    policy, plan = plan_for(policy, model)
     destination = Path(destination)
-    checkpoint = under_model_keys(open_checkpoint(source), model)  # named as the model names them
-    if gguf_type in MIXES:
-        chosen = _mixed(gguf_type, model, checkpoint)
+    opened = open_checkpoint(source)
+    llama_cpp = is_llama_cpp_file(opened)  # requantized in its own layout, as llama-quantize would
+    if llama_cpp:
+        checkpoint, files, policy_name = opened, [], None
+        chosen = _llama_quantize_types(checkpoint, gguf_type or DEFAULT_GGUF_TYPE)
     else:
-        chosen = {f"{entry.path}.weight": gguf_type or entry.gguf_type for entry in plan.modules if entry.gguf_type}
+        policy, plan = plan_for(policy, model)
+        policy_name = policy.name
+        checkpoint = under_model_keys(opened, model)  # named as the model names them
+        files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
+                 else carried_files.collect(config_folder(Path(source))))
+        chosen = (_mixed(gguf_type, model, checkpoint) if gguf_type in MIXES else
+                  {f"{e.path}.weight": gguf_type or e.gguf_type for e in plan.modules if e.gguf_type})
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
-    files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
-             else carried_files.collect(config_folder(Path(source))))
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
     os.close(handle)
     types: dict[str, int] = {}
     left: dict[str, str] = {}  # weight -> why it stays float
     bytes_in = 0
     try:
-        writer = gguf.GGUFWriter(partial, arch=carried_files.ARCHITECTURE)
-        writer.add_string("streamwise.policy", policy.name)
-        for key, value in carried_files.metadata(files):
-            writer.add_string(key, value)
+        if llama_cpp:
+            writer = gguf.GGUFWriter(partial, arch=checkpoint.architecture)
+            _copy_metadata(checkpoint.path, writer, gguf_type or DEFAULT_GGUF_TYPE)
+        else:
+            writer = gguf.GGUFWriter(partial, arch=carried_files.ARCHITECTURE)
+            writer.add_string("streamwise.policy", policy_name)
+            for key, value in carried_files.metadata(files):
+                writer.add_string(key, value)
+        order = llama_order if llama_cpp else None
         try:
-            for name, stored in sorted(checkpoint.tensors.items()):
+            for name, stored in sorted(checkpoint.tensors.items(), key=order):
                 wanted = chosen.get(name)
                 data, qtype, size = _convert(name, stored, wanted)
                 if len(stored.shape) > MAX_GGUF_DIMS:  # no GGUF holds it: rows of its first dimension, as ComfyUI-GGUF
@@ -110,15 +128,46 @@ def quantize_to_gguf(
     except BaseException:
         Path(partial).unlink(missing_ok=True)  # never leave half a file behind, nor touch the destination
         raise
-    unselected = ({} if gguf_type in MIXES else
+    unselected = ({} if gguf_type in MIXES or llama_cpp else
                   _unselected(policy, plan, model, [name.rpartition(".")[0] for name, why in left.items() if not why]))
     kept = f"{gguf_type} keeps it as llama-quantize does (no weight matrix it quantizes, or no llama.cpp name)"
     return QuantizeReport(
         os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in,
         os.path.getsize(destination),
         {name: why or unselected.get(name.rpartition(".")[0], kept) for name, why in left.items()},
-        tuple(files),
+        tuple(files), "llama.cpp" if llama_cpp else "streamwise",
     )
+
+
+def _llama_quantize_types(checkpoint, gguf_type: str) -> dict[str, str]:
+    """Each tensor's type in a llama.cpp-layout file requantized to `gguf_type`: a mix's choices, or one type for every
+    tensor llama-quantize quantizes (its `--pure`), falling back where rows do not fill the type's blocks."""
+    shapes = {name: stored.shape for name, stored in checkpoint.tensors.items()}
+    if gguf_type in MIXES:
+        metadata, architecture = checkpoint.metadata, checkpoint.architecture
+        count = metadata.get(gguf.Keys.LLM.EXPERT_COUNT.format(arch=architecture))
+        layers = metadata.get(gguf.Keys.LLM.BLOCK_COUNT.format(arch=architecture))
+        types = mix_types(gguf_type, shapes, architecture=architecture, layers=layers.integers[0] if layers else 0,
+                          experts=count.integers[0] if count else 0)
+    else:
+        kind = gguf.GGMLQuantizationType[gguf_type]
+        types = {name: fitting(kind, shape[-1]) for name, shape in shapes.items() if quantized(name, shape)}
+    return {name: kind.name for name, kind in types.items()}
+
+
+def _copy_metadata(path: str, writer: gguf.GGUFWriter, gguf_type: str) -> None:
+    """A llama.cpp file's metadata, every key as it was (its tokenizer included), but `general.file_type`: the
+    llama.cpp file type the new types make (`LLAMA_FTYPE_MOSTLY_Q4_K_M`, ...), as llama-quantize writes it."""
+    names = {"F32": "ALL_F32", "MXFP4": "MOSTLY_MXFP4_MOE", **{k: f"MOSTLY_{k}_S" for k in ("Q4_K", "Q5_K")}}
+    file_type = gguf.LlamaFileType[names.get(gguf_type, f"MOSTLY_{gguf_type}")]
+    for key, found in gguf.GGUFReader(path).fields.items():  # a header the strict reader has checked
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue
+        if key == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(file_type)
+            continue
+        array = found.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(key, found.contents(), found.types[0], found.types[-1] if array else None)
 
 
 def _mixed(mix: str, model: nn.Module, checkpoint) -> dict[str, str]:

@@ -58,11 +58,14 @@ def _unsupported(path: str, architecture: str | None, detail: str = "") -> Check
     ])
 
 
+def is_llama_cpp_file(checkpoint: Checkpoint) -> bool:
+    """A GGUF that names an architecture other than Streamwise's own layout."""
+    return checkpoint.kind == "gguf" and checkpoint.architecture not in (None, carried_files.ARCHITECTURE)
+
+
 def is_llama_cpp_layout(checkpoint: Checkpoint, model: nn.Module) -> bool:
     """A GGUF not written by Streamwise whose tensor names are none of the model's own keys."""
-    if checkpoint.kind != "gguf" or checkpoint.architecture in (None, carried_files.ARCHITECTURE):
-        return False
-    return not set(checkpoint.tensors) & set(model.state_dict(keep_vars=True))
+    return is_llama_cpp_file(checkpoint) and not set(checkpoint.tensors) & set(model.state_dict(keep_vars=True))
 
 
 def gguf_metadata(path: str | Path) -> dict:

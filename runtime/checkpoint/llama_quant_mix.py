@@ -62,7 +62,7 @@ def mix_types(mix: str, tensors: dict[str, tuple[int, ...]], *, architecture: st
     value_projections = sum(_role(name) in ("attn_qkv", "attn_kv_b", "attn_v") for name in tensors)
     tied = "output.weight" not in tensors
     chosen, value_index, down_index = {}, 0, 0
-    for name, shape in sorted(tensors.items(), key=_llama_order):
+    for name, shape in sorted(tensors.items(), key=llama_order):
         if not quantized(name, shape):
             continue
         role, columns, kind = _role(name), shape[-1], base
@@ -87,16 +87,17 @@ def mix_types(mix: str, tensors: dict[str, tuple[int, ...]], *, architecture: st
             down_index += 1
         elif role == "attn_output" and experts == 8 and architecture != "falcon" and mix == "Q4_K_M":
             kind = Q.Q5_K
-        chosen[name] = _fitting(kind, columns)
+        chosen[name] = fitting(kind, columns)
     return chosen
 
 
-def _llama_order(item: tuple[str, tuple[int, ...]]) -> tuple[int, str]:
+def llama_order(item: tuple[str, object]) -> tuple[int, str]:
+    """llama-quantize's order of (name, ...) items: tensors of no layer first, then by layer, each by name."""
     layer = _LAYER.match(item[0])
     return (int(layer[1]) if layer else -1, item[0])
 
 
-def _fitting(kind: Q, columns: int) -> Q:
+def fitting(kind: Q, columns: int) -> Q:
     """`tensor_type_fallback`: a type whose blocks rows of `columns` fill."""
     if columns % GGML_QUANT_SIZES[kind][0] == 0:
         return kind

@@ -62,6 +62,8 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ..build.model_spec import ModelSpecError, build_model
     from ..build.skeleton import build_skeleton, config_folder
     from ..checkpoint.gguf_writer import quantize_to_gguf
+    from ..checkpoint.llama_cpp import is_llama_cpp_file
+    from ..checkpoint.readers import open_checkpoint
 
     try:
         overrides = json_option("--model-config", args.model_config)
@@ -71,6 +73,8 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         policy = args.policy if args.policy == "auto" else load_policy(args.policy)
         if args.model:
             model = build_model(args.model, overrides)
+        elif is_llama_cpp_file(open_checkpoint(args.source)):
+            model = None  # requantized by llama.cpp's tensor names, in its layout
         else:  # the folder's config.json (beside a weight file too), or a builder another pack registered
             model = build_skeleton(config_folder(Path(args.source)))
         report = quantize_to_gguf(args.source, args.destination, policy, model, gguf_type=args.gguf_type)
@@ -80,7 +84,7 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     types = ", ".join(f"{name} x{count}" for name, count in report.types.items())
     print(f"wrote {report.file}: {report.tensors} tensors ({types}), {human(report.bytes_in)} -> "
           f"{human(report.bytes_out)}")
-    print(_standing(report.carried))
+    print(_standing(report))
     if report.float_layers:
         listed = list(report.float_layers.items())
         print(f"warning: {len(listed)} weight matrices stay float:", file=sys.stderr)
@@ -94,8 +98,12 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 _LISTED = 20
 
 
-def _standing(carried: tuple[str, ...]) -> str:
+def _standing(report) -> str:
     """Whether the written file loads alone, for people: what it carries, and where it is listed."""
+    carried = report.carried
+    if report.layout == "llama.cpp":
+        return ("it is in llama.cpp's layout (its tensor names, metadata and tokenizer): llama.cpp loads it, and so "
+                "does `load_pretrained(file)`")
     if "config.json" not in carried:
         return ("it carries no config.json (the source folder has none): it loads with the model's config.json "
                 "beside it")

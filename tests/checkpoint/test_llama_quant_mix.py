@@ -76,3 +76,46 @@ def test_streamwise_quantize_writes_the_mix_llama_quantize_makes_and_it_loads(tm
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # a random 8-layer model compounds each layer's rounding: Q4_K_M 17% off, Q5_K_M 8%
     assert ((got - float_logits).norm() / float_logits.norm()).item() < (0.25 if mix == "Q4_K_M" else 0.12)
+
+
+REQUANTIZED = ["llama", "qwen2", "qwen3_moe", "mamba"]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("family", REQUANTIZED)
+def test_a_llama_cpp_file_requantized_equals_what_llama_quantize_writes(tmp_path, family, mix):
+    """The F16 file llama.cpp's converter wrote, requantized by `streamwise quantize --type Q4_K_M`: the same tensors
+    in the same order, byte for byte, and the same metadata (tokenizer included) as llama-quantize's own output
+    (`tests/fixtures/llama_quantize/<family>.<mix>.gguf`); it loads and computes within the mix's error of the float
+    model it was converted from. (llama.cpp's `llama-simple` ran such a file; see `make_reference.py`.)"""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+
+    import streamwise
+    from streamwise.runtime.cli.streamwise import main as streamwise_main
+
+    target = tmp_path / f"{family}.{mix}.gguf"
+    assert streamwise_main(["quantize", str(FIXTURES / "llama_cpp_converter" / f"{family}.f16.gguf"), str(target),
+                            "--type", mix]) == 0
+    ours, theirs = gguf.GGUFReader(target), gguf.GGUFReader(FIXTURES / "llama_quantize" / f"{family}.{mix}.gguf")
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == reference.tensor_type, mine.name
+        assert np.array_equal(np.asarray(mine.data).view(np.uint8), np.asarray(reference.data).view(np.uint8))
+
+    def fields(reader):
+        return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+    assert fields(ours) == fields(theirs)
+
+    model, _, _ = streamwise.load_pretrained(target, "auto")
+    folder = FIXTURES / "llama_cpp_converter" / family
+    (name,) = json.loads((folder / "config.json").read_text())["architectures"]
+    float_model = getattr(transformers, name).from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 17, 42, 33, 7]])
+    with torch.no_grad():
+        got, expected = model(ids).logits.float(), float_model(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() < 0.1
