@@ -236,6 +236,25 @@ def as_llama_cpp_builds(config, checkpoint: Checkpoint):
     return config
 
 
+def as_llama_cpp_tokenizes(tokenizer, checkpoint: Checkpoint):
+    """`tokenizer` (transformers' conversion of the file's vocabulary) corrected where it tokenizes otherwise than
+    llama.cpp. A SentencePiece vocabulary (`tokenizer.ggml.model = llama`): llama.cpp prefixes every run of text with
+    a space (unless `tokenizer.ggml.add_space_prefix` is false), also one that starts with spaces, then writes each
+    space as `▁`; transformers' Metaspace skips the prefix where the text starts with a space (`' '` becomes
+    `▁` where llama.cpp's `▁▁` is one token). Its legacy normalizer does what llama.cpp does."""
+    from tokenizers import normalizers
+
+    model = checkpoint.metadata.get(gguf.Keys.Tokenizer.MODEL)
+    if model is None or model.value != "llama" or not hasattr(tokenizer, "backend_tokenizer"):
+        return tokenizer
+    prefix = checkpoint.metadata.get(gguf.Keys.Tokenizer.ADD_PREFIX)
+    steps = [normalizers.Prepend("▁")] if prefix is None or prefix.value else []
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = None
+    return tokenizer
+
+
 def _cached_name_maps(original, cache):
     """`gguf.get_tensor_name_map`, remembering each map for the calling context's `_NAME_MAPS` call."""
 

@@ -183,9 +183,12 @@ def _tokenizer(source: str, identity: tuple):
                                    "holding its tokenizer.json or tokenizer.model)"])
         try:
             with checkpoint.header_copy() as copy:  # the checked header, never the file itself
-                return transformers.AutoTokenizer.from_pretrained(
+                tokenizer = transformers.AutoTokenizer.from_pretrained(
                     os.path.dirname(copy), gguf_file=os.path.basename(copy), local_files_only=True,
                     trust_remote_code=False)
+            from .llama_cpp import as_llama_cpp_tokenizes  # GGUF only, as `gguf_reader` (open_checkpoint)
+
+            return as_llama_cpp_tokenizes(tokenizer, checkpoint)
         except CheckpointError:
             raise
         except Exception as exc:  # transformers' GGUF tokenizer conversion signals with many exception types

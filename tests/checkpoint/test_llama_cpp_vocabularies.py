@@ -1,9 +1,9 @@
 """llama.cpp's own vocab-only GGUFs and tokenizer test vectors: each loads as a tokenizer or is refused naming the
 file, and the ones transformers' GGUF conversion reproduces give llama.cpp's token ids on every vector.
 
-Phi-3's file is committed (`tests/fixtures/llama_cpp_vocab`); the others run where `llama_cpp_files` has fetched
-llama.cpp's vocabularies into the test cache (`python -c "import llama_cpp_files as f; f.llama_cpp_vocabulary('qwen2')"`
-from `tests/`), and say so when skipped.
+Llama 2's SentencePiece file is committed (`tests/fixtures/llama_cpp_vocab`); the others run where
+`llama_cpp_files` has fetched llama.cpp's vocabularies into the test cache (`llama_cpp_files.llama_cpp_vocabulary`),
+and say so when skipped.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from helpers import cache_dir
 
 COMMITTED = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_vocab"
 FETCHED = cache_dir() / "llama-cpp-vocabularies"
-EXACT = ["phi-3", "gpt-2", "qwen2"]
-"""Vocabularies whose every vector gives llama.cpp's ids (Qwen3.5's too, 50/50, left out for time). Not yet:
-llama-spm (SentencePiece's leading space, 31/46), falcon (37/46), llama-bpe, deepseek-coder, deepseek-llm and
-starcoder (45/46 each)."""
+EXACT = ["llama-spm", "phi-3", "gpt-2", "qwen2"]
+"""Vocabularies whose every vector gives llama.cpp's ids (Qwen3.5's too, 50/50, left out for time). llama-spm
+through `llama_cpp.as_llama_cpp_tokenizes` (transformers' conversion: 31/46). Not yet: falcon (37/46: llama.cpp's
+Falcon pre-tokenizer splits digits in threes), llama-bpe, deepseek-coder, deepseek-llm and starcoder (45/46 each)."""
 REFUSED = ["bert-bge", "mpt", "refact"]
 """transformers builds no tokenizer from these, architectures its GGUF reader does not know (so neither from Command-R
 and, past its config, Gemma 4: 17 and 33 s to parse, left out for time)."""
