@@ -236,22 +236,41 @@ def as_llama_cpp_builds(config, checkpoint: Checkpoint):
     return config
 
 
+_GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's pre-tokenizer regexes (`llm_tokenizer_bpe`, src/llama-vocab.cpp at 0c1e5709), each splitting the pieces
+# the one before it left, for the `tokenizer.ggml.pre` values where transformers' conversion splits otherwise: each
+# checked against llama.cpp's own test vectors (`tests/checkpoint/test_llama_cpp_vocabularies.py`)
+_BPE_SPLITS = {
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_WORDS, "[0-9][0-9][0-9]"),
+    "starcoder": (r"\p{N}", _GPT2_WORDS),
+    "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
+}
+
+
 def as_llama_cpp_tokenizes(tokenizer, checkpoint: Checkpoint):
     """`tokenizer` (transformers' conversion of the file's vocabulary) corrected where it tokenizes otherwise than
-    llama.cpp. A SentencePiece vocabulary (`tokenizer.ggml.model = llama`): llama.cpp prefixes every run of text with
-    a space (unless `tokenizer.ggml.add_space_prefix` is false), also one that starts with spaces, then writes each
-    space as `▁`; transformers' Metaspace skips the prefix where the text starts with a space (`' '` becomes
-    `▁` where llama.cpp's `▁▁` is one token). Its legacy normalizer does what llama.cpp does."""
-    from tokenizers import normalizers
+    llama.cpp, which the file's model was trained to read:
+    - a SentencePiece vocabulary (`tokenizer.ggml.model = llama`): llama.cpp prefixes every run of text with a space
+      (unless `tokenizer.ggml.add_space_prefix` is false), also one that starts with spaces, then writes each space
+      as `▁`; transformers' Metaspace skips the prefix where the text starts with a space (`' '` becomes `▁` where
+      llama.cpp's `▁▁` is one token). Its legacy normalizer does what llama.cpp does.
+    - a byte-level BPE whose `tokenizer.ggml.pre` transformers splits with GPT-2's regex (Falcon's digits in threes,
+      StarCoder's digits one by one, DeepSeek Coder's): llama.cpp's own regexes, then the bytes."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
 
-    model = checkpoint.metadata.get(gguf.Keys.Tokenizer.MODEL)
-    if model is None or model.value != "llama" or not hasattr(tokenizer, "backend_tokenizer"):
+    model, pre = (checkpoint.metadata.get(key) for key in (gguf.Keys.Tokenizer.MODEL, gguf.Keys.Tokenizer.PRE))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or model is None:
         return tokenizer
-    prefix = checkpoint.metadata.get(gguf.Keys.Tokenizer.ADD_PREFIX)
-    steps = [normalizers.Prepend("▁")] if prefix is None or prefix.value else []
-    backend = tokenizer.backend_tokenizer
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-    backend.pre_tokenizer = None
+    if model.value == "llama":
+        prefix = checkpoint.metadata.get(gguf.Keys.Tokenizer.ADD_PREFIX)
+        steps = [normalizers.Prepend("▁")] if prefix is None or prefix.value else []
+        backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+        backend.pre_tokenizer = None
+    elif model.value == "gpt2" and pre is not None and pre.value in _BPE_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _BPE_SPLITS[pre.value]),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return tokenizer
 
 

@@ -20,10 +20,11 @@ from helpers import cache_dir
 
 COMMITTED = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_vocab"
 FETCHED = cache_dir() / "llama-cpp-vocabularies"
-EXACT = ["llama-spm", "phi-3", "gpt-2", "qwen2"]
-"""Vocabularies whose every vector gives llama.cpp's ids (Qwen3.5's too, 50/50, left out for time). llama-spm
-through `llama_cpp.as_llama_cpp_tokenizes` (transformers' conversion: 31/46). Not yet: falcon (37/46: llama.cpp's
-Falcon pre-tokenizer splits digits in threes), llama-bpe, deepseek-coder, deepseek-llm and starcoder (45/46 each)."""
+EXACT = ["llama-spm", "phi-3", "gpt-2", "qwen2", "falcon", "starcoder", "deepseek-coder"]
+"""Vocabularies whose every vector gives llama.cpp's ids (Qwen3.5's too, 50/50, left out for time), through
+`llama_cpp.as_llama_cpp_tokenizes` where transformers' conversion differs (llama-spm 31/46, falcon 37/46,
+starcoder and deepseek-coder 45/46 without it). Not yet: llama-bpe and deepseek-llm, 45/46 each (a combining mark in
+`Cửa Việt`, which llama.cpp's letter class takes in)."""
 REFUSED = ["bert-bge", "mpt", "refact"]
 """transformers builds no tokenizer from these, architectures its GGUF reader does not know (so neither from Command-R
 and, past its config, Gemma 4: 17 and 33 s to parse, left out for time)."""
