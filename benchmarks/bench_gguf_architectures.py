@@ -19,16 +19,11 @@ import transformers
 from report import recorded  # this folder's: results/<name>-<date>.md
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = REPO / "tests" / "fixtures" / "llama_cpp_converter"
+sys.path.insert(0, str(REPO / "tests"))
+from llama_cpp_files import CONVERTER_FIXTURES as FIXTURES  # noqa: E402  (the fixtures and how they are run)
+from llama_cpp_files import model_output  # noqa: E402
+
 IDS = torch.tensor([[1, 5, 17, 42, 33, 7, 60, 2]])
-
-
-def output(model) -> torch.Tensor:
-    with torch.no_grad():
-        if model.config.is_encoder_decoder:
-            return model(input_ids=IDS, decoder_input_ids=IDS[:, :4]).logits.float()
-        result = model(input_ids=IDS)
-        return (result.logits if hasattr(result, "logits") else result.last_hidden_state).float()
 
 
 def error(got: torch.Tensor, expected: torch.Tensor) -> str:
@@ -41,7 +36,7 @@ def peer_error(path: Path, name: str, expected: torch.Tensor) -> str:
         model = getattr(transformers, name).from_pretrained(path.parent, gguf_file=path.name).eval()
     except Exception as exc:
         return f"fails ({type(exc).__name__})"
-    return error(output(model), expected)
+    return error(model_output(model, IDS), expected)
 
 
 def main() -> None:
@@ -53,14 +48,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for folder in sorted(p for p in FIXTURES.iterdir() if p.is_dir()):
         (name,) = json.loads((folder / "config.json").read_text())["architectures"]
-        expected = output(getattr(transformers, name).from_pretrained(folder, dtype=torch.float32).eval())
+        expected = model_output(getattr(transformers, name).from_pretrained(folder, dtype=torch.float32).eval(), IDS)
         architecture = gguf.GGUFReader(FIXTURES / f"{folder.name}.f16.gguf").fields["general.architecture"].contents()
         ours, theirs, built = [], [], ""
         for outtype in ("f16", "q8_0"):
             path = FIXTURES / f"{folder.name}.{outtype}.gguf"
             model, _, _ = streamwise.load_pretrained(path, "auto")
             built = type(model).__name__
-            ours.append(error(output(model), expected))
+            ours.append(error(model_output(model, IDS), expected))
             theirs.append(peer_error(path, name, expected))
         print(f"| {folder.name} | `{architecture}` | {built} | {' | '.join(ours)} | {' | '.join(theirs)} |")
         sys.stdout.flush()

@@ -148,3 +148,30 @@ def tokenizer_metadata(path: Path) -> dict[str, object]:
     """A GGUF's tokenizer: its `tokenizer.*` keys and their values, for `write_llama_cpp_gguf(metadata=...)`."""
     reader = gguf.GGUFReader(path)
     return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+
+
+CONVERTER_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "llama_cpp_converter"
+"""Tiny models and the GGUFs llama.cpp's own converter wrote of them (`make_fixtures.py` there)."""
+
+
+def model_output(model, ids: torch.Tensor) -> torch.Tensor:
+    """What a model of the converter fixtures computes for `ids`, in float32: its logits (an encoder-decoder's with
+    the first four ids as the decoder's input), or an encoder's last hidden state."""
+    with torch.no_grad():
+        if model.config.is_encoder_decoder:
+            return model(input_ids=ids, decoder_input_ids=ids[:, :4]).logits.float()
+        result = model(input_ids=ids)
+        return (result.logits if hasattr(result, "logits") else result.last_hidden_state).float()
+
+
+def write_gguf(path, architecture: str, tensors: dict[str, np.ndarray], block_count: int | None = None) -> None:
+    """A minimal GGUF of `architecture` holding `tensors` (and a block count where given), by the gguf writer."""
+    writer = gguf.GGUFWriter(path, architecture)
+    if block_count is not None:
+        writer.add_block_count(block_count)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -15,7 +15,7 @@ import streamwise
 from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
 from streamwise.runtime.convert import applied_state
 
-from llama_cpp_files import CORPUS, FAMILIES, MORE, float_model, train_tokenizer_parts, write_llama_cpp_gguf
+from llama_cpp_files import CORPUS, FAMILIES, MORE, float_model, train_tokenizer_parts, write_gguf, write_llama_cpp_gguf
 
 
 def assert_same_logits(model, expected, ids):
@@ -98,13 +98,7 @@ def test_a_quant_rule_other_than_gguf_is_the_reason_given(tmp_path, tokenizer_pa
 
 def test_an_architecture_transformers_cannot_map_is_a_clear_error(tmp_path):
     path = tmp_path / "rwkv.gguf"
-    writer = gguf.GGUFWriter(path, "rwkv6")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, "rwkv6", {"token_embd.weight": np.zeros((8, 32), dtype=np.float32)}, block_count=1)
     with pytest.raises(CheckpointError) as caught:
         streamwise.load_pretrained(path, "auto")
     text = str(caught.value)

@@ -7,7 +7,6 @@ that peer builds T5 with the wrong activation and computes the same wrong number
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import gguf
 import pytest
@@ -18,7 +17,9 @@ import streamwise
 from streamwise.runtime.checkpoint import CheckpointError
 from streamwise.runtime.checkpoint.llama_cpp import supported_architectures
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_converter"
+from llama_cpp_files import CONVERTER_FIXTURES, model_output, write_gguf
+
+FIXTURES = CONVERTER_FIXTURES
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 # the relative error of the output against the float model: an F16 file computes in float16; Q8_0 adds its rounding
 BOUNDS = {"f16": 3e-3, "q8_0": 5e-2}
@@ -29,14 +30,6 @@ BUILT_AS = {"MistralForCausalLM": "LlamaForCausalLM"}  # llama.cpp writes Mistra
 IDS = torch.tensor([[1, 5, 17, 42, 33, 7, 60, 2]])
 
 
-def output(model) -> torch.Tensor:
-    with torch.no_grad():
-        if model.config.is_encoder_decoder:
-            return model(input_ids=IDS, decoder_input_ids=IDS[:, :4]).logits.float()
-        result = model(input_ids=IDS)
-        return (result.logits if hasattr(result, "logits") else result.last_hidden_state).float()
-
-
 @pytest.fixture(scope="module")
 def float_outputs():
     computed = {}
@@ -45,7 +38,7 @@ def float_outputs():
         if family not in computed:
             (name,) = json.loads((FIXTURES / family / "config.json").read_text())["architectures"]
             model = getattr(transformers, name).from_pretrained(FIXTURES / family, dtype=torch.float32).eval()
-            computed[family] = (name, output(model))
+            computed[family] = (name, model_output(model, IDS))
         return computed[family]
 
     return compute
@@ -65,7 +58,7 @@ def test_a_converted_file_alone_computes_what_its_float_model_computes(family, o
         assert "Q8_0" in kept and kept <= {"Q8_0", "F16"} if family not in FLOAT_LINEARS else not kept
         assert all(why.startswith("dequantized from Q8_0") or why.startswith("assembled by")
                    for why in report.dequantized_tensors.values())
-    error = ((output(model) - expected).norm() / expected.norm()).item()
+    error = ((model_output(model, IDS) - expected).norm() / expected.norm()).item()
     assert error < BOUNDS[outtype], f"{family} {outtype}: {error:.2e} off the float model"
 
 
@@ -78,13 +71,7 @@ def test_the_architectures_listed_are_exactly_those_the_fixtures_prove():
 def test_an_architecture_no_test_proves_is_refused_by_name_before_transformers_reads_it(tmp_path):
     """gpt-oss: transformers' reader accepts the architecture; Streamwise has no converter-made file proving it."""
     path = tmp_path / "gpt-oss.gguf"
-    writer = gguf.GGUFWriter(path, "gpt-oss")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(8, 32).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, "gpt-oss", {"token_embd.weight": torch.zeros(8, 32).numpy()}, block_count=1)
     with pytest.raises(CheckpointError) as caught:
         streamwise.load_pretrained(path, "auto")
     text = str(caught.value)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
 from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
 
 from helpers import cache_dir
+from llama_cpp_files import write_gguf
 
 COMMITTED = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_vocab"
 FETCHED = cache_dir() / "llama-cpp-vocabularies"
@@ -65,11 +65,6 @@ def test_a_vocabulary_transformers_cannot_build_is_refused_naming_the_file(name)
 
 def test_a_gguf_without_a_tokenizer_says_where_to_load_one_from(tmp_path):
     path = tmp_path / "weights-only.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, "llama", {"token_embd.weight": np.zeros((8, 32), dtype=np.float32)})
     with pytest.raises(CheckpointError, match=r"weights-only\.gguf: the file carries no tokenizer .*load_tokenizer"):
         load_tokenizer(path)

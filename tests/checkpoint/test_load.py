@@ -21,8 +21,8 @@ from streamwise.runtime.build.model_spec import ModelSpecError
 from streamwise.runtime.checkpoint import comfy_quant
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.cli.streamwise import main as streamwise_main
-from streamwise.runtime.sizes import human
 from streamwise.runtime.quant import k_quants
+from streamwise.runtime.sizes import human
 from streamwise.schemas.vocabulary import GGUF_WRITE_TYPES
 
 from helpers import gguf_policy, make_policy, tiny_qwen2, write_policy
