@@ -237,6 +237,11 @@ def as_llama_cpp_builds(config, checkpoint: Checkpoint):
 
 
 _GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_DEEPSEEK_LETTERS = (  # DeepSeek LLM's letters, as llama.cpp lists them
+    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕ"
+    "Ἐ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤ"
+    "Ⳬ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃"
+)
 # llama.cpp's pre-tokenizer regexes (`llm_tokenizer_bpe`, src/llama-vocab.cpp at 0c1e5709), each splitting the pieces
 # the one before it left, for the `tokenizer.ggml.pre` values where transformers' conversion splits otherwise: each
 # checked against llama.cpp's own test vectors (`tests/checkpoint/test_llama_cpp_vocabularies.py`)
@@ -244,7 +249,15 @@ _BPE_SPLITS = {
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_WORDS, "[0-9][0-9][0-9]"),
     "starcoder": (r"\p{N}", _GPT2_WORDS),
     "deepseek-coder": ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
+    "deepseek-llm": ("[\r\n]", r"\s?[" + _DEEPSEEK_LETTERS + "]+", "\\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$",
+                     "[一-龥ࠀ-一가-퟿]+", r"\p{N}+"),
 }
+
+
+# `tokenizer.ggml.pre` values for which llama.cpp takes a whole pre-token that is itself in the vocabulary before any
+# merge (`ignore_merges`, as Llama 3's tokenizer.json says and transformers' GGUF conversion does not)
+_WHOLE_WORDS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                          "jina-v5-nano", "minicpm5", "youtu"})
 
 
 def as_llama_cpp_tokenizes(tokenizer, checkpoint: Checkpoint):
@@ -255,7 +268,8 @@ def as_llama_cpp_tokenizes(tokenizer, checkpoint: Checkpoint):
       as `▁`; transformers' Metaspace skips the prefix where the text starts with a space (`' '` becomes `▁` where
       llama.cpp's `▁▁` is one token). Its legacy normalizer does what llama.cpp does.
     - a byte-level BPE whose `tokenizer.ggml.pre` transformers splits with GPT-2's regex (Falcon's digits in threes,
-      StarCoder's digits one by one, DeepSeek Coder's): llama.cpp's own regexes, then the bytes."""
+      StarCoder's digits one by one, DeepSeek Coder's): llama.cpp's own regexes, then the bytes;
+    - a Llama 3 style BPE: a pre-token the vocabulary holds whole is that token (` Việt`), before any merge."""
     from tokenizers import Regex, normalizers, pre_tokenizers
 
     model, pre = (checkpoint.metadata.get(key) for key in (gguf.Keys.Tokenizer.MODEL, gguf.Keys.Tokenizer.PRE))
@@ -271,6 +285,8 @@ def as_llama_cpp_tokenizes(tokenizer, checkpoint: Checkpoint):
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             *(pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _BPE_SPLITS[pre.value]),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif model.value == "gpt2" and pre is not None and pre.value in _WHOLE_WORDS:
+        backend.model.ignore_merges = True
     return tokenizer
 
 

@@ -20,11 +20,10 @@ from llama_cpp_files import write_gguf
 
 COMMITTED = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_vocab"
 FETCHED = cache_dir() / "llama-cpp-vocabularies"
-EXACT = ["llama-spm", "phi-3", "gpt-2", "qwen2", "falcon", "starcoder", "deepseek-coder"]
+EXACT = ["llama-spm", "phi-3", "gpt-2", "qwen2", "falcon", "starcoder", "deepseek-coder", "deepseek-llm", "llama-bpe"]
 """Vocabularies whose every vector gives llama.cpp's ids (Qwen3.5's too, 50/50, left out for time), through
 `llama_cpp.as_llama_cpp_tokenizes` where transformers' conversion differs (llama-spm 31/46, falcon 37/46,
-starcoder and deepseek-coder 45/46 without it). Not yet: llama-bpe and deepseek-llm, 45/46 each (a combining mark in
-`Cửa Việt`, which llama.cpp's letter class takes in)."""
+starcoder, deepseek-coder, deepseek-llm and llama-bpe 45/46 without it)."""
 REFUSED = ["bert-bge", "mpt", "refact"]
 """transformers builds no tokenizer from these, architectures its GGUF reader does not know (so neither from Command-R
 and, past its config, Gemma 4: 17 and 33 s to parse, left out for time)."""
