@@ -164,13 +164,15 @@ def model_output(model, ids: torch.Tensor) -> torch.Tensor:
         return (result.logits if hasattr(result, "logits") else result.last_hidden_state).float()
 
 
-def write_gguf(path, architecture: str, tensors: dict[str, np.ndarray], block_count: int | None = None) -> None:
-    """A minimal GGUF of `architecture` holding `tensors` (and a block count where given), by the gguf writer."""
+def write_gguf(path, architecture: str, tensors: dict, metadata: dict[str, object] | None = None) -> None:
+    """A minimal GGUF of `architecture` by the gguf writer: `tensors` by name, each an array or (raw bytes, GGML
+    type); `metadata` keys with an int as uint32, a float as float32, a str as a string."""
     writer = gguf.GGUFWriter(path, architecture)
-    if block_count is not None:
-        writer.add_block_count(block_count)
+    for key, value in (metadata or {}).items():
+        {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)](key, value)
     for name, array in tensors.items():
-        writer.add_tensor(name, array)
+        data, kind = array if isinstance(array, tuple) else (array, None)
+        writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -98,7 +98,7 @@ def test_a_quant_rule_other_than_gguf_is_the_reason_given(tmp_path, tokenizer_pa
 
 def test_an_architecture_transformers_cannot_map_is_a_clear_error(tmp_path):
     path = tmp_path / "rwkv.gguf"
-    write_gguf(path, "rwkv6", {"token_embd.weight": np.zeros((8, 32), dtype=np.float32)}, block_count=1)
+    write_gguf(path, "rwkv6", {"token_embd.weight": np.zeros((8, 32), dtype=np.float32)}, {"rwkv6.block_count": 1})
     with pytest.raises(CheckpointError) as caught:
         streamwise.load_pretrained(path, "auto")
     text = str(caught.value)

@@ -71,7 +71,7 @@ def test_the_architectures_listed_are_exactly_those_the_fixtures_prove():
 def test_an_architecture_no_test_proves_is_refused_by_name_before_transformers_reads_it(tmp_path):
     """gpt-oss: transformers' reader accepts the architecture; Streamwise has no converter-made file proving it."""
     path = tmp_path / "gpt-oss.gguf"
-    write_gguf(path, "gpt-oss", {"token_embd.weight": torch.zeros(8, 32).numpy()}, block_count=1)
+    write_gguf(path, "gpt-oss", {"token_embd.weight": torch.zeros(8, 32).numpy()}, {"gpt-oss.block_count": 1})
     with pytest.raises(CheckpointError) as caught:
         streamwise.load_pretrained(path, "auto")
     text = str(caught.value)
@@ -82,17 +82,8 @@ def test_a_falcon_with_several_key_value_groups_is_refused_by_name(tmp_path):
     """llama.cpp's converter regroups a Falcon-40B's fused QKV rows; Streamwise does not undo that, so it refuses."""
     source = gguf.GGUFReader(FIXTURES / "falcon.f16.gguf")
     path = tmp_path / "falcon-40b-like.gguf"
-    writer = gguf.GGUFWriter(path, "falcon")
-    for field in source.fields.values():
-        if field.name.startswith("falcon."):
-            value = 2 if field.name == "falcon.attention.head_count_kv" else field.contents()
-            add = {float: writer.add_float32, int: writer.add_uint32, str: writer.add_string}[type(value)]
-            add(field.name, value)
-    for tensor in source.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    metadata = {field.name: field.contents() for field in source.fields.values() if field.name.startswith("falcon.")}
+    write_gguf(path, "falcon", {t.name: (t.data, t.tensor_type) for t in source.tensors},
+               {**metadata, "falcon.attention.head_count_kv": 2})
     with pytest.raises(CheckpointError, match="Falcon with 2 key-value groups"):
         streamwise.load_pretrained(path, "auto")
