@@ -314,18 +314,12 @@ class Mapped:
 
     def __init__(self, checkpoint: Checkpoint, model: nn.Module) -> None:
         from transformers import PreTrainedModel
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
         path, architecture = checkpoint.path, checkpoint.architecture
         if not isinstance(model, PreTrainedModel):
             raise _unsupported(path, architecture, f" ({type(model).__name__} is not a transformers model)")
-        config = gguf_metadata(path)["config"]
-        mixtral = model.config.model_type == "mixtral"  # written by llama.cpp as a Llama with experts
-        self.processor = (_mixtral_processor(config) if mixtral else
-                          TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config))
         try:
-            with _NAME_MAPS.active({}):
-                self.names = get_gguf_hf_weights_map(model, self.processor, model_type="llama" if mixtral else None)
+            self.processor, self.names = _name_map(model, gguf_metadata(path)["config"], architecture)
         except NotImplementedError as exc:  # the gguf package has no name map for this model type
             raise _unsupported(path, architecture, f" ({exc})") from None
         self.checkpoint = checkpoint
@@ -396,22 +390,29 @@ def llama_cpp_names(model: nn.Module) -> tuple[str, dict[str, str]]:
     (`blk.3.attn_v.weight`): the same map `Mapped` reads files through, the other way round. A CheckpointError where
     the model is no transformers model or the gguf package has no name map for it."""
     from transformers import PreTrainedModel
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     if not isinstance(model, PreTrainedModel):
         raise CheckpointError([f"{type(model).__name__} is not a transformers model, so it has no llama.cpp names"])
-    model_type = model.config.model_type
-    architecture = _ARCHITECTURE_OF.get(model_type, model_type)
-    config = model.config.to_dict()
-    processor = (_mixtral_processor(config) if model_type == "mixtral" else
-                 TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config))
     try:
-        with _NAME_MAPS.active({}):
-            names = get_gguf_hf_weights_map(model, processor, model_type="llama" if model_type == "mixtral" else None)
+        architecture = _ARCHITECTURE_OF.get(model.config.model_type, model.config.model_type)
+        _, names = _name_map(model, model.config.to_dict(), architecture)
     except NotImplementedError:
         raise CheckpointError([f"{type(model).__name__}: the gguf package has no llama.cpp name map for model type "
-                               f"`{model_type}`"]) from None
+                               f"`{model.config.model_type}`"]) from None
     return architecture, {key: name for name, key in names.items()}
+
+
+def _name_map(model: nn.Module, config: dict, architecture: str):
+    """transformers' tensor processor for llama.cpp `architecture` (Mixtral's own, `_mixtral_processor`) and its map
+    of llama.cpp names onto `model`'s keys (`get_gguf_hf_weights_map`, the name map built once per call);
+    NotImplementedError where the gguf package has no name map for the model's type."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    mixtral = model.config.model_type == "mixtral"  # written by llama.cpp as a Llama with experts
+    processor = _mixtral_processor(config) if mixtral else TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
+        config=config)
+    with _NAME_MAPS.active({}):
+        return processor, get_gguf_hf_weights_map(model, processor, model_type="llama" if mixtral else None)
 
 
 def _mixtral_processor(config: dict):
