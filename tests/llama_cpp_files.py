@@ -166,10 +166,13 @@ def model_output(model, ids: torch.Tensor) -> torch.Tensor:
 
 def write_gguf(path, architecture: str, tensors: dict, metadata: dict[str, object] | None = None) -> None:
     """A minimal GGUF of `architecture` by the gguf writer: `tensors` by name, each an array or (raw bytes, GGML
-    type); `metadata` keys with an int as uint32, a float as float32, a str as a string."""
+    type); `metadata` keys with a bool as bool, an int as uint32, a float as float32, a str as a string, a list as an
+    array."""
     writer = gguf.GGUFWriter(path, architecture)
     for key, value in (metadata or {}).items():
-        {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)](key, value)
+        adders = {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32, str: writer.add_string,
+                  list: writer.add_array}
+        adders[type(value)](key, value)
     for name, array in tensors.items():
         data, kind = array if isinstance(array, tuple) else (array, None)
         writer.add_tensor(name, data, raw_dtype=kind)

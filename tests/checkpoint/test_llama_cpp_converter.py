@@ -78,12 +78,37 @@ def test_an_architecture_no_test_proves_is_refused_by_name_before_transformers_r
     assert str(path) in text and "`gpt-oss`" in text and "cannot build right" in text and "t5encoder" in text
 
 
+def rewritten(family: str, path, **changes) -> None:
+    """The converter's F16 file of `family` written again, its tokenizer too, with some of its architecture's
+    metadata changed."""
+    source = gguf.GGUFReader(FIXTURES / f"{family}.f16.gguf")
+    architecture = source.fields["general.architecture"].contents()
+    metadata = {field.name: field.contents() for field in source.fields.values()
+                if field.name.startswith((f"{architecture}.", "tokenizer."))}
+    write_gguf(path, architecture, {t.name: (t.data, t.tensor_type) for t in source.tensors},
+               {**metadata, **{f"{architecture}.{key}": value for key, value in changes.items()}})
+
+
 def test_a_falcon_with_several_key_value_groups_is_refused_by_name(tmp_path):
     """llama.cpp's converter regroups a Falcon-40B's fused QKV rows; Streamwise does not undo that, so it refuses."""
-    source = gguf.GGUFReader(FIXTURES / "falcon.f16.gguf")
     path = tmp_path / "falcon-40b-like.gguf"
-    metadata = {field.name: field.contents() for field in source.fields.values() if field.name.startswith("falcon.")}
-    write_gguf(path, "falcon", {t.name: (t.data, t.tensor_type) for t in source.tensors},
-               {**metadata, "falcon.attention.head_count_kv": 2})
+    rewritten("falcon", path, **{"attention.head_count_kv": 2})
     with pytest.raises(CheckpointError, match="Falcon with 2 key-value groups"):
         streamwise.load_pretrained(path, "auto")
+
+
+@pytest.mark.parametrize("family", ["llama", "mamba"])
+def test_no_heads_is_refused_where_the_file_holds_attention_and_only_there(tmp_path, family):
+    """Mamba's converter writes a head count of 0 (its file holds no attention projection); a Llama claiming 0 heads
+    is a lie, and so is a Mamba claiming 0 for a size that cannot be 0."""
+    heads = tmp_path / f"{family}-no-heads.gguf"
+    rewritten(family, heads, **{"attention.head_count": 0})
+    if family == "llama":
+        with pytest.raises(CheckpointError, match="attention.head_count` is 0; it must be at least 1"):
+            streamwise.load_pretrained(heads, "auto")
+    else:
+        streamwise.load_pretrained(heads, "auto")
+    empty = tmp_path / f"{family}-no-width.gguf"
+    rewritten(family, empty, **{"embedding_length": 0})
+    with pytest.raises(CheckpointError, match="embedding_length` is 0; it must be at least 1"):
+        streamwise.load_pretrained(empty, "auto")
