@@ -16,6 +16,7 @@ import transformers
 import streamwise
 from streamwise.runtime.checkpoint import CheckpointError
 from streamwise.runtime.checkpoint.llama_cpp import supported_architectures
+from streamwise.runtime.convert import applied_state
 
 from llama_cpp_files import CONVERTER_FIXTURES, model_output, write_gguf
 
@@ -58,8 +59,12 @@ def test_a_converted_file_alone_computes_what_its_float_model_computes(family, o
         assert "Q8_0" in kept and kept <= {"Q8_0", "F16"} if family not in FLOAT_LINEARS else not kept
         assert all(why.startswith("dequantized from Q8_0") or why.startswith("assembled by")
                    for why in report.dequantized_tensors.values())
-    error = ((model_output(model, IDS) - expected).norm() / expected.norm()).item()
+    got = model_output(model, IDS)
+    error = ((got - expected).norm() / expected.norm()).item()
     assert error < BOUNDS[outtype], f"{family} {outtype}: {error:.2e} off the float model"
+    placed = streamwise.offload(model, applied_state(model).plan.policy, device="cpu", budget=0)
+    assert placed.resident_modules == 0 and placed.streamed_modules > 0
+    assert torch.equal(model_output(model, IDS), got)  # every weight streamed computes what resident ones did
 
 
 def test_the_architectures_listed_are_exactly_those_the_fixtures_prove():
