@@ -9,7 +9,9 @@
 - the model's config.json and tokenizer files go into the metadata (`carried_files`), so the file stands alone;
 - `Q4_K_M` / `Q5_K_M` give each tensor llama-quantize's type for its llama.cpp role (`llama_quant_mix`);
 - a GGUF in llama.cpp's layout is requantized in that layout, as llama-quantize does (its names, order and metadata,
-  the tokenizer included; the tensors byte for byte llama-quantize's where it can make them): llama.cpp loads it.
+  the tokenizer included; the tensors byte for byte llama-quantize's where it can make them): llama.cpp loads it;
+- `layout="llama.cpp"` writes a transformers model of a listed architecture in llama.cpp's layout, as its converter
+  does (`llama_cpp_layout`: names, tensor forms, metadata, tokenizer), the types chosen as above.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
@@ -38,6 +40,7 @@ from .conversion import under_model_keys
 from .gguf_reader import ORIGINAL_SHAPE
 from .limits import MAX_GGUF_DIMS
 from .llama_cpp import is_llama_cpp_file
+from .llama_cpp_layout import llama_cpp_layout
 from .llama_quant_mix import MIXES, fitting, llama_order, mix_types, quantized
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 
@@ -54,23 +57,29 @@ class QuantizeReport:
     carried: tuple[str, ...] = ()
     """The model's files the GGUF carries (`carried_files`): with config.json it loads alone."""
     layout: str = "streamwise"
-    """`streamwise` (state-dict names, the model's files carried) or `llama.cpp` (a llama.cpp source's own)."""
+    """`streamwise` (state-dict names, the model's files carried) or `llama.cpp` (llama.cpp's names and metadata)."""
+    tokenizer: str = ""
+    """In llama.cpp's layout: the tokenizer the file holds, or why it holds none."""
 
 
 def quantize_to_gguf(
     source: str | os.PathLike, destination: str | os.PathLike, policy: Policy | str, model: nn.Module | None, *,
-    gguf_type: str | None = None,
+    gguf_type: str | None = None, layout: str = "streamwise",
 ) -> QuantizeReport:
     """Write `source` to `destination` (a new `.gguf`) as `policy` says, every layer its `gguf` rules select in
     `gguf_type` when given (one of `GGUF_WRITE_TYPES`, or a mix of `MIXES`); an existing destination is replaced only
     once the whole file is written, and the source is never the destination. A GGUF in llama.cpp's layout is
     requantized in that layout, as llama-quantize does (`gguf_type` a mix, or one type for every tensor it quantizes;
-    Q8_0 by default), and needs no `model`; the policy does not apply to it."""
+    Q8_0 by default), and needs no `model`; the policy does not apply to it. `layout="llama.cpp"` writes any other
+    source in llama.cpp's layout (`llama_cpp_layout`; a CheckpointError where it cannot)."""
     if gguf_type is not None and gguf_type not in (*GGUF_WRITE_TYPES, *MIXES):
         raise CheckpointError([f"--type {gguf_type}: Streamwise writes {', '.join((*GGUF_WRITE_TYPES, *MIXES))}"])
+    if layout not in LAYOUTS:
+        raise CheckpointError([f"--layout {layout}: Streamwise writes {', '.join(LAYOUTS)}"])
     destination = Path(destination)
     opened = open_checkpoint(source)
     llama_cpp = is_llama_cpp_file(opened)  # requantized in its own layout, as llama-quantize would
+    written = None  # llama.cpp's layout of a transformers model
     if llama_cpp:
         checkpoint, files, policy_name = opened, [], None
         chosen = _llama_quantize_types(checkpoint, gguf_type or DEFAULT_GGUF_TYPE)
@@ -82,6 +91,12 @@ def quantize_to_gguf(
                  else carried_files.collect(config_folder(Path(source))))
         chosen = (_mixed(gguf_type, model, checkpoint) if gguf_type in MIXES else
                   {f"{e.path}.weight": gguf_type or e.gguf_type for e in plan.modules if e.gguf_type})
+        if layout == "llama.cpp":
+            if checkpoint.kind == "gguf":
+                raise CheckpointError([f"{source}: --layout llama.cpp writes a model from its float weights (a "
+                                       "folder or safetensors file); a GGUF in Streamwise's layout keeps it"])
+            written = llama_cpp_layout(model, config_folder(Path(source)))
+            files = []
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
     os.close(handle)
@@ -92,24 +107,30 @@ def quantize_to_gguf(
         if llama_cpp:
             writer = gguf.GGUFWriter(partial, arch=checkpoint.architecture)
             _copy_metadata(checkpoint.path, writer, gguf_type or DEFAULT_GGUF_TYPE)
+        elif written is not None:
+            writer = gguf.GGUFWriter(partial, arch=written.architecture)
+            written.write_metadata(writer)
+            writer.add_file_type(_file_type(gguf_type or _most_common(chosen)))
         else:
             writer = gguf.GGUFWriter(partial, arch=carried_files.ARCHITECTURE)
             writer.add_string("streamwise.policy", policy_name)
             for key, value in carried_files.metadata(files):
                 writer.add_string(key, value)
         order = llama_order if llama_cpp else None
+        tensors = (_in_layout(written, checkpoint, chosen) if written is not None else
+                   ((name, name, stored, chosen.get(name)) for name, stored in sorted(checkpoint.tensors.items(),
+                                                                                     key=order)))
         try:
-            for name, stored in sorted(checkpoint.tensors.items(), key=order):
-                wanted = chosen.get(name)
+            for file_name, name, stored, wanted in tensors:
                 data, qtype, size = _convert(name, stored, wanted)
                 if len(stored.shape) > MAX_GGUF_DIMS:  # no GGUF holds it: rows of its first dimension, as ComfyUI-GGUF
                     data = data.reshape(stored.shape[0], -1)
-                    writer.add_array(ORIGINAL_SHAPE.format(name=name), [int(d) for d in stored.shape])
+                    writer.add_array(ORIGINAL_SHAPE.format(name=file_name), [int(d) for d in stored.shape])
                 if name.endswith(".weight") and len(stored.shape) >= 2 and (qtype is None or qtype.name in _FLOATS):
                     if wanted not in _FLOATS:  # a float type a rule chose is no layer left behind
                         left[name] = _why_float(stored.shape, wanted)
                 bytes_in += size
-                writer.add_tensor(name, data, raw_dtype=qtype)
+                writer.add_tensor(file_name, data, raw_dtype=qtype)
                 label = (qtype.name if qtype is not None else str(data.dtype))
                 types[label] = types.get(label, 0) + 1
             try:
@@ -135,8 +156,37 @@ def quantize_to_gguf(
         os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in,
         os.path.getsize(destination),
         {name: why or unselected.get(name.rpartition(".")[0], kept) for name, why in left.items()},
-        tuple(files), "llama.cpp" if llama_cpp else "streamwise",
+        tuple(files), "llama.cpp" if llama_cpp or written is not None else "streamwise",
+        written.tokenizer if written is not None else "",
     )
+
+
+def _in_layout(layout, checkpoint, chosen: dict[str, str]):
+    """(file name, state-dict key, tensor in llama.cpp's form, type) for each tensor of `layout` the checkpoint holds
+    (a tied one it leaves out is left out): a tensor llama.cpp computes in F32 is written so, whatever was chosen."""
+    for tensor in layout.tensors:
+        stored = checkpoint.tensors.get(tensor.key)
+        if stored is None and tensor.tied:
+            continue
+        if stored is None:
+            raise CheckpointError([f"{checkpoint.path}: `{tensor.key}` is missing from the checkpoint"])
+        values = tensor.form(stored.read())
+        values = values.float() if tensor.f32 else values
+        formed = replace(stored, name=tensor.name, shape=tuple(values.shape), read=lambda v=values: v)
+        yield tensor.name, tensor.key, formed, None if tensor.f32 else chosen.get(tensor.key)
+
+
+def _most_common(chosen: dict[str, str]) -> str:
+    """The type most tensors were given: what `general.file_type` says of a file whose types a policy chose."""
+    kinds = list(chosen.values())
+    return max(set(kinds), key=kinds.count) if kinds else "F16"
+
+
+def _file_type(gguf_type: str) -> gguf.LlamaFileType:
+    """The llama.cpp file type a file whose tensors are mostly `gguf_type` has (`LLAMA_FTYPE_MOSTLY_Q4_K_M`, ...), as
+    llama-quantize writes it."""
+    names = {"F32": "ALL_F32", "MXFP4": "MOSTLY_MXFP4_MOE", **{k: f"MOSTLY_{k}_S" for k in ("Q4_K", "Q5_K")}}
+    return gguf.LlamaFileType[names.get(gguf_type, f"MOSTLY_{gguf_type}")]
 
 
 def _llama_quantize_types(checkpoint, gguf_type: str) -> dict[str, str]:
@@ -156,10 +206,8 @@ def _llama_quantize_types(checkpoint, gguf_type: str) -> dict[str, str]:
 
 
 def _copy_metadata(path: str, writer: gguf.GGUFWriter, gguf_type: str) -> None:
-    """A llama.cpp file's metadata, every key as it was (its tokenizer included), but `general.file_type`: the
-    llama.cpp file type the new types make (`LLAMA_FTYPE_MOSTLY_Q4_K_M`, ...), as llama-quantize writes it."""
-    names = {"F32": "ALL_F32", "MXFP4": "MOSTLY_MXFP4_MOE", **{k: f"MOSTLY_{k}_S" for k in ("Q4_K", "Q5_K")}}
-    file_type = gguf.LlamaFileType[names.get(gguf_type, f"MOSTLY_{gguf_type}")]
+    """A llama.cpp file's metadata, every key as it was (its tokenizer included), but `general.file_type`."""
+    file_type = _file_type(gguf_type)
     for key, found in gguf.GGUFReader(path).fields.items():  # a header the strict reader has checked
         if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
             continue
@@ -312,4 +360,5 @@ def _encode(
 
 
 _FLOATS = ("F32", "F16", "BF16")
+LAYOUTS = ("streamwise", "llama.cpp")
 _NUMPY_TYPES = (torch.float32, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64)

@@ -230,6 +230,9 @@ def as_llama_cpp_builds(config, checkpoint: Checkpoint):
                     "num_experts_per_tok": integer(gguf.Keys.LLM.EXPERT_USED_COUNT)}
         settings.pop("model_type", None)
         config = transformers.MixtralConfig(**settings)
+    embedding = checkpoint.tensors.get("token_embd.weight")
+    if embedding is not None and hasattr(config, "vocab_size"):  # transformers counts the tokenizer's tokens, which
+        config.vocab_size = embedding.shape[0]  # a file without one (`tokenizer.ggml.model = none`) lacks
     pad = getattr(config, "pad_token_id", None)
     if isinstance(pad, int) and not 0 <= pad < getattr(config, "vocab_size", pad + 1):
         config.pad_token_id = integer(gguf.Keys.Tokenizer.PAD_ID)  # a class default beyond this vocabulary
@@ -382,7 +385,8 @@ class Mapped:
 
 # transformers' model types whose llama.cpp architecture is named otherwise (its `get_gguf_hf_weights_map` renames)
 _ARCHITECTURE_OF = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "umt5": "t5",
-                    "mixtral": "llama", "cohere": "command-r", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}
+                    "mixtral": "llama", "mistral": "llama", "cohere": "command-r", "minimax_m2": "minimax-m2",
+                    "gpt_oss": "gpt-oss"}
 
 
 def llama_cpp_names(model: nn.Module) -> tuple[str, dict[str, str]]:
@@ -409,10 +413,11 @@ def _name_map(model: nn.Module, config: dict, architecture: str):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     mixtral = model.config.model_type == "mixtral"  # written by llama.cpp as a Llama with experts
+    as_llama = model.config.model_type in ("mixtral", "mistral")
     processor = _mixtral_processor(config) if mixtral else TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
         config=config)
     with _NAME_MAPS.active({}):
-        return processor, get_gguf_hf_weights_map(model, processor, model_type="llama" if mixtral else None)
+        return processor, get_gguf_hf_weights_map(model, processor, model_type="llama" if as_llama else None)
 
 
 def _mixtral_processor(config: dict):
@@ -454,6 +459,8 @@ def _probe(processor, name: str, shape: tuple[int, ...], names: dict[str, str]):
             return None
         if np.array_equal(result.weights, probe):
             return True
+        if len(shape) == 1 and np.array_equal(np.sort(result.weights), probe):  # a bias in another order
+            return torch.from_numpy(result.weights.astype(np.int64))
         if len(shape) != 2:
             return None
         rows_now = result.weights[:, 0]
