@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
-from ...schemas.vocabulary import DEFAULT_GGUF_TYPE, GGUF_WRITE_TYPES
+from ...schemas.vocabulary import DEFAULT_GGUF_TYPE, GGUF_LAYOUTS, GGUF_WRITE_TYPES
 from ..build.skeleton import config_folder
 from ..plan import plan_for
 from ..plan.selectors import CompiledSelector, walk_modules
@@ -40,7 +40,7 @@ from .conversion import under_model_keys
 from .gguf_reader import ORIGINAL_SHAPE
 from .limits import MAX_GGUF_DIMS
 from .llama_cpp import is_llama_cpp_file
-from .llama_cpp_layout import llama_cpp_layout
+from .llama_cpp_layout import llama_cpp_layout, llama_cpp_tensors
 from .llama_quant_mix import MIXES, fitting, llama_order, mix_types, quantized
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 
@@ -74,8 +74,8 @@ def quantize_to_gguf(
     source in llama.cpp's layout (`llama_cpp_layout`; a CheckpointError where it cannot)."""
     if gguf_type is not None and gguf_type not in (*GGUF_WRITE_TYPES, *MIXES):
         raise CheckpointError([f"--type {gguf_type}: Streamwise writes {', '.join((*GGUF_WRITE_TYPES, *MIXES))}"])
-    if layout not in LAYOUTS:
-        raise CheckpointError([f"--layout {layout}: Streamwise writes {', '.join(LAYOUTS)}"])
+    if layout not in GGUF_LAYOUTS:
+        raise CheckpointError([f"--layout {layout}: Streamwise writes {', '.join(GGUF_LAYOUTS)}"])
     destination = Path(destination)
     opened = open_checkpoint(source)
     llama_cpp = is_llama_cpp_file(opened)  # requantized in its own layout, as llama-quantize would
@@ -89,7 +89,8 @@ def quantize_to_gguf(
         checkpoint = under_model_keys(opened, model)  # named as the model names them
         files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
                  else carried_files.collect(config_folder(Path(source))))
-        chosen = (_mixed(gguf_type, model, checkpoint) if gguf_type in MIXES else
+        mixed = _mixed(gguf_type, model, checkpoint) if gguf_type in MIXES else None
+        chosen = (_by_key(mixed, model) if mixed is not None else
                   {f"{e.path}.weight": gguf_type or e.gguf_type for e in plan.modules if e.gguf_type})
         if layout == "llama.cpp":
             if checkpoint.kind == "gguf":
@@ -97,6 +98,7 @@ def quantize_to_gguf(
                                        "folder or safetensors file); a GGUF in Streamwise's layout keeps it"])
             written = llama_cpp_layout(model, config_folder(Path(source)))
             files = []
+            chosen = mixed if mixed is not None else {t.name: chosen[t.key] for t in written.tensors if t.key in chosen}
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
     os.close(handle)
@@ -162,8 +164,8 @@ def quantize_to_gguf(
 
 
 def _in_layout(layout, checkpoint, chosen: dict[str, str]):
-    """(file name, state-dict key, tensor in llama.cpp's form, type) for each tensor of `layout` the checkpoint holds
-    (a tied one it leaves out is left out): a tensor llama.cpp computes in F32 is written so, whatever was chosen."""
+    """(file name, state-dict key, tensor in llama.cpp's form, type chosen by its name) for each tensor of `layout`
+    the checkpoint holds (a tied one it leaves out is left out): one llama.cpp computes in F32 is written so."""
     for tensor in layout.tensors:
         stored = checkpoint.tensors.get(tensor.key)
         if stored is None and tensor.tied:
@@ -173,7 +175,7 @@ def _in_layout(layout, checkpoint, chosen: dict[str, str]):
         values = tensor.form(stored.read())
         values = values.float() if tensor.f32 else values
         formed = replace(stored, name=tensor.name, shape=tuple(values.shape), read=lambda v=values: v)
-        yield tensor.name, tensor.key, formed, None if tensor.f32 else chosen.get(tensor.key)
+        yield tensor.name, tensor.key, formed, None if tensor.f32 else chosen.get(tensor.name)
 
 
 def _most_common(chosen: dict[str, str]) -> str:
@@ -219,21 +221,30 @@ def _copy_metadata(path: str, writer: gguf.GGUFWriter, gguf_type: str) -> None:
 
 
 def _mixed(mix: str, model: nn.Module, checkpoint) -> dict[str, str]:
-    """Each tensor's type under llama-quantize's `mix`, chosen by its llama.cpp name (`llama_cpp_names`): every weight
-    matrix llama-quantize quantizes, whatever the policy selects, so that the file is the mix llama.cpp makes."""
-    from .llama_cpp import llama_cpp_names
-
+    """Each llama.cpp tensor's type under llama-quantize's `mix`, by its llama.cpp name and shape in llama.cpp's form
+    (`llama_cpp_tensors`, those the checkpoint holds: a tied head it leaves out makes the embedding the output): every
+    weight matrix llama-quantize quantizes, whatever the policy selects, so that the file is the mix llama.cpp makes."""
     try:
-        architecture, names = llama_cpp_names(model)
+        architecture, tensors = llama_cpp_tensors(model)
     except CheckpointError as exc:
         raise CheckpointError([f"--type {mix}: llama-quantize chooses its types by llama.cpp tensor roles, and "
                                f"{exc.problems[0]}; give one type instead (--type {MIXES[mix].name})"]) from None
-    llama_names = {names[key]: key for key in checkpoint.tensors if key in names}
     config = model.config
-    types = mix_types(mix, {llama: checkpoint.tensors[key].shape for llama, key in llama_names.items()},
-                      architecture=architecture, layers=config.num_hidden_layers,
+    held = {tensor.name: tensor.shape for tensor in tensors if tensor.key in checkpoint.tensors}
+    types = mix_types(mix, held, architecture=architecture,
+                      layers=config.num_hidden_layers,
                       experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0)
-    return {llama_names[llama]: kind.name for llama, kind in types.items()}
+    return {name: kind.name for name, kind in types.items()}
+
+
+def _by_key(by_name: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """Types chosen by llama.cpp name, by state-dict key (a fused gate-and-up expert tensor takes its gate's)."""
+    _, tensors = llama_cpp_tensors(model)
+    chosen: dict[str, str] = {}
+    for tensor in tensors:
+        if tensor.name in by_name:
+            chosen.setdefault(tensor.key, by_name[tensor.name])
+    return chosen
 
 
 def _too_small(path: str, module: nn.Module | None, rules: list) -> object | None:
@@ -360,5 +371,4 @@ def _encode(
 
 
 _FLOATS = ("F32", "F16", "BF16")
-LAYOUTS = ("streamwise", "llama.cpp")
 _NUMPY_TYPES = (torch.float32, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64)

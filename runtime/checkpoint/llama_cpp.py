@@ -182,6 +182,10 @@ def gguf_config(path: str | Path):
             config = transformers.AutoConfig.from_pretrained(os.path.dirname(copy), gguf_file=os.path.basename(copy),
                                                              local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers signals a config it cannot build with many exception types
+        if isinstance(exc, KeyError) and gguf.Keys.Tokenizer.LIST not in checkpoint.metadata:
+            raise CheckpointError([f"{path}: transformers reads this architecture's config from the file's tokenizer, "
+                                   "and it has no tokenizer (`tokenizer.ggml.model = none`): load it with its "
+                                   "folder's config.json instead (`streamwise.load(model, file)`)"]) from None
         raise CheckpointError([f"{path}: transformers cannot build a config from this GGUF ({exc})"]) from None
     config = as_llama_cpp_builds(config, checkpoint)
     config._name_or_path = str(Path(path).parent)  # as transformers names it for the file itself
@@ -389,27 +393,11 @@ _ARCHITECTURE_OF = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_te
                     "gpt_oss": "gpt-oss"}
 
 
-def llama_cpp_names(model: nn.Module) -> tuple[str, dict[str, str]]:
-    """A transformers model's llama.cpp architecture and the llama.cpp name of each state-dict key that has one
-    (`blk.3.attn_v.weight`): the same map `Mapped` reads files through, the other way round. A CheckpointError where
-    the model is no transformers model or the gguf package has no name map for it."""
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        raise CheckpointError([f"{type(model).__name__} is not a transformers model, so it has no llama.cpp names"])
-    try:
-        architecture = _ARCHITECTURE_OF.get(model.config.model_type, model.config.model_type)
-        _, names = _name_map(model, model.config.to_dict(), architecture)
-    except NotImplementedError:
-        raise CheckpointError([f"{type(model).__name__}: the gguf package has no llama.cpp name map for model type "
-                               f"`{model.config.model_type}`"]) from None
-    return architecture, {key: name for name, key in names.items()}
-
-
 def _name_map(model: nn.Module, config: dict, architecture: str):
     """transformers' tensor processor for llama.cpp `architecture` (Mixtral's own, `_mixtral_processor`) and its map
-    of llama.cpp names onto `model`'s keys (`get_gguf_hf_weights_map`, the name map built once per call);
-    NotImplementedError where the gguf package has no name map for the model's type."""
+    of llama.cpp names onto `model`'s keys (`get_gguf_hf_weights_map`, the name map built once per call): read here,
+    written the other way round by `llama_cpp_layout`. NotImplementedError where the gguf package has no name map for
+    the model's type."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     mixtral = model.config.model_type == "mixtral"  # written by llama.cpp as a Llama with experts

@@ -41,6 +41,8 @@ class LlamaTensor:
     tied: bool
     """The model ties it to another tensor: a checkpoint without it stores that one (a tied head is left out, and
     llama.cpp reads the embedding, as the converter leaves it)."""
+    shape: tuple[int, ...]
+    """Its shape in llama.cpp's form (rows last, as numpy and llama-quantize's rules see it)."""
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,13 @@ def llama_cpp_architecture(model: nn.Module) -> str | None:
 def llama_cpp_layout(model: nn.Module, folder: Path | None) -> Layout:
     """`model` (a transformers model of a listed architecture) in llama.cpp's layout, the tokenizer read from
     `folder`; a CheckpointError naming what llama.cpp's layout cannot hold as Streamwise writes it."""
-    architecture = llama_cpp_architecture(model)
-    if architecture is None:
-        raise CheckpointError([f"{type(model).__name__}: llama.cpp's layout is written for {', '.join(ARCHITECTURES)}"])
+    architecture, tensors = llama_cpp_tensors(model)
     hparams = model.config.to_dict()
     rope = _rope(hparams)
     if str(rope.get("rope_type", "default")).lower() not in ("default", "linear", "yarn"):
         raise CheckpointError([f"{type(model).__name__}: rope type `{rope['rope_type']}` is not written in llama.cpp's "
                                "layout by Streamwise (llama.cpp needs tensors the converter computes for it)"])
-    tensors = _tensors(model, architecture)
-    vocabulary = _vocabulary(folder, hparams)
+    vocabulary = _vocabulary(folder, hparams, architecture)
 
     def write_metadata(writer: gguf.GGUFWriter) -> None:
         writer.add_type(gguf.GGUFType.MODEL)
@@ -154,7 +153,12 @@ def _rows(order: torch.Tensor) -> Form:
     return lambda tensor: tensor[inverse]
 
 
-def _tensors(model: nn.Module, architecture: str) -> tuple[LlamaTensor, ...]:
+def llama_cpp_tensors(model: nn.Module) -> tuple[str, tuple[LlamaTensor, ...]]:
+    """`model`'s llama.cpp architecture and tensors (names, forms, shapes): what llama-quantize's rules and the layout
+    read. A CheckpointError where the model is of no listed architecture or has a tensor llama.cpp cannot name."""
+    architecture = llama_cpp_architecture(model)
+    if architecture is None:
+        raise CheckpointError([f"{type(model).__name__}: llama.cpp's layout is written for {', '.join(ARCHITECTURES)}"])
     processor, names = _name_map(model, model.config.to_dict(), architecture)
     kind = type(processor).__name__
     state = model.state_dict(keep_vars=True)
@@ -178,13 +182,13 @@ def _tensors(model: nn.Module, architecture: str) -> tuple[LlamaTensor, ...]:
                 raise CheckpointError([f"{type(model).__name__}: transformers' {kind} changes `{name}` in a way "
                                        "Streamwise does not undo, so it cannot write it in llama.cpp's layout"])
             form = _unchanged if action is True else _rows(action)
-        ndim = len(shapes[key]) - (1 if form is _squeezed else 0)
-        tensors.append(LlamaTensor(name, key, form, _f32(name, ndim), key in tied))
+        shape = tuple(form(torch.empty(shapes[key], device="meta")).shape)
+        tensors.append(LlamaTensor(name, key, form, _f32(name, len(shape)), key in tied, shape))
     unnamed -= tied
     if unnamed:
         raise CheckpointError([f"{type(model).__name__}: {len(unnamed)} tensors have no llama.cpp name "
                                f"({', '.join(sorted(unnamed)[:4])}), so llama.cpp's layout cannot hold the model"])
-    return tuple(tensors)
+    return architecture, tuple(tensors)
 
 
 def _tied(state: dict) -> set[str]:
@@ -338,7 +342,7 @@ def _nemotron(w, h, rope):
 
 def _gpt2(w, h, rope):
     w.add_block_count(h["n_layer"])
-    w.add_context_length(h["n_ctx"])
+    w.add_context_length(_first(h, "n_ctx", "n_positions"))  # transformers 5 saves `n_positions` only
     w.add_embedding_length(h["n_embd"])
     w.add_feed_forward_length(4 * h["n_embd"])
     w.add_head_count(h["n_head"])
@@ -434,18 +438,20 @@ def _pre_tokenizers() -> dict:
     return json.loads((Path(__file__).with_name("llama_cpp_pre_tokenizers.json")).read_text(encoding="utf-8"))
 
 
-def _vocabulary(folder: Path | None, hparams: dict) -> _Vocabulary:
-    """The folder's tokenizer as the converter writes it: SentencePiece from `tokenizer.model` (`llama`), a BPE
-    `tokenizer.json` named by llama.cpp's pre-tokenizer table (`gpt2`); where there is neither, or a BPE llama.cpp does
-    not know (it would split text otherwise, silently), the file says `none` and llama.cpp takes token ids only."""
+def _vocabulary(folder: Path | None, hparams: dict, architecture: str) -> _Vocabulary:
+    """The folder's tokenizer as the converter writes it: SentencePiece from `tokenizer.model` (`_sentencepiece`), a
+    byte-level BPE `tokenizer.json` named by llama.cpp's pre-tokenizer table (`gpt2`); where there is neither, or a BPE
+    llama.cpp does not know (it would split text otherwise, silently), the file says `none` and llama.cpp takes token
+    ids only."""
     def none(why: str) -> _Vocabulary:
         return _Vocabulary(f"none ({why}): llama.cpp loads it and takes token ids, not text",
                            lambda writer: writer.add_tokenizer_model("none"))
 
     if folder is None or not folder.is_dir():
         return none("no model folder")
-    if (folder / "tokenizer.model").is_file():
-        return _sentencepiece(folder, hparams)
+    t5 = architecture in ("t5", "t5encoder")
+    if (folder / "tokenizer.model").is_file() or (t5 and (folder / "spiece.model").is_file()):
+        return _sentencepiece(folder, hparams, t5)
     if not (folder / "tokenizer.json").is_file():
         return none("the folder holds no tokenizer.model or tokenizer.json")
     try:
@@ -495,11 +501,22 @@ def _bpe(folder: Path, tokenizer, pre: str, hparams: dict) -> _Vocabulary:
     return _Vocabulary(f"gpt2 (BPE, pre-tokenizer {pre})", write)
 
 
-def _sentencepiece(folder: Path, hparams: dict) -> _Vocabulary:
-    from sentencepiece import SentencePieceProcessor
-
+def _sentencepiece(folder: Path, hparams: dict, t5: bool) -> _Vocabulary:
+    """A SentencePiece model as the converter writes it: `llama` (its BPE models; the pieces, scores and types, the
+    added tokens typed), or for T5 a Unigram model as `t5`, with its normalizer's settings."""
+    try:
+        from sentencepiece import SentencePieceProcessor, sentencepiece_model_pb2
+    except ImportError as exc:  # sentencepiece, and protobuf for its model file, are optional
+        raise CheckpointError([f"{folder}: its SentencePiece tokenizer is written with the sentencepiece and protobuf "
+                               f"packages ({exc}): pip install 'streamwise[llama-cpp]'"]) from None
+    path = folder / "tokenizer.model"
+    if t5 and not path.is_file():
+        path = folder / "spiece.model"  # older T5 folders name it so
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(path.read_bytes())
+    unigram = t5 and proto.trainer_spec.model_type == 1  # T5's Unigram; Pile-T5's BPE is written as `llama`
     model = SentencePieceProcessor()
-    model.LoadFromFile(str(folder / "tokenizer.model"))
+    model.LoadFromFile(str(path))
     size = hparams.get("vocab_size") or model.vocab_size()
     tokens = [f"[PAD{i}]".encode() for i in range(size)]
     scores = [-10000.0] * size
@@ -515,7 +532,7 @@ def _sentencepiece(folder: Path, hparams: dict) -> _Vocabulary:
             tokens[index], scores[index], types[index] = text.encode(), -1000.0, gguf.TokenType.USER_DEFINED
     config = folder / "tokenizer_config.json"
     decoder = json.loads(config.read_text(encoding="utf-8")).get("added_tokens_decoder", {}) if config.is_file() else {}
-    for index, data in ((int(i), d) for i, d in decoder.items()):
+    for index, data in ((int(i), d) for i, d in decoder.items() if not unigram):
         if index >= size:
             continue
         token = data["content"]
@@ -524,16 +541,22 @@ def _sentencepiece(folder: Path, hparams: dict) -> _Vocabulary:
         else:
             token, types[index] = token.replace("\u2581", " "), gguf.TokenType.USER_DEFINED
         tokens[index], scores[index] = token.encode(), -1000.0
+    normalizer = proto.normalizer_spec
 
     def write(writer: gguf.GGUFWriter) -> None:
-        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_model("t5" if unigram else "llama")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
         writer.add_token_scores(scores)
         writer.add_token_types(types)
+        if unigram:
+            writer.add_add_space_prefix(normalizer.add_dummy_prefix)
+            writer.add_remove_extra_whitespaces(normalizer.remove_extra_whitespaces)
+            if normalizer.precompiled_charsmap:
+                writer.add_precompiled_charsmap(normalizer.precompiled_charsmap)
         gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
 
-    return _Vocabulary("llama (SentencePiece)", write)
+    return _Vocabulary("t5 (SentencePiece Unigram)" if unigram else "llama (SentencePiece)", write)
 
 
 def _looks_special(token: str) -> bool:

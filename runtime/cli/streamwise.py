@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ...schemas.vocabulary import GGUF_WRITE_TYPES
+from ...schemas.vocabulary import GGUF_LAYOUTS, GGUF_WRITE_TYPES
 from ..checkpoint.llama_quant_mix import MIXES
 from ..checkpoint.readers import CheckpointError
 from ..policy.diagnostics import PolicyError
@@ -31,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="one GGML type for every layer the policy's gguf rules select; or Q4_K_M / Q5_K_M, "
                                "llama-quantize's per-tensor choices for every weight matrix it quantizes "
                                "(transformers models the gguf package names)")
+    quantize.add_argument("--layout", choices=GGUF_LAYOUTS, default="streamwise",
+                          help="streamwise: the model's state-dict names, its config and tokenizer files carried "
+                               "(any model); llama.cpp: llama.cpp's names, metadata and tokenizer, as its converter "
+                               "writes them, so that llama.cpp runs the file too (the architectures "
+                               "docs/quantization.md lists). A llama.cpp GGUF stays in its layout")
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
     commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
@@ -77,7 +82,8 @@ def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             model = None  # requantized by llama.cpp's tensor names, in its layout
         else:  # the folder's config.json (beside a weight file too), or a builder another pack registered
             model = build_skeleton(config_folder(Path(args.source)))
-        report = quantize_to_gguf(args.source, args.destination, policy, model, gguf_type=args.gguf_type)
+        report = quantize_to_gguf(args.source, args.destination, policy, model, gguf_type=args.gguf_type,
+                                  layout=args.layout)
     except (PolicyError, CheckpointError, ModelSpecError, OSError) as exc:
         print(f"streamwise quantize: {exc}", file=sys.stderr)
         return 1
@@ -102,8 +108,9 @@ def _standing(report) -> str:
     """Whether the written file loads alone, for people: what it carries, and where it is listed."""
     carried = report.carried
     if report.layout == "llama.cpp":
+        tokenizer = f"\ntokenizer: {report.tokenizer}" if report.tokenizer else ""
         return ("it is in llama.cpp's layout (its tensor names, metadata and tokenizer): llama.cpp loads it, and so "
-                "does `load_pretrained(file)`")
+                f"does `load_pretrained(file)`{tokenizer}")
     if "config.json" not in carried:
         return ("it carries no config.json (the source folder has none): it loads with the model's config.json "
                 "beside it")

@@ -21,7 +21,7 @@ from streamwise.runtime.convert import applied_state
 from llama_cpp_files import CONVERTER_FIXTURES, model_output, write_gguf
 
 FIXTURES = CONVERTER_FIXTURES
-FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+FAMILIES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 # the relative error of the output against the float model: an F16 file computes in float16; Q8_0 adds its rounding
 BOUNDS = {"f16": 3e-3, "q8_0": 5e-2}
 # Linear layers no GGUF resident can serve: Falcon's own Linear class computes `x @ weight.T` itself; GPT-2's

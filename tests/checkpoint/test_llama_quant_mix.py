@@ -45,7 +45,7 @@ def test_streamwise_quantize_writes_the_mix_llama_quantize_makes_and_it_loads(tm
     import transformers
 
     import streamwise
-    from streamwise.runtime.checkpoint.llama_cpp import llama_cpp_names
+    from streamwise.runtime.checkpoint.llama_cpp_layout import llama_cpp_tensors
     from streamwise.runtime.cli.streamwise import main as streamwise_main
 
     entry = TABLE["qwen2-tied"]
@@ -59,7 +59,7 @@ def test_streamwise_quantize_writes_the_mix_llama_quantize_makes_and_it_loads(tm
     assert streamwise_main(["quantize", str(tmp_path / "float"), str(target), "--type", mix]) == 0
 
     written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(target).tensors}
-    _, names = llama_cpp_names(model)
+    names = {tensor.key: tensor.name for tensor in llama_cpp_tensors(model)[1]}
     quantized_by_llama = {name: kind for name, kind in entry[mix].items() if kind not in ("F32", "F16")}
     assert {names[key]: kind for key, kind in written.items() if names.get(key) in quantized_by_llama} \
         == quantized_by_llama
