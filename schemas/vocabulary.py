@@ -56,8 +56,9 @@ GGUF_WRITE_TYPES: tuple[str, ...] = (
     "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "MXFP4", "TQ2_0", "TQ1_0", "F16", "BF16", "F32",
 )
 DEFAULT_GGUF_TYPE = "Q8_0"
-GGUF_LAYOUTS = ("streamwise", "llama.cpp")
-"""How `streamwise quantize` lays a GGUF out: the model's state-dict names with its files carried, or llama.cpp's."""
+GGUF_LAYOUTS = ("auto", "llama.cpp", "streamwise")
+"""How `streamwise quantize` lays a GGUF out: llama.cpp's (its names, metadata and tokenizer, so llama.cpp runs it), or
+the model's state-dict names (any model); `auto` is llama.cpp's where it holds the model exactly."""
 
 #: Formats whose rules take a `group_size`.
 GROUPED_QUANT_FORMATS: frozenset[str] = frozenset({"convrot_int8", "convrot_int4"})

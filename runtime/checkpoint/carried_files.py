@@ -61,13 +61,16 @@ def metadata(files: dict[str, bytes]) -> list[tuple[str, str]]:
     return pairs
 
 
+def listed(values: dict[str, object]) -> list[str]:
+    """The names of the files a GGUF's metadata says it carries (none where it lists none, or not as a string)."""
+    found = values.get(LISTED)
+    return found.value.split(",") if found is not None and isinstance(found.value, str) and found.value else []
+
+
 def carried(values: dict[str, object], path: str) -> dict[str, bytes]:
     """The files a GGUF's metadata (`values`: key -> its `Value`) carries, by name; a CheckpointError naming the key
     where one is malformed."""
-    listed = values.get(LISTED)
-    if listed is None:
-        return {}
-    names = listed.value.split(",") if isinstance(listed.value, str) and listed.value else []
+    names = listed(values)
     unknown = sorted(set(names) - set(CARRIED))
     if unknown:
         raise CheckpointError([f"{path}: `{LISTED}` names {', '.join(unknown)}; a GGUF carries only "

@@ -5,13 +5,15 @@
   Q6_K, ggml's reference quantizers as ported in `k_quants` (`GGUF_WRITE_TYPES`);
 - every other tensor keeps its type (the quantized blocks of a GGUF source too), and each weight matrix left in
   float is reported with why (no rule, excluded, another format, too few weights, rows not filling blocks);
-- tensor names stay the model's state-dict keys, so `streamwise.load` reads the file back into the same tree;
+- otherwise tensor names stay the model's state-dict keys, so `streamwise.load` reads the file back into the tree;
 - the model's config.json and tokenizer files go into the metadata (`carried_files`), so the file stands alone;
 - `Q4_K_M` / `Q5_K_M` give each tensor llama-quantize's type for its llama.cpp role (`llama_quant_mix`);
 - a GGUF in llama.cpp's layout is requantized in that layout, as llama-quantize does (its names, order and metadata,
   the tokenizer included; the tensors byte for byte llama-quantize's where it can make them): llama.cpp loads it;
-- `layout="llama.cpp"` writes a transformers model of a listed architecture in llama.cpp's layout, as its converter
-  does (`llama_cpp_layout`: names, tensor forms, metadata, tokenizer), the types chosen as above.
+- a transformers model of a listed architecture is written in llama.cpp's layout, as its converter writes it
+  (`llama_cpp_layout`: names, tensor forms, metadata, tokenizer; `layout="auto"` where it holds the model exactly),
+  the types chosen as above and the model's files carried too, so that llama.cpp runs the file and Streamwise
+  builds it from the model's own config.json.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .conversion import under_model_keys
 from .gguf_reader import ORIGINAL_SHAPE
 from .limits import MAX_GGUF_DIMS
 from .llama_cpp import is_llama_cpp_file
-from .llama_cpp_layout import llama_cpp_layout, llama_cpp_tensors
+from .llama_cpp_layout import llama_cpp_architecture, llama_cpp_layout, llama_cpp_tensors
 from .llama_quant_mix import MIXES, fitting, llama_order, mix_types, quantized
 from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
 
@@ -60,18 +62,20 @@ class QuantizeReport:
     """`streamwise` (state-dict names, the model's files carried) or `llama.cpp` (llama.cpp's names and metadata)."""
     tokenizer: str = ""
     """In llama.cpp's layout: the tokenizer the file holds, or why it holds none."""
+    not_llama_cpp: str = ""
+    """In Streamwise's layout: why not llama.cpp's, where `auto` chose (no listed architecture, ...)."""
 
 
 def quantize_to_gguf(
     source: str | os.PathLike, destination: str | os.PathLike, policy: Policy | str, model: nn.Module | None, *,
-    gguf_type: str | None = None, layout: str = "streamwise",
+    gguf_type: str | None = None, layout: str = "auto",
 ) -> QuantizeReport:
     """Write `source` to `destination` (a new `.gguf`) as `policy` says, every layer its `gguf` rules select in
     `gguf_type` when given (one of `GGUF_WRITE_TYPES`, or a mix of `MIXES`); an existing destination is replaced only
     once the whole file is written, and the source is never the destination. A GGUF in llama.cpp's layout is
     requantized in that layout, as llama-quantize does (`gguf_type` a mix, or one type for every tensor it quantizes;
-    Q8_0 by default), and needs no `model`; the policy does not apply to it. `layout="llama.cpp"` writes any other
-    source in llama.cpp's layout (`llama_cpp_layout`; a CheckpointError where it cannot)."""
+    Q8_0 by default), and needs no `model`; the policy does not apply to it. `layout="llama.cpp"` writes a folder's
+    model in llama.cpp's layout (`llama_cpp_layout`; a CheckpointError where it cannot), its types chosen so too."""
     if gguf_type is not None and gguf_type not in (*GGUF_WRITE_TYPES, *MIXES):
         raise CheckpointError([f"--type {gguf_type}: Streamwise writes {', '.join((*GGUF_WRITE_TYPES, *MIXES))}"])
     if layout not in GGUF_LAYOUTS:
@@ -79,7 +83,7 @@ def quantize_to_gguf(
     destination = Path(destination)
     opened = open_checkpoint(source)
     llama_cpp = is_llama_cpp_file(opened)  # requantized in its own layout, as llama-quantize would
-    written = None  # llama.cpp's layout of a transformers model
+    written, why_not = None, ""  # llama.cpp's layout of a transformers model, or why not
     if llama_cpp:
         checkpoint, files, policy_name = opened, [], None
         chosen = _llama_quantize_types(checkpoint, gguf_type or DEFAULT_GGUF_TYPE)
@@ -89,15 +93,14 @@ def quantize_to_gguf(
         checkpoint = under_model_keys(opened, model)  # named as the model names them
         files = (carried_files.carried(checkpoint.metadata, checkpoint.path) if checkpoint.kind == "gguf"
                  else carried_files.collect(config_folder(Path(source))))
+        if layout == "llama.cpp" and checkpoint.kind == "gguf":
+            raise CheckpointError([f"{source}: --layout llama.cpp writes a model from its float weights (a folder or "
+                                   "safetensors file); a GGUF in Streamwise's layout keeps it"])
         mixed = _mixed(gguf_type, model, checkpoint) if gguf_type in MIXES else None
         chosen = (_by_key(mixed, model) if mixed is not None else
                   {f"{e.path}.weight": gguf_type or e.gguf_type for e in plan.modules if e.gguf_type})
-        if layout == "llama.cpp":
-            if checkpoint.kind == "gguf":
-                raise CheckpointError([f"{source}: --layout llama.cpp writes a model from its float weights (a "
-                                       "folder or safetensors file); a GGUF in Streamwise's layout keeps it"])
-            written = llama_cpp_layout(model, config_folder(Path(source)))
-            files = []
+        written, why_not = _layout(layout, model, checkpoint, Path(source))
+        if written is not None:
             chosen = mixed if mixed is not None else {t.name: chosen[t.key] for t in written.tensors if t.key in chosen}
     _check_destination(destination, {Path(t.file) for t in checkpoint.tensors.values()} | {Path(checkpoint.path)})
     handle, partial = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".partial", dir=destination.parent)
@@ -109,10 +112,13 @@ def quantize_to_gguf(
         if llama_cpp:
             writer = gguf.GGUFWriter(partial, arch=checkpoint.architecture)
             _copy_metadata(checkpoint.path, writer, gguf_type or DEFAULT_GGUF_TYPE)
-        elif written is not None:
+        elif written is not None:  # llama.cpp's metadata, then the model's files, which llama.cpp ignores
             writer = gguf.GGUFWriter(partial, arch=written.architecture)
             written.write_metadata(writer)
             writer.add_file_type(_file_type(gguf_type or _most_common(chosen)))
+            writer.add_string("streamwise.policy", policy_name)
+            for key, value in carried_files.metadata(files):
+                writer.add_string(key, value)
         else:
             writer = gguf.GGUFWriter(partial, arch=carried_files.ARCHITECTURE)
             writer.add_string("streamwise.policy", policy_name)
@@ -153,14 +159,35 @@ def quantize_to_gguf(
         raise
     unselected = ({} if gguf_type in MIXES or llama_cpp else
                   _unselected(policy, plan, model, [name.rpartition(".")[0] for name, why in left.items() if not why]))
-    kept = f"{gguf_type} keeps it as llama-quantize does (no weight matrix it quantizes, or no llama.cpp name)"
+    kept = (f"{gguf_type or DEFAULT_GGUF_TYPE} keeps it as llama-quantize does (no weight matrix it quantizes, or no "
+            "llama.cpp name)")
     return QuantizeReport(
         os.fspath(destination), sum(types.values()), dict(sorted(types.items())), bytes_in,
         os.path.getsize(destination),
         {name: why or unselected.get(name.rpartition(".")[0], kept) for name, why in left.items()},
         tuple(files), "llama.cpp" if llama_cpp or written is not None else "streamwise",
-        written.tokenizer if written is not None else "",
+        written.tokenizer if written is not None else "", why_not,
     )
+
+
+def _layout(layout: str, model: nn.Module, checkpoint, source: Path):
+    """llama.cpp's layout of `model` where `layout` asks for it (`auto`: where it holds the model exactly), else None
+    and why not (empty where Streamwise's layout was asked for)."""
+    if layout == "streamwise" or checkpoint.kind == "gguf":
+        return None, ""
+    if layout == "auto" and llama_cpp_architecture(model) is None:
+        return None, f"{type(model).__name__} is of no architecture Streamwise writes in llama.cpp's layout"
+    try:
+        written = llama_cpp_layout(model, config_folder(source))
+    except CheckpointError as exc:
+        if layout == "llama.cpp":
+            raise
+        return None, exc.problems[0]
+    if layout == "auto" and written.inexact:
+        return None, (f"llama.cpp's layout stores {', '.join(written.inexact[:2])} as the converter's arithmetic "
+                      "(1 + w, -exp), which reads back within a float32 unit, not bit for bit: --layout llama.cpp "
+                      "writes it anyway")
+    return written, ""
 
 
 def _in_layout(layout, checkpoint, chosen: dict[str, str]):
@@ -192,15 +219,20 @@ def _file_type(gguf_type: str) -> gguf.LlamaFileType:
 
 
 def _llama_quantize_types(checkpoint, gguf_type: str) -> dict[str, str]:
-    """Each tensor's type in a llama.cpp-layout file requantized to `gguf_type`: a mix's choices, or one type for every
-    tensor llama-quantize quantizes (its `--pure`), falling back where rows do not fill the type's blocks."""
-    shapes = {name: stored.shape for name, stored in checkpoint.tensors.items()}
+    """Each tensor's type in a llama.cpp-layout file requantized to `gguf_type` (`_by_role`)."""
+    metadata, architecture = checkpoint.metadata, checkpoint.architecture
+    count = metadata.get(gguf.Keys.LLM.EXPERT_COUNT.format(arch=architecture))
+    layers = metadata.get(gguf.Keys.LLM.BLOCK_COUNT.format(arch=architecture))
+    return _by_role(gguf_type, {name: stored.shape for name, stored in checkpoint.tensors.items()}, architecture,
+                    layers.integers[0] if layers else 0, count.integers[0] if count else 0)
+
+
+def _by_role(gguf_type: str, shapes: dict[str, tuple[int, ...]], architecture: str, layers: int,
+             experts: int) -> dict[str, str]:
+    """Each llama.cpp tensor's type as llama-quantize gives it: a mix's choices, or one type for every tensor it
+    quantizes (its `--pure`), falling back where rows do not fill the type's blocks."""
     if gguf_type in MIXES:
-        metadata, architecture = checkpoint.metadata, checkpoint.architecture
-        count = metadata.get(gguf.Keys.LLM.EXPERT_COUNT.format(arch=architecture))
-        layers = metadata.get(gguf.Keys.LLM.BLOCK_COUNT.format(arch=architecture))
-        types = mix_types(gguf_type, shapes, architecture=architecture, layers=layers.integers[0] if layers else 0,
-                          experts=count.integers[0] if count else 0)
+        types = mix_types(gguf_type, shapes, architecture=architecture, layers=layers, experts=experts)
     else:
         kind = gguf.GGMLQuantizationType[gguf_type]
         types = {name: fitting(kind, shape[-1]) for name, shape in shapes.items() if quantized(name, shape)}
@@ -220,21 +252,21 @@ def _copy_metadata(path: str, writer: gguf.GGUFWriter, gguf_type: str) -> None:
         writer.add_key_value(key, found.contents(), found.types[0], found.types[-1] if array else None)
 
 
-def _mixed(mix: str, model: nn.Module, checkpoint) -> dict[str, str]:
-    """Each llama.cpp tensor's type under llama-quantize's `mix`, by its llama.cpp name and shape in llama.cpp's form
-    (`llama_cpp_tensors`, those the checkpoint holds: a tied head it leaves out makes the embedding the output): every
-    weight matrix llama-quantize quantizes, whatever the policy selects, so that the file is the mix llama.cpp makes."""
+def _mixed(gguf_type: str, model: nn.Module, checkpoint) -> dict[str, str]:
+    """Each llama.cpp tensor's type as llama-quantize gives it (`_by_role`), by its llama.cpp name and shape in
+    llama.cpp's form (`llama_cpp_tensors`, those the checkpoint holds: a tied head it leaves out makes the embedding the
+    output): every weight matrix llama-quantize quantizes, whatever the policy selects."""
     try:
         architecture, tensors = llama_cpp_tensors(model)
     except CheckpointError as exc:
-        raise CheckpointError([f"--type {mix}: llama-quantize chooses its types by llama.cpp tensor roles, and "
-                               f"{exc.problems[0]}; give one type instead (--type {MIXES[mix].name})"]) from None
+        if gguf_type not in MIXES:
+            raise
+        raise CheckpointError([f"--type {gguf_type}: llama-quantize chooses its types by llama.cpp tensor roles, and "
+                               f"{exc.problems[0]}; give one type instead (--type {MIXES[gguf_type].name})"]) from None
     config = model.config
     held = {tensor.name: tensor.shape for tensor in tensors if tensor.key in checkpoint.tensors}
-    types = mix_types(mix, held, architecture=architecture,
-                      layers=config.num_hidden_layers,
-                      experts=getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0)
-    return {name: kind.name for name, kind in types.items()}
+    return _by_role(gguf_type, held, architecture, config.num_hidden_layers,
+                    getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0)
 
 
 def _by_key(by_name: dict[str, str], model: nn.Module) -> dict[str, str]:

@@ -44,6 +44,12 @@ class LlamaTensor:
     shape: tuple[int, ...]
     """Its shape in llama.cpp's form (rows last, as numpy and llama-quantize's rules see it)."""
 
+    @property
+    def exact(self) -> bool:
+        """Whether reading it back gives the model's values bit for bit: not so for the converter's arithmetic
+        (`1 + w` read back as `(1 + w) - 1`), which is within a float32 unit."""
+        return self.form not in (_plus_one, _negative_exp)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -53,6 +59,11 @@ class Layout:
     """Writes the converter's hyperparameters and, where the folder holds one it writes, the tokenizer."""
     tokenizer: str
     """What the file's tokenizer is (`gpt2 / qwen2`, `llama (SentencePiece)`) or why it has none."""
+
+    @property
+    def inexact(self) -> list[str]:
+        """The tensors Streamwise reads back within a float32 unit of the model's, not bit for bit."""
+        return [tensor.name for tensor in self.tensors if not tensor.exact]
 
 
 def llama_cpp_architecture(model: nn.Module) -> str | None:

@@ -98,8 +98,8 @@ def llama_order(item: tuple[str, object]) -> tuple[int, str]:
 
 
 def fitting(kind: Q, columns: int) -> Q:
-    """`tensor_type_fallback`: a type whose blocks rows of `columns` fill."""
+    """`tensor_type_fallback`: a type whose blocks rows of `columns` fill (F16 where a type has no fallback)."""
     if columns % GGML_QUANT_SIZES[kind][0] == 0:
         return kind
-    kind = _FALLBACK[kind]
+    kind = _FALLBACK.get(kind, Q.F16)
     return kind if columns % GGML_QUANT_SIZES[kind][0] == 0 else Q.F16

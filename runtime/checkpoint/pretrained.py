@@ -78,7 +78,7 @@ def load_pretrained(
     dtype = dtype or _file_dtype(checkpoint)
     if checkpoint.kind == "gguf" and not (folder / "config.json").is_file():
         try:
-            if checkpoint.architecture == carried_files.ARCHITECTURE:
+            if _carries_its_model(checkpoint):  # a file Streamwise wrote: its model's own config.json
                 with carried_files.unpacked(_carried_model(checkpoint)) as carried:
                     model, built = built_skeleton(carried, dtype, model_class)
                     kind = model_type(carried)
@@ -143,6 +143,12 @@ def pipeline_component(path: Path, component: str | None) -> Path:
                            f"{listed}"])
 
 
+def _carries_its_model(checkpoint: Checkpoint) -> bool:
+    """Whether Streamwise wrote the GGUF (in its layout, or in llama.cpp's with the model's config.json carried)."""
+    return checkpoint.architecture == carried_files.ARCHITECTURE or "config.json" in carried_files.listed(
+        checkpoint.metadata)
+
+
 def _carried_model(checkpoint: Checkpoint) -> dict[str, bytes]:
     """The model's files a Streamwise GGUF carries; a CheckpointError saying what to do where they hold no
     config.json."""
@@ -158,8 +164,8 @@ def _carried_model(checkpoint: Checkpoint) -> dict[str, bytes]:
 
 def load_tokenizer(source: str | os.PathLike):
     """The tokenizer of a tree's recorded `source`: a model folder's own files; for a `.gguf`, the tokenizer files it
-    carries (a Streamwise GGUF), else the one in its llama.cpp metadata (transformers rebuilds it:
-    `AutoTokenizer.from_pretrained(folder, gguf_file=...)`). Read once per version of its files (`model_identity`):
+    carries (a GGUF Streamwise wrote, in either layout), else the one in its llama.cpp metadata (transformers rebuilds
+    it: `AutoTokenizer.from_pretrained(folder, gguf_file=...)`). Read once per version of its files (`model_identity`):
     rebuilding a 150k-token vocabulary from GGUF metadata takes about 20 s, and a host tokenizes once per prompt."""
     from .discover import model_identity  # its GGUF header reader imports gguf, which a safetensors load never needs
 
@@ -174,7 +180,8 @@ def _tokenizer(source: str, identity: tuple):
     source = Path(source)
     if source.suffix == ".gguf" and not source.is_dir():
         checkpoint = open_checkpoint(source)
-        if checkpoint.architecture == carried_files.ARCHITECTURE:
+        carried_tokenizer = set(carried_files.listed(checkpoint.metadata)) - {"config.json", "generation_config.json"}
+        if checkpoint.architecture == carried_files.ARCHITECTURE or carried_tokenizer:  # the model's own files
             with carried_files.unpacked(carried_files.carried(checkpoint.metadata, checkpoint.path)) as carried:
                 return _folder_tokenizer(carried)
         if not any(key.startswith("tokenizer.ggml.") for key in checkpoint.metadata):

@@ -31,11 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="one GGML type for every layer the policy's gguf rules select; or Q4_K_M / Q5_K_M, "
                                "llama-quantize's per-tensor choices for every weight matrix it quantizes "
                                "(transformers models the gguf package names)")
-    quantize.add_argument("--layout", choices=GGUF_LAYOUTS, default="streamwise",
-                          help="streamwise: the model's state-dict names, its config and tokenizer files carried "
-                               "(any model); llama.cpp: llama.cpp's names, metadata and tokenizer, as its converter "
-                               "writes them, so that llama.cpp runs the file too (the architectures "
-                               "docs/quantization.md lists). A llama.cpp GGUF stays in its layout")
+    quantize.add_argument("--layout", choices=GGUF_LAYOUTS, default="auto",
+                          help="llama.cpp: llama.cpp's names, metadata and tokenizer, as its converter writes them, so "
+                               "that llama.cpp runs the file too (the architectures docs/quantization.md lists); "
+                               "streamwise: the model's state-dict names (any model); auto (default): llama.cpp's "
+                               "where it holds the model bit for bit. Both carry the model's config and tokenizer "
+                               "files. A llama.cpp GGUF stays in its layout")
     quantize.add_argument("--model", help="model spec for class selectors (default: the folder's config.json)")
     quantize.add_argument("--model-config", metavar="JSON", help="config overrides for --model")
     commands.add_parser("demo", help="run the pipeline on small random models, offline, and print a report")
@@ -109,15 +110,18 @@ def _standing(report) -> str:
     carried = report.carried
     if report.layout == "llama.cpp":
         tokenizer = f"\ntokenizer: {report.tokenizer}" if report.tokenizer else ""
-        return ("it is in llama.cpp's layout (its tensor names, metadata and tokenizer): llama.cpp loads it, and so "
-                f"does `load_pretrained(file)`{tokenizer}")
+        files = " (and the model's own files, which Streamwise builds it from)" if "config.json" in carried else ""
+        return (f"it is in llama.cpp's layout (its tensor names, metadata and tokenizer{files}): llama.cpp loads it, "
+                f"and so does `load_pretrained(file)`{tokenizer}")
+    why = f" (not llama.cpp's: {report.not_llama_cpp})" if report.not_llama_cpp else ""
     if "config.json" not in carried:
-        return ("it carries no config.json (the source folder has none): it loads with the model's config.json "
-                "beside it")
+        return (f"it is in Streamwise's layout{why} and carries no config.json (the source folder has none): it loads "
+                "with the model's config.json beside it")
     tokenizer = [name for name in carried if name not in ("config.json", "generation_config.json")]
     said = f"and its tokenizer ({', '.join(tokenizer)})" if tokenizer else "and no tokenizer (the folder has none)"
-    return (f"it carries config.json {said}: it loads alone (`load_pretrained(file)`; the ComfyUI loader lists it "
-            "anywhere under models/streamwise, models/LLM or models/text_encoders)")
+    return (f"it is in Streamwise's layout{why} and carries config.json {said}: it loads alone "
+            "(`load_pretrained(file)`; the ComfyUI loader lists it anywhere under models/streamwise, models/LLM or "
+            "models/text_encoders)")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -43,11 +43,34 @@ def write(folder: Path, target: Path, gguf_type: str) -> None:
 
 
 def metadata(path: Path, tokenizer: bool = False) -> dict:
-    """A file's keys, but the name the converter takes from the folder and its size label."""
+    """A file's llama.cpp keys (its tokenizer's, or the others), but the name the converter takes from the folder and
+    its size label; Streamwise's own (the model's files it carries) are left to `carried`."""
     reader = gguf.GGUFReader(path)
     return {key: (field.types[0], field.contents()) for key, field in reader.fields.items()
-            if not key.startswith("GGUF.") and key not in ("general.name", "general.size_label")
+            if not key.startswith(("GGUF.", "streamwise.")) and key not in ("general.name", "general.size_label")
             and key.startswith("tokenizer.") == tokenizer}
+
+
+def carried(path: Path) -> list[str]:
+    return gguf.GGUFReader(path).fields["streamwise.files"].contents().split(",")
+
+
+def without_files(path: Path) -> Path:
+    """`path` rewritten as llama.cpp's tools alone would have it: Streamwise's keys (the model's files) taken out."""
+    reader = gguf.GGUFReader(path)
+    alone = path.with_name(f"alone-{path.name}")
+    writer = gguf.GGUFWriter(alone, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "streamwise.")) and key != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if array else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return alone
 
 
 def tensors(path: Path) -> dict:
@@ -103,10 +126,11 @@ def float_outputs():
 
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"lfm2"}))
 def test_the_written_file_alone_computes_what_its_float_model_computes(tmp_path, family, float_outputs):
+    """Built from llama.cpp's metadata alone (the model's files the file carries taken out), as llama.cpp builds it."""
     target = tmp_path / f"{family}.q8_0.gguf"
     write(CONVERTER_FIXTURES / family, target, "Q8_0")
 
-    model, _, _ = streamwise.load_pretrained(target, "auto")
+    model, _, _ = streamwise.load_pretrained(without_files(target), "auto")
 
     expected = float_outputs(CONVERTER_FIXTURES / family)
     got = model_output(model, IDS)
@@ -121,7 +145,7 @@ def test_a_sentencepiece_tokenizer_is_written_as_the_converter_writes_it(tmp_pat
 
     assert metadata(target, tokenizer=True) == metadata(theirs, tokenizer=True)
     assert metadata(target) == metadata(theirs)
-    assert load_tokenizer(target)("the quick brown fox")["input_ids"] \
+    assert load_tokenizer(without_files(target))("the quick brown fox")["input_ids"] \
         == load_tokenizer(theirs)("the quick brown fox")["input_ids"]
 
 
@@ -135,11 +159,17 @@ def fetched_vocabulary(name: str) -> Path:
     return path
 
 
-def test_a_file_without_a_token_list_whose_config_transformers_reads_from_it_is_refused_saying_so(tmp_path):
-    """transformers' reader takes LFM2's vocabulary from the token list, which a file without a tokenizer lacks."""
+def test_the_file_carries_its_models_files_and_streamwise_builds_it_from_them(tmp_path, float_outputs):
+    """LFM2 without a tokenizer: transformers reads its config from the token list, which the file lacks; the
+    config.json the file carries builds it. Without that, the refusal says what to do."""
     write(CONVERTER_FIXTURES / "lfm2", tmp_path / "lfm2.gguf", "Q8_0")
-    with pytest.raises(CheckpointError, match=r"lfm2.gguf: .* no tokenizer .* load it with its folder.s config.json"):
-        streamwise.load_pretrained(tmp_path / "lfm2.gguf", "auto")
+    assert carried(tmp_path / "lfm2.gguf") == ["config.json", "generation_config.json", "tokenizer.json"]
+    model, _, _ = streamwise.load_pretrained(tmp_path / "lfm2.gguf", "auto")
+    expected = float_outputs(CONVERTER_FIXTURES / "lfm2")
+    assert ((model_output(model, IDS) - expected).norm() / expected.norm()).item() < 5e-2
+
+    with pytest.raises(CheckpointError, match=r"alone-lfm2.gguf: .* no tokenizer .* load it with its folder.s config"):
+        streamwise.load_pretrained(without_files(tmp_path / "lfm2.gguf"), "auto")
 
 
 # llama.cpp's vocabulary -> a tiny model of the family whose tokenizer it is
