@@ -61,7 +61,7 @@ def k_quant_errors(family: str, scratch: Path) -> list[str]:
     from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 
     folder = scratch / family
-    make_fixtures.save_float_model(family, folder, **WIDE)
+    make_fixtures.save_float_model(family, folder, vocab_size=1024, **WIDE)  # a vocabulary wider than any layer
     (name,) = json.loads((folder / "config.json").read_text())["architectures"]
     float_model = getattr(transformers, name).from_pretrained(folder, dtype=torch.float32).eval()
     expected = model_output(float_model, IDS)

@@ -106,22 +106,24 @@ _LISTED = 20
 
 
 def _standing(report) -> str:
-    """Whether the written file loads alone, for people: what it carries, and where it is listed."""
+    """Which layout the file is in and whether it loads alone, for people: what it carries, and where it is listed."""
     carried = report.carried
     if report.layout == "llama.cpp":
+        layout = "it is in llama.cpp's layout (its tensor names, metadata and tokenizer): llama.cpp runs it"
         tokenizer = f"\ntokenizer: {report.tokenizer}" if report.tokenizer else ""
-        files = " (and the model's own files, which Streamwise builds it from)" if "config.json" in carried else ""
-        return (f"it is in llama.cpp's layout (its tensor names, metadata and tokenizer{files}): llama.cpp loads it, "
-                f"and so does `load_pretrained(file)`{tokenizer}")
-    why = f" (not llama.cpp's: {report.not_llama_cpp})" if report.not_llama_cpp else ""
+    else:
+        why = f" ({report.not_llama_cpp})" if report.not_llama_cpp else ""
+        layout, tokenizer = f"it is in Streamwise's layout{why}: llama.cpp cannot load it", ""
+    if report.layout == "llama.cpp" and not carried:  # a llama.cpp file requantized: its metadata describes it
+        return f"{layout}, and `load_pretrained(file)` builds it from its metadata{tokenizer}"
     if "config.json" not in carried:
-        return (f"it is in Streamwise's layout{why} and carries no config.json (the source folder has none): it loads "
-                "with the model's config.json beside it")
-    tokenizer = [name for name in carried if name not in ("config.json", "generation_config.json")]
-    said = f"and its tokenizer ({', '.join(tokenizer)})" if tokenizer else "and no tokenizer (the folder has none)"
-    return (f"it is in Streamwise's layout{why} and carries config.json {said}: it loads alone "
-            "(`load_pretrained(file)`; the ComfyUI loader lists it anywhere under models/streamwise, models/LLM or "
-            "models/text_encoders)")
+        return (f"{layout}; it carries no config.json (the source folder has none): Streamwise loads it with the "
+                f"model's config.json beside it{tokenizer}")
+    files = [name for name in carried if name not in ("config.json", "generation_config.json")]
+    said = f"and its tokenizer ({', '.join(files)})" if files else "and no tokenizer (the folder has none)"
+    return (f"{layout}; it carries config.json {said}: it loads alone (`load_pretrained(file)`; the ComfyUI loader "
+            f"lists it anywhere under models/streamwise, models/LLM or models/text_encoders){tokenizer}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -56,7 +56,8 @@ def test_streamwise_quantize_writes_the_mix_llama_quantize_makes_and_it_loads(tm
     model = transformers.Qwen2ForCausalLM(config).eval()
     model.save_pretrained(tmp_path / "float")
     target = tmp_path / f"model.{mix}.gguf"
-    assert streamwise_main(["quantize", str(tmp_path / "float"), str(target), "--type", mix]) == 0
+    assert streamwise_main(["quantize", str(tmp_path / "float"), str(target), "--type", mix, "--layout",
+                            "streamwise"]) == 0  # the state-dict names (llama.cpp's layout: test_llama_cpp_layout)
 
     written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(target).tensors}
     names = {tensor.key: tensor.name for tensor in llama_cpp_tensors(model)[1]}

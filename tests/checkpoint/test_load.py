@@ -519,7 +519,7 @@ def test_a_gguf_source_keeps_its_blocks_or_is_requantized(saved, tmp_path):
     folder, _, _ = saved
     q8 = gguf_policy(tmp_path, "Q8_0")
     first, second = tmp_path / "q8.gguf", tmp_path / "again.gguf"
-    assert streamwise_main(["quantize", str(folder), str(first), "--policy", str(q8)]) == 0
+    assert streamwise_main(["quantize", str(folder), str(first), "--policy", str(q8), "--layout", "streamwise"]) == 0
     spec = ["--model", "transformers:Qwen2ForCausalLM", "--model-config", (folder / "config.json").read_text()]
     assert streamwise_main(["quantize", str(first), str(second), "--policy", "decoder-llm", *spec]) == 0
 
@@ -667,7 +667,7 @@ def test_quantize_with_one_type_and_no_policy_loads_back_bit_exact_as_residents(
     model = skeleton_model(**wide)
     report = streamwise.load(model, target, "decoder-llm", progress=False)
     assert set(report.quantized.values()) == {gguf_type} and len(report.quantized) == 15  # every Linear
-    (stored,) = [t for t in gguf.GGUFReader(target).tensors if t.name == "model.layers.0.mlp.down_proj.weight"]
+    (stored,) = [t for t in gguf.GGUFReader(target).tensors if t.name == "blk.0.ffn_down.weight"]  # llama.cpp's
     weight = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type).reshape(256, 256).copy())
     x = torch.randn(3, 256)
     assert torch.equal(model.model.layers[0].mlp.down_proj(x), torch.nn.functional.linear(x, weight))
