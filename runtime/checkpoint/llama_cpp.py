@@ -276,7 +276,8 @@ def as_llama_cpp_tokenizes(tokenizer, checkpoint: Checkpoint):
       llama.cpp's `▁▁` is one token). Its legacy normalizer does what llama.cpp does.
     - a byte-level BPE whose `tokenizer.ggml.pre` transformers splits with GPT-2's regex (Falcon's digits in threes,
       StarCoder's digits one by one, DeepSeek Coder's): llama.cpp's own regexes, then the bytes;
-    - a Llama 3 style BPE: a pre-token the vocabulary holds whole is that token (` Việt`), before any merge."""
+    - a Llama 3 style BPE: a pre-token the vocabulary holds whole is that token (` Việt`), before any merge;
+    - a byte-level BPE's control and user-defined tokens at their own ids (`_special_tokens_at_their_ids`)."""
     from tokenizers import Regex, normalizers, pre_tokenizers
 
     model, pre = (checkpoint.metadata.get(key) for key in (gguf.Keys.Tokenizer.MODEL, gguf.Keys.Tokenizer.PRE))
@@ -294,7 +295,54 @@ def as_llama_cpp_tokenizes(tokenizer, checkpoint: Checkpoint):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif model.value == "gpt2" and pre is not None and pre.value in _WHOLE_WORDS:
         backend.model.ignore_merges = True
+    if model.value == "gpt2":
+        _special_tokens_at_their_ids(tokenizer, checkpoint)
     return tokenizer
+
+
+def _special_tokens_at_their_ids(tokenizer, checkpoint: Checkpoint) -> None:
+    """llama.cpp holds a control or user-defined token as its text (DeepSeek's `<｜begin▁of▁sentence｜>`) and matches
+    it whole; transformers' conversion byte-encodes it like any BPE piece (`<ï½ľbeginâĸģ...`), so the text no longer
+    finds it, adds the BOS and EOS again past the vocabulary (with an unknown token GPT-2's converter assumes), and a
+    prompt starts with an id the model has no row for. Each such token goes back to its text at its own id, matched
+    whole; nothing stays past the file's vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    kinds = checkpoint.metadata.get(gguf.Keys.Tokenizer.TOKEN_TYPE)
+    if kinds is None or kinds.integers is None:
+        return
+    kinds = kinds.integers
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocabulary, added = state["model"]["vocab"], state["added_tokens"]
+    texts = {index: token for token, index in vocabulary.items()}
+    control, user = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+    byte_of = {character: byte for byte, character in gguf.vocab.bytes_to_unicode().items()}
+    changed = [a for a in added if a["id"] >= len(kinds)]
+    present = {a["id"] for a in added}
+    for index, kind in enumerate(kinds):
+        encoded = texts.get(index)
+        if kind not in (control, user) or encoded is None:
+            continue
+        try:
+            text = bytes(byte_of[c] for c in encoded).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):  # not byte-encoded: its text already
+            text = encoded
+        if text != encoded:
+            del vocabulary[encoded]
+            vocabulary[text] = index
+            changed.append(index)
+        if index not in present:
+            added.append({"id": index, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": kind == control})
+            changed.append(index)
+    if not changed:
+        return
+    state["added_tokens"] = sorted((a for a in added if a["id"] < len(kinds)), key=lambda a: a["id"])
+    for entry in ((state.get("post_processor") or {}).get("special_tokens") or {}).values():
+        entry["ids"] = [vocabulary[token] for token in entry["tokens"] if token in vocabulary]
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(state))
 
 
 def _cached_name_maps(original, cache):

@@ -67,3 +67,24 @@ def test_a_gguf_without_a_tokenizer_says_where_to_load_one_from(tmp_path):
     write_gguf(path, "llama", {"token_embd.weight": np.zeros((8, 32), dtype=np.float32)})
     with pytest.raises(CheckpointError, match=r"weights-only\.gguf: the file carries no tokenizer .*load_tokenizer"):
         load_tokenizer(path)
+
+
+def test_a_control_token_beyond_ascii_is_the_files_own_id_matched_whole(tmp_path):
+    """DeepSeek's `<｜begin▁of▁sentence｜>`: transformers' conversion byte-encodes it, adds the BOS again past the
+    vocabulary, and prompts start with an id the model has no row for; llama.cpp holds it as its text."""
+    import gguf
+
+    pieces = list(gguf.vocab.bytes_to_unicode().values())  # every byte, as byte-level BPE writes it
+    tokens = [*pieces, "Ġh", "<｜begin▁of▁sentence｜>", "<｜fim▁hole｜>"]
+    types = [1] * (len(pieces) + 1) + [3, 4]  # normal, control, user-defined
+    bos = len(pieces) + 1
+    path = tmp_path / "vocab.gguf"
+    write_gguf(path, "llama", {}, {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+                                   "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+                                   "tokenizer.ggml.merges": ["Ġ h"], "tokenizer.ggml.bos_token_id": bos,
+                                   "tokenizer.ggml.eos_token_id": bos, "tokenizer.ggml.add_bos_token": True})
+
+    tokenizer = load_tokenizer(path)
+
+    assert len(tokenizer) == len(tokens) and tokenizer.bos_token_id == bos
+    assert tokenizer("<｜fim▁hole｜> h")["input_ids"] == [bos, bos + 1, len(pieces)]
