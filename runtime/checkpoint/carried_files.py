@@ -30,6 +30,9 @@ CARRIED = (
 )
 """What a model folder holds that builds the model and its tokenizer, beside the weights."""
 
+TOKENIZER = CARRIED[2:]
+"""The tokenizer's files among them."""
+
 MAX_CARRIED = 64 * 2**20
 """The most bytes of files a GGUF carries (a large vocabulary's tokenizer.json is ~30 MB)."""
 

@@ -12,8 +12,8 @@
   the tokenizer included; the tensors byte for byte llama-quantize's where it can make them): llama.cpp loads it;
 - a transformers model of a listed architecture is written in llama.cpp's layout, as its converter writes it
   (`llama_cpp_layout`: names, tensor forms, metadata, tokenizer; `layout="auto"` where it holds the model exactly),
-  the types chosen as above and the model's files carried too, so that llama.cpp runs the file and Streamwise
-  builds it from the model's own config.json.
+  the types chosen as above: llama.cpp and Streamwise build the same model from its metadata, and the model's files
+  are carried too, for its generation settings and tokenizer, which Streamwise reads as from the folder.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def quantize_to_gguf(
         if llama_cpp:
             writer = gguf.GGUFWriter(partial, arch=checkpoint.architecture)
             _copy_metadata(checkpoint.path, writer, gguf_type or DEFAULT_GGUF_TYPE)
-        elif written is not None:  # llama.cpp's metadata, then the model's files, which llama.cpp ignores
+        elif written is not None:  # llama.cpp's metadata, then the folder's other files, which llama.cpp ignores
             writer = gguf.GGUFWriter(partial, arch=written.architecture)
             written.write_metadata(writer)
             writer.add_file_type(_file_type(gguf_type or _most_common(chosen)))

@@ -78,21 +78,20 @@ def load_pretrained(
     dtype = dtype or _file_dtype(checkpoint)
     if checkpoint.kind == "gguf" and not (folder / "config.json").is_file():
         try:
-            if _carries_its_model(checkpoint):  # a file Streamwise wrote: its model's own config.json
+            if checkpoint.architecture == carried_files.ARCHITECTURE:
                 with carried_files.unpacked(_carried_model(checkpoint)) as carried:
                     model, built = built_skeleton(carried, dtype, model_class)
                     kind = model_type(carried)
                     settings = _generation_settings(model, lambda: generation_defaults.from_folder(carried))
             else:
-                from .llama_cpp import gguf_config, gguf_metadata  # GGUF only, as `gguf_reader` (open_checkpoint)
+                from .llama_cpp import gguf_config  # GGUF only, as `gguf_reader` (open_checkpoint)
 
                 config = gguf_config(checkpoint.path)  # a CheckpointError naming an architecture it cannot map
                 with skeleton():
                     model, built = auto_model(config, dtype, model_class)
                 model.eval()
                 kind = config.model_type
-                settings = _generation_settings(model, lambda: generation_defaults.from_llama_cpp(
-                    config, checkpoint.metadata, gguf_metadata(checkpoint.path)["tokenizer"].get("tokens")))
+                settings = _generation_settings(model, lambda: _llama_cpp_settings(checkpoint, config))
         except ModelSpecError as exc:  # the model the file's own metadata describes cannot be built: the file's fault
             raise CheckpointError([f"{checkpoint.path}: {exc}"]) from None
         source = checkpoint.path
@@ -143,10 +142,16 @@ def pipeline_component(path: Path, component: str | None) -> Path:
                            f"{listed}"])
 
 
-def _carries_its_model(checkpoint: Checkpoint) -> bool:
-    """Whether Streamwise wrote the GGUF (in its layout, or in llama.cpp's with the model's config.json carried)."""
-    return checkpoint.architecture == carried_files.ARCHITECTURE or "config.json" in carried_files.listed(
-        checkpoint.metadata)
+def _llama_cpp_settings(checkpoint: Checkpoint, config):
+    """A llama.cpp file's generation settings: the folder's own where Streamwise carried them, else its metadata's."""
+    from .llama_cpp import gguf_metadata
+
+    if "generation_config.json" in carried_files.listed(checkpoint.metadata):
+        files = carried_files.carried(checkpoint.metadata, checkpoint.path)
+        with carried_files.unpacked({"generation_config.json": files["generation_config.json"]}) as carried:
+            return generation_defaults.from_folder(carried)
+    return generation_defaults.from_llama_cpp(config, checkpoint.metadata,
+                                              gguf_metadata(checkpoint.path)["tokenizer"].get("tokens"))
 
 
 def _carried_model(checkpoint: Checkpoint) -> dict[str, bytes]:
@@ -164,9 +169,10 @@ def _carried_model(checkpoint: Checkpoint) -> dict[str, bytes]:
 
 def load_tokenizer(source: str | os.PathLike):
     """The tokenizer of a tree's recorded `source`: a model folder's own files; for a `.gguf`, the tokenizer files it
-    carries (a GGUF Streamwise wrote, in either layout), else the one in its llama.cpp metadata (transformers rebuilds
-    it: `AutoTokenizer.from_pretrained(folder, gguf_file=...)`). Read once per version of its files (`model_identity`):
-    rebuilding a 150k-token vocabulary from GGUF metadata takes about 20 s, and a host tokenizes once per prompt."""
+    carries (a GGUF Streamwise wrote, in either layout: the folder's own), else the one in its llama.cpp metadata
+    (transformers rebuilds it: `AutoTokenizer.from_pretrained(folder, gguf_file=...)`). Read once per version of its
+    files (`model_identity`): rebuilding a 150k-token vocabulary from GGUF metadata takes about 20 s, and a host
+    tokenizes once per prompt."""
     from .discover import model_identity  # its GGUF header reader imports gguf, which a safetensors load never needs
 
     source = Path(source)
@@ -180,7 +186,7 @@ def _tokenizer(source: str, identity: tuple):
     source = Path(source)
     if source.suffix == ".gguf" and not source.is_dir():
         checkpoint = open_checkpoint(source)
-        carried_tokenizer = set(carried_files.listed(checkpoint.metadata)) - {"config.json", "generation_config.json"}
+        carried_tokenizer = set(carried_files.listed(checkpoint.metadata)) & set(carried_files.TOKENIZER)
         if checkpoint.architecture == carried_files.ARCHITECTURE or carried_tokenizer:  # the model's own files
             with carried_files.unpacked(carried_files.carried(checkpoint.metadata, checkpoint.path)) as carried:
                 return _folder_tokenizer(carried)

@@ -109,20 +109,23 @@ def _standing(report) -> str:
     """Which layout the file is in and whether it loads alone, for people: what it carries, and where it is listed."""
     carried = report.carried
     if report.layout == "llama.cpp":
-        layout = "it is in llama.cpp's layout (its tensor names, metadata and tokenizer): llama.cpp runs it"
-        tokenizer = f"\ntokenizer: {report.tokenizer}" if report.tokenizer else ""
+        layout = ("it is in llama.cpp's layout (its tensor names, metadata and tokenizer): llama.cpp runs it, and "
+                  "Streamwise builds the same model from its metadata")
+        if report.tokenizer:
+            layout += f"\ntokenizer: {report.tokenizer}\n"
+        if not carried:  # a llama.cpp file requantized
+            return layout.rstrip()
+    elif report.not_llama_cpp:
+        layout = f"it is in Streamwise's layout ({report.not_llama_cpp})"
     else:
-        why = f" ({report.not_llama_cpp})" if report.not_llama_cpp else ""
-        layout, tokenizer = f"it is in Streamwise's layout{why}: llama.cpp cannot load it", ""
-    if report.layout == "llama.cpp" and not carried:  # a llama.cpp file requantized: its metadata describes it
-        return f"{layout}, and `load_pretrained(file)` builds it from its metadata{tokenizer}"
+        layout = "it is in Streamwise's layout"
     if "config.json" not in carried:
-        return (f"{layout}; it carries no config.json (the source folder has none): Streamwise loads it with the "
-                f"model's config.json beside it{tokenizer}")
+        return (f"{layout}; it carries no config.json (the source folder has none): it loads with the model's "
+                "config.json beside it")
     files = [name for name in carried if name not in ("config.json", "generation_config.json")]
     said = f"and its tokenizer ({', '.join(files)})" if files else "and no tokenizer (the folder has none)"
     return (f"{layout}; it carries config.json {said}: it loads alone (`load_pretrained(file)`; the ComfyUI loader "
-            f"lists it anywhere under models/streamwise, models/LLM or models/text_encoders){tokenizer}")
+            "lists it anywhere under models/streamwise, models/LLM or models/text_encoders)")
 
 
 if __name__ == "__main__":
