@@ -224,19 +224,28 @@ def _rope(hparams: dict) -> dict:
     return rope
 
 
+# The converter's `TextModel.set_gguf_parameters`: each key from the first config field it finds (`find_hparam`)
+_FOUND = (
+    ("add_block_count", ("n_layers", "num_hidden_layers", "n_layer", "num_layers")),
+    ("add_context_length", ("max_position_embeddings", "n_ctx", "n_positions", "max_length")),
+    ("add_embedding_length", ("hidden_size", "n_embd", "dim")),
+    ("add_feed_forward_length", ("intermediate_size", "n_inner", "hidden_dim")),
+    ("add_head_count", ("num_attention_heads", "n_head", "n_heads")),
+    ("add_head_count_kv", ("num_key_value_heads", "n_kv_heads")),
+    ("add_layer_norm_rms_eps", ("rms_norm_eps", "norm_eps")),
+    ("add_layer_norm_eps", ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")),
+    ("add_expert_count", ("num_local_experts", "num_experts", "n_routed_experts")),
+    ("add_expert_used_count", ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")),
+    ("add_key_length", ("head_dim",)),
+    ("add_value_length", ("head_dim",)),
+)
+
+
 def _text_model(w: gguf.GGUFWriter, h: dict, rope: dict) -> None:
     """The converter's `TextModel.set_gguf_parameters`, for the architectures that add nothing of their own."""
-    w.add_block_count(_first(h, "n_layers", "num_hidden_layers", "n_layer", "num_layers"))
-    if (context := _first(h, "max_position_embeddings", "n_ctx", "n_positions", "max_length")) is not None:
-        w.add_context_length(context)
-    if (width := _first(h, "hidden_size", "n_embd", "dim")) is not None:
-        w.add_embedding_length(width)
-    if (ffn := _first(h, "intermediate_size", "n_inner", "hidden_dim")) is not None:
-        w.add_feed_forward_length(ffn)
-    if (heads := _first(h, "num_attention_heads", "n_head", "n_heads")) is not None:
-        w.add_head_count(heads)
-    if (kv_heads := _first(h, "num_key_value_heads", "n_kv_heads")) is not None:
-        w.add_head_count_kv(kv_heads)
+    for add, names in _FOUND:
+        if (value := _first(h, *names)) is not None:
+            getattr(w, add)(value)
     full = rope.get("full_attention", rope)
     if full.get("rope_type") == "linear" and full.get("factor") is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -255,17 +264,6 @@ def _text_model(w: gguf.GGUFWriter, h: dict, rope: dict) -> None:
         w.add_rope_freq_base(full["rope_theta"])
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(local)
-    if (rms := _first(h, "rms_norm_eps", "norm_eps")) is not None:
-        w.add_layer_norm_rms_eps(rms)
-    if (eps := _first(h, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")) is not None:
-        w.add_layer_norm_eps(eps)
-    if (experts := _first(h, "num_local_experts", "num_experts", "n_routed_experts")) is not None:
-        w.add_expert_count(experts)
-    if (used := _first(h, "num_experts_per_tok", "num_experts_per_token", "top_k_experts")) is not None:
-        w.add_expert_used_count(used)
-    if h.get("head_dim") is not None:
-        w.add_key_length(h["head_dim"])
-        w.add_value_length(h["head_dim"])
 
 
 def _head_dim(h: dict) -> int:
@@ -286,13 +284,19 @@ def _qwen_moe(w, h, rope):
         w.add_expert_shared_feed_forward_length(h["shared_expert_intermediate_size"])
 
 
-def _gemma2(w, h, rope):
-    w.add_context_length(h["max_position_embeddings"])
+def _sizes(w: gguf.GGUFWriter, h: dict, context: int) -> None:
+    """The sizes the converter's own `set_gguf_parameters` of Gemma 2, Phi-3 and StableLM write from a config's
+    plain fields (a missing key-value head count is the head count)."""
+    w.add_context_length(context)
     w.add_embedding_length(h["hidden_size"])
     w.add_block_count(h["num_hidden_layers"])
     w.add_feed_forward_length(h["intermediate_size"])
     w.add_head_count(h["num_attention_heads"])
     w.add_head_count_kv(h.get("num_key_value_heads") or h["num_attention_heads"])
+
+
+def _gemma2(w, h, rope):
+    _sizes(w, h, h["max_position_embeddings"])
     w.add_layer_norm_rms_eps(h["rms_norm_eps"])
     w.add_key_length(h["head_dim"])
     w.add_value_length(h["head_dim"])
@@ -312,14 +316,9 @@ def _gemma3(w, h, rope):
 
 
 def _phi3(w, h, rope):
-    w.add_context_length(_first(h, "n_positions", "max_position_embeddings"))
+    _sizes(w, h, _first(h, "n_positions", "max_position_embeddings"))
     w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings",
                                              h.get("original_max_position_embeddings")))
-    w.add_embedding_length(h["hidden_size"])
-    w.add_feed_forward_length(h["intermediate_size"])
-    w.add_block_count(h["num_hidden_layers"])
-    w.add_head_count(h["num_attention_heads"])
-    w.add_head_count_kv(h["num_key_value_heads"])
     w.add_layer_norm_rms_eps(h["rms_norm_eps"])
     w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * h["hidden_size"])
                                // h["num_attention_heads"])
@@ -328,13 +327,8 @@ def _phi3(w, h, rope):
 
 
 def _stablelm(w, h, rope):
-    w.add_context_length(h["max_position_embeddings"])
-    w.add_embedding_length(h["hidden_size"])
-    w.add_block_count(h["num_hidden_layers"])
-    w.add_feed_forward_length(h["intermediate_size"])
+    _sizes(w, h, h["max_position_embeddings"])
     w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * (h["hidden_size"] // h["num_attention_heads"])))
-    w.add_head_count(h["num_attention_heads"])
-    w.add_head_count_kv(h["num_key_value_heads"])
     w.add_parallel_residual(h.get("use_parallel_residual", True))
     w.add_layer_norm_eps(_first(h, "layer_norm_eps", "norm_eps"))
 
