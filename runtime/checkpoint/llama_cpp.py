@@ -229,6 +229,8 @@ def as_llama_cpp_builds(config, checkpoint: Checkpoint):
                             (gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, "shared_expert_intermediate_size")):
         if (width := integer(template)) is not None and hasattr(config, field):
             setattr(config, field, width)
+    if architecture == "llama" and getattr(config, "sliding_window", None):  # transformers builds a file it finds
+        config.sliding_window = None  # "mistral" in the name as Mistral, its class default 4096; llama.cpp: none
     if architecture == "llama" and holds("ffn_gate_exps"):  # Mixtral: llama.cpp writes it as a Llama with experts
         settings = {**config.to_dict(), "num_local_experts": integer(gguf.Keys.LLM.EXPERT_COUNT),
                     "num_experts_per_tok": integer(gguf.Keys.LLM.EXPERT_USED_COUNT)}

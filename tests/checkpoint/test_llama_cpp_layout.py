@@ -137,6 +137,16 @@ def test_the_written_file_alone_computes_what_its_float_model_computes(tmp_path,
     assert ((got - expected).norm() / expected.norm()).item() < 5e-2
 
 
+def test_a_mistral_written_as_llama_reads_back_without_a_sliding_window_as_llama_cpp_runs_it(tmp_path):
+    """transformers builds a `llama` file named Mistral as Mistral, with its class's 4096-token window; llama.cpp
+    applies no window to `llama`, nor did the folder (Mistral v0.2 on)."""
+    from streamwise.runtime.checkpoint.llama_cpp import gguf_config
+
+    write(CONVERTER_FIXTURES / "mistral", tmp_path / "mistral.gguf", "Q8_0")
+    config = gguf_config(tmp_path / "mistral.gguf")
+    assert config.model_type == "mistral" and config.sliding_window is None
+
+
 @pytest.mark.parametrize("name", ["llama-sentencepiece", "t5encoder-sentencepiece"])
 def test_a_sentencepiece_tokenizer_is_written_as_the_converter_writes_it(tmp_path, name):
     target = tmp_path / f"{name}.gguf"
