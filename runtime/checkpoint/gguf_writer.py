@@ -203,6 +203,9 @@ def _in_layout(layout, checkpoint, chosen: dict[str, str]):
         values = values.float() if tensor.f32 else values
         formed = replace(stored, name=tensor.name, shape=tuple(values.shape), read=lambda v=values: v)
         yield tensor.name, tensor.key, formed, None if tensor.f32 else chosen.get(tensor.name)
+    for name, values in layout.computed.items():  # what the converter computes from the config, in F32
+        computed = StoredTensor(name, checkpoint.path, tuple(values.shape), values.dtype, lambda v=values: v)
+        yield name, name, computed, None
 
 
 def _most_common(chosen: dict[str, str]) -> str:

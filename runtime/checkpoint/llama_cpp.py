@@ -245,6 +245,28 @@ def as_llama_cpp_builds(config, checkpoint: Checkpoint):
     return config
 
 
+ROPE_FACTORS = "rope_freqs.weight"
+"""llama.cpp's per-dimension rotary frequency divisors: how its converter stores Llama 3's `llama3` rope scaling."""
+
+
+def with_rope_factors(model: nn.Module, checkpoint: Checkpoint) -> None:
+    """`model`'s rotary frequencies divided by the file's `rope_freqs` as llama.cpp divides them (Llama 3.1 on keep
+    their rope scaling there, which no metadata key or transformers' reader carries); a CheckpointError where the
+    model has no rotary frequencies of that length to divide."""
+    stored = checkpoint.tensors.get(ROPE_FACTORS)
+    if stored is None:
+        return
+    factors = stored.read().float() if stored.qtype is None else dequantize(stored.read(), stored.qtype, stored.shape)
+    rotary = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not rotary or any(tuple(m.inv_freq.shape) != tuple(factors.shape) for m in rotary):
+        raise CheckpointError([f"{checkpoint.path}: `{ROPE_FACTORS}` holds {tuple(factors.shape)} factors and "
+                               f"{type(model).__name__} has no rotary frequencies of that length to divide"])
+    for module in rotary:
+        for name in ("inv_freq", "original_inv_freq"):
+            if isinstance(getattr(module, name, None), torch.Tensor):
+                setattr(module, name, getattr(module, name) / factors.to(getattr(module, name).dtype))
+
+
 _GPT2_WORDS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _DEEPSEEK_LETTERS = (  # DeepSeek LLM's letters, as llama.cpp lists them
     "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕ"

@@ -11,6 +11,7 @@ GGUF processor does to it, undone; the metadata and tokenizer follow the convert
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import gguf
 import torch
 from torch import nn
 
-from .llama_cpp import _ARCHITECTURE_OF, ARCHITECTURES, _name_map, _probe
+from .llama_cpp import _ARCHITECTURE_OF, ARCHITECTURES, ROPE_FACTORS, _name_map, _probe
 from .readers import CheckpointError
 
 Form = Callable[[torch.Tensor], torch.Tensor]
@@ -59,6 +60,8 @@ class Layout:
     """Writes the converter's hyperparameters and, where the folder holds one it writes, the tokenizer."""
     tokenizer: str
     """What the file's tokenizer is (`gpt2 / qwen2`, `llama (SentencePiece)`) or why it has none."""
+    computed: dict[str, torch.Tensor]
+    """Tensors the converter computes from the config (Llama 3's `rope_freqs`), by llama.cpp name, in F32."""
 
     @property
     def inexact(self) -> list[str]:
@@ -85,9 +88,11 @@ def llama_cpp_layout(model: nn.Module, folder: Path | None) -> Layout:
     architecture, tensors = llama_cpp_tensors(model)
     hparams = model.config.to_dict()
     rope = _rope(hparams)
-    if str(rope.get("rope_type", "default")).lower() not in ("default", "linear", "yarn"):
-        raise CheckpointError([f"{type(model).__name__}: rope type `{rope['rope_type']}` is not written in llama.cpp's "
-                               "layout by Streamwise (llama.cpp needs tensors the converter computes for it)"])
+    rope_type = str(rope.get("full_attention", rope).get("rope_type", "default")).lower()
+    if rope_type not in ("default", "linear", "yarn") and not (rope_type == "llama3" and architecture == "llama"):
+        raise CheckpointError([f"{type(model).__name__}: rope type `{rope_type}` is not written in llama.cpp's "
+                               "layout by Streamwise (llama.cpp needs what the converter computes for it)"])
+    computed = {ROPE_FACTORS: _llama3_rope_factors(hparams, rope)} if rope_type == "llama3" else {}
     vocabulary = _vocabulary(folder, hparams, architecture)
 
     def write_metadata(writer: gguf.GGUFWriter) -> None:
@@ -97,7 +102,7 @@ def llama_cpp_layout(model: nn.Module, folder: Path | None) -> Layout:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         vocabulary.write(writer)
 
-    return Layout(architecture, tensors, write_metadata, vocabulary.what)
+    return Layout(architecture, tensors, write_metadata, vocabulary.what, computed)
 
 
 # --- tensors -------------------------------------------------------------------------------------------------------
@@ -208,6 +213,27 @@ def _tied(state: dict) -> set[str]:
     for key, tensor in state.items():
         keys.setdefault(id(tensor), []).append(key)
     return {key for names in keys.values() if len(names) > 1 for key in names}
+
+
+def _llama3_rope_factors(h: dict, rope: dict) -> torch.Tensor:
+    """Llama 3's rope scaling as llama.cpp holds it: each rotary frequency's divisor (the converter's
+    `generate_extra_tensors`; transformers' `_compute_llama3_parameters` divides by the same)."""
+    rope = rope.get("full_attention", rope)
+    dim = _head_dim(h)
+    frequencies = 1.0 / (rope.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    context = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for frequency in frequencies:  # float32 arithmetic, as the converter's, so that the bytes are its own
+        wavelength = 2 * math.pi / frequency
+        if wavelength < context / high:
+            factors.append(1)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
 
 
 # --- hyperparameters, as the converter's `set_gguf_parameters` writes them -----------------------------------------

@@ -84,11 +84,12 @@ def load_pretrained(
                     kind = model_type(carried)
                     settings = _generation_settings(model, lambda: generation_defaults.from_folder(carried))
             else:
-                from .llama_cpp import gguf_config  # GGUF only, as `gguf_reader` (open_checkpoint)
+                from .llama_cpp import gguf_config, with_rope_factors  # GGUF only, as `gguf_reader` (open_checkpoint)
 
                 config = gguf_config(checkpoint.path)  # a CheckpointError naming an architecture it cannot map
                 with skeleton():
                     model, built = auto_model(config, dtype, model_class)
+                with_rope_factors(model, checkpoint)
                 model.eval()
                 kind = config.model_type
                 settings = _generation_settings(model, lambda: _llama_cpp_settings(checkpoint, config))

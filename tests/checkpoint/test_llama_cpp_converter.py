@@ -117,3 +117,18 @@ def test_no_heads_is_refused_where_the_file_holds_attention_and_only_there(tmp_p
     rewritten(family, empty, **{"embedding_length": 0})
     with pytest.raises(CheckpointError, match="embedding_length` is 0; it must be at least 1"):
         streamwise.load_pretrained(empty, "auto")
+
+
+def test_a_llama_3_file_keeps_its_rope_scaling_from_rope_freqs():
+    """llama.cpp's converter stores Llama 3.1's rope scaling as `rope_freqs` and no metadata key: the frequencies
+    divided by it are the float model's, and a long prompt (where they matter) computes what the float model does."""
+    folder = FIXTURES / "llama3"
+    float_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model, report, _ = streamwise.load_pretrained(FIXTURES / "llama3.f16.gguf", "auto")
+
+    (rotary,) = [m for m in model.modules() if hasattr(m, "inv_freq")]
+    torch.testing.assert_close(rotary.inv_freq, float_model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    assert not torch.equal(rotary.original_inv_freq, 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16)))
+    ids = torch.arange(120).remainder(60).add(1).unsqueeze(0)
+    expected = model_output(float_model, ids)
+    assert ((model_output(model, ids) - expected).norm() / expected.norm()).item() < 3e-3

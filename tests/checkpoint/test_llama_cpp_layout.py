@@ -214,12 +214,11 @@ def test_what_the_layout_cannot_hold_is_refused_naming_it(tmp_path):
 
     folder = tmp_path / "rope"
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, rope_parameters={"rope_type": "llama3", "factor": 8.0,
-                                      "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 8192})
+                                      num_attention_heads=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                              "rope_theta": 1e4})
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(folder)
-    with pytest.raises(CheckpointError, match="rope type `llama3` is not written in llama.cpp's layout"):
+    with pytest.raises(CheckpointError, match="rope type `dynamic` is not written in llama.cpp's layout"):
         quantize_to_gguf(folder, tmp_path / "out.gguf", "auto", model, layout="llama.cpp")
     vit = transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                        intermediate_size=64, image_size=32, patch_size=16))
