@@ -129,6 +129,21 @@ def llama_cpp_vocabulary(name: str) -> Path:
     return path
 
 
+COMMITTED_VOCABULARIES = Path(__file__).resolve().parent / "fixtures" / "llama_cpp_vocab"
+
+
+def vocabulary(name: str) -> Path:
+    """`ggml-vocab-<name>.gguf` where a test finds it: committed (Llama 2's), or fetched by `llama_cpp_vocabulary`
+    earlier; a test skips, saying so, where it is neither."""
+    import pytest
+
+    for folder in (COMMITTED_VOCABULARIES, cache_dir() / "llama-cpp-vocabularies"):
+        if (folder / f"ggml-vocab-{name}.gguf").is_file():
+            return folder / f"ggml-vocab-{name}.gguf"
+    pytest.skip(f"llama.cpp's ggml-vocab-{name}.gguf is not in {cache_dir() / 'llama-cpp-vocabularies'}: fetch "
+                "llama.cpp's vocabularies first (`llama_cpp_files.llama_cpp_vocabulary`)")
+
+
 def _fetch_vocabularies(folder: Path) -> None:
     with tempfile.TemporaryDirectory(dir=folder.parent) as download:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary=:all:",

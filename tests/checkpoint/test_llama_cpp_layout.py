@@ -27,7 +27,7 @@ import streamwise
 from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
 from streamwise.runtime.cli.streamwise import main as streamwise_main
 
-from llama_cpp_files import CONVERTER_FIXTURES, model_output
+from llama_cpp_files import CONVERTER_FIXTURES, model_output, vocabulary
 
 FAMILIES = sorted(p.name for p in CONVERTER_FIXTURES.iterdir() if (p / "config.json").is_file())
 TOKENIZERS = CONVERTER_FIXTURES / "tokenizers"
@@ -159,16 +159,6 @@ def test_a_sentencepiece_tokenizer_is_written_as_the_converter_writes_it(tmp_pat
         == load_tokenizer(theirs)("the quick brown fox")["input_ids"]
 
 
-def fetched_vocabulary(name: str) -> Path:
-    from helpers import cache_dir
-
-    path = cache_dir() / "llama-cpp-vocabularies" / f"ggml-vocab-{name}.gguf"
-    if not path.is_file():
-        pytest.skip(f"llama.cpp's {path.name} is not in {path.parent}: fetch llama.cpp's vocabularies first "
-                    "(`llama_cpp_files.llama_cpp_vocabulary`)")
-    return path
-
-
 def test_the_file_carries_the_folders_tokenizer_files_and_a_config_transformers_cannot_read_is_refused(tmp_path):
     """llama.cpp's metadata describes the model, as llama.cpp reads it; the model's files ride along (for its
     generation settings and tokenizer).
@@ -189,16 +179,16 @@ def test_a_bpe_tokenizer_is_written_with_llama_cpps_own_keys(tmp_path, name):
     """llama.cpp's own vocabulary, through transformers (`load_tokenizer`, `save_pretrained`) into a folder of its
     family and back into a GGUF: every tokenizer key llama.cpp wrote, its pre-tokenizer named by the converter's
     table."""
-    vocabulary = fetched_vocabulary(name)
-    tokens = gguf.GGUFReader(vocabulary).fields["tokenizer.ggml.tokens"].contents()
+    source = vocabulary(name)
+    tokens = gguf.GGUFReader(source).fields["tokenizer.ggml.tokens"].contents()
     folder = tmp_path / "folder"
     config = transformers.AutoConfig.from_pretrained(CONVERTER_FIXTURES / BPE_FAMILIES[name])
     config.vocab_size = len(tokens)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    load_tokenizer(vocabulary).save_pretrained(folder)
+    load_tokenizer(source).save_pretrained(folder)
     write(folder, tmp_path / "model.gguf", "Q8_0")
 
-    assert metadata(tmp_path / "model.gguf", tokenizer=True) == metadata(vocabulary, tokenizer=True)
+    assert metadata(tmp_path / "model.gguf", tokenizer=True) == metadata(source, tokenizer=True)
 
 
 def test_a_folder_without_a_tokenizer_llama_cpp_can_read_says_so_and_holds_none(tmp_path, capsys):

@@ -15,11 +15,8 @@ import pytest
 
 from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
 
-from helpers import cache_dir
-from llama_cpp_files import write_gguf
+from llama_cpp_files import vocabulary, write_gguf
 
-COMMITTED = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_vocab"
-FETCHED = cache_dir() / "llama-cpp-vocabularies"
 EXACT = ["llama-spm", "phi-3", "gpt-2", "qwen2", "falcon", "starcoder", "deepseek-coder", "deepseek-llm", "llama-bpe"]
 """Vocabularies whose every vector gives llama.cpp's ids (Qwen3.5's too, 50/50, left out for time), through
 `llama_cpp.as_llama_cpp_tokenizes` where transformers' conversion differs (llama-spm 31/46, falcon 37/46,
@@ -27,14 +24,6 @@ starcoder, deepseek-coder, deepseek-llm and llama-bpe 45/46 without it)."""
 REFUSED = ["bert-bge", "mpt", "refact"]
 """transformers builds no tokenizer from these, architectures its GGUF reader does not know (so neither from Command-R
 and, past its config, Gemma 4: 17 and 33 s to parse, left out for time)."""
-
-
-def vocabulary(name: str) -> Path:
-    for folder in (COMMITTED, FETCHED):
-        if (folder / f"ggml-vocab-{name}.gguf").is_file():
-            return folder / f"ggml-vocab-{name}.gguf"
-    pytest.skip(f"llama.cpp's ggml-vocab-{name}.gguf is not in {FETCHED}: fetch llama.cpp's vocabularies first "
-                "(`llama_cpp_files.llama_cpp_vocabulary`)")
 
 
 def vectors(path: Path) -> list[tuple[str, list[int]]]:
