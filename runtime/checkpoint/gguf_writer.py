@@ -96,8 +96,8 @@ def quantize_to_gguf(
         if layout == "llama.cpp" and checkpoint.kind == "gguf":
             raise CheckpointError([f"{source}: --layout llama.cpp writes a model from its float weights (a folder or "
                                    "safetensors file); a GGUF in Streamwise's layout keeps it"])
-        mixed = _mixed(gguf_type, model, checkpoint) if gguf_type in MIXES else None
-        chosen = (_by_key(mixed, model) if mixed is not None else
+        mixed, named = _mixed(gguf_type, model, checkpoint) if gguf_type in MIXES else (None, ())
+        chosen = (_by_key(mixed, named) if mixed is not None else
                   {f"{e.path}.weight": gguf_type or e.gguf_type for e in plan.modules if e.gguf_type})
         written, why_not = _layout(layout, model, checkpoint, Path(source))
         if written is not None:
@@ -255,10 +255,10 @@ def _copy_metadata(path: str, writer: gguf.GGUFWriter, gguf_type: str) -> None:
         writer.add_key_value(key, found.contents(), found.types[0], found.types[-1] if array else None)
 
 
-def _mixed(gguf_type: str, model: nn.Module, checkpoint) -> dict[str, str]:
+def _mixed(gguf_type: str, model: nn.Module, checkpoint) -> tuple[dict[str, str], tuple]:
     """Each llama.cpp tensor's type as llama-quantize gives it (`_by_role`), by its llama.cpp name and shape in
     llama.cpp's form (`llama_cpp_tensors`, those the checkpoint holds: a tied head it leaves out makes the embedding the
-    output): every weight matrix llama-quantize quantizes, whatever the policy selects."""
+    output): every weight matrix llama-quantize quantizes, whatever the policy selects; and those tensors."""
     try:
         architecture, tensors = llama_cpp_tensors(model)
     except CheckpointError as exc:
@@ -268,13 +268,13 @@ def _mixed(gguf_type: str, model: nn.Module, checkpoint) -> dict[str, str]:
                                f"{exc.problems[0]}; give one type instead (--type {MIXES[gguf_type].name})"]) from None
     config = model.config
     held = {tensor.name: tensor.shape for tensor in tensors if tensor.key in checkpoint.tensors}
-    return _by_role(gguf_type, held, architecture, config.num_hidden_layers,
-                    getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0)
+    types = _by_role(gguf_type, held, architecture, config.num_hidden_layers,
+                     getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0)
+    return types, tensors
 
 
-def _by_key(by_name: dict[str, str], model: nn.Module) -> dict[str, str]:
+def _by_key(by_name: dict[str, str], tensors) -> dict[str, str]:
     """Types chosen by llama.cpp name, by state-dict key (a fused gate-and-up expert tensor takes its gate's)."""
-    _, tensors = llama_cpp_tensors(model)
     chosen: dict[str, str] = {}
     for tensor in tensors:
         if tensor.name in by_name:
