@@ -37,7 +37,7 @@ from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
 from ..quant import dequant_cache
 from ..quant.convrot import check_group_size
-from ..quant.formats import FORMATS
+from ..quant.formats import ARITHMETICS, FORMATS, GGUF
 from ..quant.residents import expansion_bytes, make_resident
 from ..sizes import human
 from . import comfy_quant
@@ -71,6 +71,9 @@ class LoadReport:
     stranded."""
     tiers: Tiers | None = None
     """What is in host memory and what stayed in the file (`tiers.place`)."""
+    cpu_arithmetic: dict[str, str] = field(default_factory=dict)
+    """GGML type of the GGUF residents -> how they compute on the CPU: `int8` (activations quantized per block, as
+    llama.cpp; relative error about 5e-3 per layer), `float32` (the weight dequantized, then `F.linear`)."""
 
     def __str__(self) -> str:
         """One line for people: the class built, what was read, what stayed quantized (by type), what was dequantized
@@ -79,6 +82,9 @@ class LoadReport:
         parts.append(f"{self.tensors} tensors ({human(self.bytes)}) from {Path(self.file).name}")
         if self.quantized:
             parts.append(f"{len(self.quantized)} kept quantized ({_tally(self.quantized.values())})")
+        if self.cpu_arithmetic:
+            by = {how: [t for t, a in self.cpu_arithmetic.items() if a == how] for how in self.cpu_arithmetic.values()}
+            parts.append("on the CPU " + ", ".join(f"{', '.join(types)} in {how}" for how, types in by.items()))
         if self.dequantized:
             why = f" ({_tally(self.dequantized_tensors.values())})" if self.dequantized_tensors else ""
             parts.append(f"{self.dequantized} dequantized{why}")
@@ -107,6 +113,7 @@ def load(
     allow_stranded: bool = True,
     max_memory: object = None,
     file_tier: bool = True,
+    arithmetic: str = "int8",
 ) -> LoadReport:
     """Load `path` into `model` as `policy` says, then convert the tree (see `apply`); the report is also logged
     (logger `streamwise.load`).
@@ -118,8 +125,12 @@ def load(
     budget (`tiers.host_budget`: by default what this process can spare): streamed units past it stay in the file and
     are read at each forward (`engine.file_tier`); the tree keeps the budget and where each tensor can be read back
     from, for a later `offload`. `file_tier=False` keeps everything in memory (for code that reads weights directly,
-    outside a fetch): what does not fit the budget is then refused before anything is read.
+    outside a fetch): what does not fit the budget is then refused before anything is read. `arithmetic` is how GGUF
+    residents compute on the CPU (`quant.formats.ARITHMETICS`: `int8` as llama.cpp, `float32` exact); the report
+    says which types each takes (`LoadReport.cpu_arithmetic`).
     """
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"arithmetic {arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
 
     def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
         if isinstance(exc, (CheckpointError, ConversionError, PolicyError)):
@@ -140,14 +151,15 @@ def load(
             mapped = Mapped(checkpoint, model) if is_llama_cpp_layout(checkpoint, model) else None
             gguf_dequant.prepare(torch.device("cpu"))  # its CPU kernels' memory taken before the host budget is read
         checkpoint = mapped.checkpoint_view() if mapped is not None else under_model_keys(checkpoint, model)
-        filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype)
+        filling = _Filling(model, checkpoint, {m.path: m for m in plan.modules}, dtype, arithmetic)
         filling.collect()
         if filling.problems:
             raise CheckpointError(filling.problems)
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
         must_hold, units = filling.units(plan)
         expanded = [model.get_submodule(m.path) for m in plan.modules  # residents: kept from a GGUF, or made now
-                    if m.path in filling.residents or (m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load)]
+                    if (m.path in filling.residents and not filling.computes_directly(m.path))
+                    or (m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load)]
         tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier,
                       working=expansion_bytes(expanded))
         if tiers.in_file:  # short of memory: what the load and the forwards free goes back to the system
@@ -183,7 +195,7 @@ def load(
         checkpoint.path, len(filling.tensors) + len(filling.residents), tiers.host_bytes + tiers.file_bytes,
         dict(sorted(residents.items())), len(filling.dequantized), dict(sorted(filling.kept.items())),
         dict(sorted(filling.dequantized.items())), dict(sorted(mapped.ignored.items())) if mapped is not None else {},
-        covered=plan.coverage.percent, tiers=tiers,
+        covered=plan.coverage.percent, tiers=tiers, cpu_arithmetic=filling.cpu_arithmetic(),
     )
     _log.info("load: policy `%s`, %s", plan.policy, report)
     return report
@@ -200,8 +212,10 @@ def _sharing(one: RowReads | None, other: RowReads | None) -> RowReads | None:
 class _Filling:
     """What a checkpoint puts where: gathered and checked in full before anything is assigned."""
 
-    def __init__(self, model: nn.Module, checkpoint: Checkpoint, plans: dict, dtype: torch.dtype | None) -> None:
+    def __init__(self, model: nn.Module, checkpoint: Checkpoint, plans: dict, dtype: torch.dtype | None,
+                 arithmetic: str) -> None:
         self.model, self.checkpoint, self.plans, self.dtype = model, checkpoint, plans, dtype
+        self.arithmetic = arithmetic
         self.tensors: dict[str, Tensor] = {}
         self.residents: dict[str, tuple[str, dict[str, Tensor], dict[str, object]]] = {}
         self.problems: list[str] = []
@@ -271,7 +285,7 @@ class _Filling:
                 self.problem(name, str(exc))
                 return
             if self._keeps_gguf_storage(module_path, attribute):
-                attributes = {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape}
+                attributes = {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape, GGUF.ARITHMETIC: self.arithmetic}
                 raw = FileSource(stored.read, torch.uint8, stored.read.shape) if in_file else blocks
                 self.residents[module_path] = ("gguf", {"weight": raw}, attributes)
                 self.kept[name] = stored.qtype.name
@@ -290,7 +304,7 @@ class _Filling:
                 from ..quant.gguf_dequant import STORED_FLOATS
 
                 qtype = next(qtype for qtype, dtype in STORED_FLOATS.items() if dtype == stored.dtype)
-                attributes = {"gguf_qtype": qtype, "gguf_shape": stored.shape}
+                attributes = {"gguf_qtype": qtype, "gguf_shape": stored.shape, GGUF.ARITHMETIC: self.arithmetic}
                 nbytes = math.prod(stored.shape) * stored.dtype.itemsize
                 raw = (FileSource(stored.read, torch.uint8, (nbytes,)) if in_file
                        else stored.read().view(torch.uint8).reshape(-1))
@@ -306,6 +320,16 @@ class _Filling:
             tensor = FileSource(stored.read, target, stored.shape) if in_file else stored.read().to(target)
         self.tensors[name] = tensor
         self.aliases[name] = names
+
+    def computes_directly(self, module_path: str) -> bool:
+        """Whether a GGUF resident made here computes on the CPU without expanding its weight (`formats.GGUF`)."""
+        attributes = self.residents[module_path][2]
+        return GGUF.computes_blocks_directly(attributes["gguf_qtype"], self.arithmetic, torch.device("cpu"))
+
+    def cpu_arithmetic(self) -> dict[str, str]:
+        """GGML type of the residents made here -> the arithmetic they compute in on the CPU."""
+        return {attributes["gguf_qtype"].name: self.arithmetic if self.computes_directly(path) else "float32"
+                for path, (_, _, attributes) in sorted(self.residents.items())}
 
     def _keeps_gguf_storage(self, module_path: str, attribute: str) -> bool:
         """A Linear weight in a GGUF file that a `gguf` quant rule selects: it becomes a resident."""

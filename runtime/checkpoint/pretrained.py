@@ -56,6 +56,7 @@ def load_pretrained(
     file_tier: bool = True,
     skip_unreadable: bool = False,
     component: str | None = None,
+    arithmetic: str = "int8",
 ) -> Pretrained:
     """Build, convert and load the model at `path` (a Hugging Face or diffusers model folder, a weight file beside its
     config.json, or a `.gguf` alone: llama.cpp's layout, the model described by its metadata).
@@ -67,7 +68,8 @@ def load_pretrained(
     dtype most of the file's values are stored in (float8 counts as bfloat16); a folder holding several variants of
     its weights loads the one named for `dtype` (`model.fp16.safetensors`), else the plain one. The tree's recorded
     `source` (where its tokenizer comes from, `load_tokenizer`) is the config's folder, or the `.gguf` built from
-    alone. `progress`, `allow_stranded`, `max_memory` (the host budget) and `file_tier` are as for `load`; the class
+    alone. `progress`, `allow_stranded`, `max_memory` (the host budget), `file_tier` and `arithmetic` (how GGUF weights
+    compute on the CPU) are as for `load`; the class
     built and the choice of policy are logged (logger `streamwise.load`), then the load's report. A diffusers
     pipeline folder (`model_index.json`) loads its `component` (`"unet"`, `"transformer"`, `"vae"`...); without one,
     the error lists them. `skip_unreadable` as for `choose_policy`.
@@ -104,7 +106,7 @@ def load_pretrained(
     policy, chosen = choice.policy, choice.reason
     _log.info("load_pretrained: %s: built %s; %s", path.name, built, chosen)
     report = load(model, checkpoint.path, policy, dtype=dtype, progress=progress, allow_stranded=allow_stranded,
-                  max_memory=max_memory, file_tier=file_tier)
+                  max_memory=max_memory, file_tier=file_tier, arithmetic=arithmetic)
     report = replace(report, built=built)
     applied_state(model).source = source
     if settings is not None:  # the checkpoint's own, where the model generates

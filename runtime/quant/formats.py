@@ -105,10 +105,39 @@ class ConvRotInt4(_ScaledIntegers):
     compile_safe = False
 
 
+ARITHMETICS = ("int8", "float32")
+"""How a GGUF resident computes on the CPU where a kernel reads its type's blocks directly (`gguf_matmul_cpu`):
+`int8` (the default, the fastest): activations quantized per block as llama.cpp does, integer dot products with the
+blocks; `float32`: the weight dequantized, then `F.linear` in float32 (exact, slower; the dequant cache holds what it
+can). Other types and devices always take the float route."""
+
+
 @quant_format("gguf")
 class GGUF(QuantFormat):
     quantizes_on_load = False
     attributes = ("gguf_qtype", "gguf_shape")
+    ARITHMETIC = "gguf_arithmetic"
+    """The resident attribute naming its arithmetic (one of `ARITHMETICS`; absent: `int8`)."""
+
+    def linear(self, module, x, stored, bias):
+        blocks = stored["weight"]
+        if not self.computes_blocks_directly(module.gguf_qtype, module.__dict__.get(self.ARITHMETIC), blocks.device,
+                                             x.device):
+            return super().linear(module, x, stored, bias)
+        rows = x.reshape(-1, module.in_features)
+        out = torch.ops.streamwise.gguf_matmul(rows, blocks, int(module.gguf_qtype), module.out_features)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], module.out_features)
+        return out if bias is None else out + bias.to(x.dtype)
+
+    @staticmethod
+    def computes_blocks_directly(qtype: int, arithmetic: str | None, *devices: torch.device) -> bool:
+        """Whether a resident of `qtype` computes with `gguf_matmul_cpu`'s kernels (none of its weight expanded):
+        on the CPU, in the `int8` arithmetic, for a type they read, where numba is installed."""
+        from . import gguf_dequant
+
+        kernels = gguf_dequant.matmul_kernels()
+        return (kernels is not None and arithmetic in (None, "int8") and qtype in kernels.TYPES
+                and all(device.type == "cpu" for device in devices))
 
     def dequantize(self, module, stored, dtype):
         from . import gguf_dequant  # imported with the first GGUF resident: the gguf package costs 20 ms

@@ -24,6 +24,7 @@ the same bits.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 from collections.abc import Callable
@@ -121,16 +122,33 @@ def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
 
 @functools.cache
 def _fused_cpu_module() -> ModuleType | None:
+    return _cpu_kernels("gguf_fused_cpu", "expand GGUF weights with the torch kernels")
+
+
+_MATMUL_KERNELS: ModuleType | None | bool = False  # False: not loaded yet
+
+
+def matmul_kernels() -> ModuleType | None:
+    """`gguf_matmul_cpu`, where numba builds it; loaded by `prepare` before a graph is compiled (a plain global, so
+    that a compiled forward reads it without a break)."""
+    global _MATMUL_KERNELS
+    if _MATMUL_KERNELS is False:
+        _MATMUL_KERNELS = _cpu_kernels("gguf_matmul_cpu", "dequantize GGUF weights before each CPU matmul")
+    return _MATMUL_KERNELS
+
+
+def _cpu_kernels(name: str, instead: str) -> ModuleType | None:
+    """This package's numba module `name`, or None where numba is not installed, cannot build it, or is disabled."""
     try:
-        from . import gguf_fused_cpu
+        kernels = importlib.import_module(f"{__package__}.{name}")
     except ModuleNotFoundError as exc:
         if exc.name not in ("numba", "llvmlite"):
             raise
         return None  # numba, an optional dependency, not installed: nothing to say
     except Exception as exc:  # numba there but unusable (built for another numpy) or its compiler failed: said once
-        _log.warning("GGUF's fused CPU kernels could not be built (%r); the torch kernels expand GGUF weights", exc)
+        _log.warning("Streamwise's numba kernels (%s) could not be built (%r); they %s", name, exc, instead)
         return None
-    return None if gguf_fused_cpu.numba.config.DISABLE_JIT else gguf_fused_cpu
+    return None if kernels.numba.config.DISABLE_JIT else kernels
 
 
 def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
@@ -628,6 +646,7 @@ def prepare(device: torch.device) -> None:
     time on a machine, 80 MiB more while it lasts), so that a load holds that memory before it reads its host budget."""
     if device.type == "cpu":
         _fused_cpu_module()
+        matmul_kernels()
     for name in _CPU_TABLES.keys() - _CPU_ONLY_TABLES:
         _device_table(name, device)
 

@@ -39,6 +39,7 @@ class Looped(nn.Module):
 
 
 def looped_from_file(tmp_path, layers: int, depth: int, **load) -> Looped:
+    """Residents in the float32 arithmetic: the route that expands (the int8 one reads blocks, with no cache)."""
     path = tmp_path / "looped.gguf"
     writer = gguf.GGUFWriter(str(path), arch="test")
     for index in range(layers):
@@ -48,7 +49,8 @@ def looped_from_file(tmp_path, layers: int, depth: int, **load) -> Looped:
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     with streamwise.skeleton():
         model = Looped(layers, depth)
-    assert streamwise.load(model, path, POLICY, progress=False, **load).residents == {"gguf": layers}
+    report = streamwise.load(model, path, POLICY, progress=False, arithmetic="float32", **load)
+    assert report.residents == {"gguf": layers} and report.cpu_arithmetic == {"Q8_0": "float32"}
     return model
 
 
