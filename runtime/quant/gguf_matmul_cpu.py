@@ -93,12 +93,13 @@ def _bits(b: ir.IRBuilder, value: ir.Value, shift: int, mask: int) -> ir.Value:
     return b.and_(b.lshr(value, constant(shift)) if shift else value, constant(mask))
 
 
-def _host_has_avx2() -> bool:
+def _host_route() -> str:
+    """`avx2` where the machine code numba makes may use AVX2 (x86), else `vector` (plain vector IR)."""
     features = numba.config.CPU_FEATURES or llvmlite.binding.get_host_cpu_features().flatten()
-    return "+avx2" in features.split(",")
+    return "avx2" if "+avx2" in features.split(",") else "vector"
 
 
-_AVX2 = _host_has_avx2()
+ROUTE = _host_route()
 
 
 def _x86(b: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Value:
@@ -107,11 +108,12 @@ def _x86(b: ir.IRBuilder, name: str, result: ir.Type, *args: ir.Value) -> ir.Val
     return b.call(function, args)
 
 
-def _chunk_dot(b: ir.IRBuilder, values: ir.Value, x: ir.Value, scales: ir.Value, unsigned: bool) -> ir.Value:
+def _chunk_dot(b: ir.IRBuilder, values: ir.Value, x: ir.Value, scales: ir.Value, unsigned: bool, route: str
+               ) -> ir.Value:
     """Σ values · x · scale over a chunk, as 8 int32 partial sums (lane l: values 4l..4l+3): `values` and `x` are
     32 bytes (`values` signed, or non-negative below 128 where `unsigned`: no sign to move onto x), `scales` 16 int16
-    (one per value pair). The AVX2 route and the plain one give the same sums."""
-    if _AVX2:
+    (one per value pair). The `avx2` route and the `vector` one give the same sums."""
+    if route == "avx2":
         if not unsigned:  # pmaddubsw multiplies unsigned by signed: |values| by x with values' signs
             values, x = _x86(b, "psign.b", values.type, values, values), _x86(b, "psign.b", x.type, x, values)
         pairs = _x86(b, "pmadd.ub.sw", _vector(_I16, 16), values, x)
@@ -207,7 +209,7 @@ _DECODERS = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_K: _q4_k, QType.Q5_K
 TYPES = frozenset(_DECODERS)
 
 
-def _rows_kernel(qtype: QType, rows: int):
+def _rows_kernel(qtype: QType, rows: int, route: str):
     """An intrinsic `(weight_row, x, x_scales, x_sums, k_chunks, out, out_stride)` (all addresses but the counts)
     writing `rows` outputs: the dots of one weight row with `rows` activation rows (K bytes apart; one float32 scale
     per weight block, and the float32 sum of each chunk's values, k_chunks apart), to out + r · out_stride floats.
@@ -227,8 +229,9 @@ def _rows_kernel(qtype: QType, rows: int):
                 chunk = b.add(b.mul(k_chunks, ir.Constant(_I64, r)), b.mul(loop.index, ir.Constant(_I64, per_block)))
                 row_x = b.add(x, b.mul(chunk, ir.Constant(_I64, CHUNK)))
                 x_scale = floats(x_scales, b.udiv(chunk, ir.Constant(_I64, per_block)))
-                dots = [_chunk_dot(b, values, _load(b, row_x, CHUNK * c, _vector(_I8, 32)), scales, block.unsigned)
-                        for c, (values, scales) in enumerate(zip(block.values, block.scales, strict=True))]
+                chunks = enumerate(zip(block.values, block.scales, strict=True))
+                dots = [_chunk_dot(b, values, _load(b, row_x, CHUNK * c, _vector(_I8, 32)), scales, block.unsigned,
+                                   route) for c, (values, scales) in chunks]
                 while len(dots) > 1:  # the chunks' integer sums, added as a tree
                     dots = [b.add(*dots[i : i + 2]) for i in range(0, len(dots), 2)]
                 scale = _splat(b, b.fmul(block.scale, x_scale), 8)
@@ -253,13 +256,13 @@ def _rows_kernel(qtype: QType, rows: int):
 
 
 @functools.cache
-def _task(qtype: QType):
+def _task(qtype: QType, route: str = ROUTE):
     """The compiled work of one thread for `qtype` weights: claims ranges of output rows from the call's counter
     until none is left, and for each multiplies every activation row, four at a time.
 
     The call's descriptor, int64: weight, activations, their scales, their sums, output addresses; M, N, K; the
     weight row's bytes; the counter."""
-    together, single = _rows_kernel(qtype, _ROWS_TOGETHER), _rows_kernel(qtype, 1)
+    together, single = _rows_kernel(qtype, _ROWS_TOGETHER, route), _rows_kernel(qtype, 1, route)
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]
     claim = _ROWS_PER_CLAIM
 
@@ -284,7 +287,7 @@ def _task(qtype: QType):
                     first += 1
             start = _fetch_add(counter, claim)
 
-    task.__name__ = f"matmul_{qtype.name.lower()}"
+    task.__name__ = task.__qualname__ = f"matmul_{qtype.name.lower()}_{route}"  # numba caches each on its own
     return _compiled_task(task)
 
 
@@ -341,9 +344,10 @@ def quantize_activations(rows: Tensor, group: int) -> tuple[Tensor, Tensor, Tens
     return values, scales, sums
 
 
-def matmul(rows: Tensor, blocks: Tensor, qtype: QType, out_features: int) -> Tensor:
+def matmul(rows: Tensor, blocks: Tensor, qtype: QType, out_features: int, route: str = ROUTE) -> Tensor:
     """rows (M, K) float · Wᵀ, W the `qtype` weight (out_features, K) held as raw GGML blocks on the CPU: (M,
-    out_features) float32. K a multiple of the type's block size (which a GGML weight's rows are)."""
+    out_features) float32. K a multiple of the type's block size (which a GGML weight's rows are). `route` is for
+    tests: the `vector` route runs on any machine."""
     m, k = rows.shape
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     row_bytes = k // block_size * type_size
@@ -356,7 +360,7 @@ def matmul(rows: Tensor, blocks: Tensor, qtype: QType, out_features: int) -> Ten
     call = np.array([blocks.data_ptr(), values.data_ptr(), scales.data_ptr(), sums.data_ptr(), out.data_ptr(),
                      m, out_features, k, row_bytes, 0], np.int64)
     threads = max(1, min(torch.get_num_threads(), out_features // _ROWS_PER_CLAIM))
-    torch_openmp.run(_task(qtype).address, call.ctypes.data, threads)
+    torch_openmp.run(_task(qtype, route).address, call.ctypes.data, threads)
     return out
 
 
