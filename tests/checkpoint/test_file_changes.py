@@ -31,7 +31,7 @@ CHILD = textwrap.dedent('''
     from helpers import make_policy, tiny_qwen2
 
     form, change, when, folder, tier = sys.argv[1:6]
-    budget = 310 * 1024 if form == "llama_cpp" else 64 * 1024  # below the model: units stay in the file (llama.cpp:
+    budget = 145 * 1024 if form == "llama_cpp" else 64 * 1024  # below the model: units stay in the file (llama.cpp:
     max_memory = {"cpu": budget} if tier == "file" else None  # the values transformers reorders, kept in memory)
 
     def damage(path):
