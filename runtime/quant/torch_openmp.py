@@ -5,9 +5,11 @@ OpenMP workers, which spin for milliseconds after each torch op before they slee
 ran no faster on two threads than on one. Started through the `GOMP_parallel` entry point of the OpenMP runtime
 torch's CPU library links (found through that library, since a process may hold several runtimes: sentencepiece
 bundles its own), the task runs on those very workers instead. GNU's libgomp has the entry point, and LLVM's and
-Intel's runtimes export it for code GCC built. Where torch has no OpenMP, where the entry point cannot be found (on
-Windows a DLL's symbols do not resolve through its dependencies), and in a forked process (a runtime's workers are
-not carried over a fork, and starting them there hangs), the task runs once, on the calling thread.
+Intel's runtimes export it for code GCC built. Where torch has no OpenMP or the entry point cannot be found (on
+Windows a DLL's symbols do not resolve through its dependencies), the task runs on the calling thread and as many
+threads of a pool of this module's own (ctypes releases the GIL for the call). In a forked process (a runtime's
+workers and a pool's threads are not carried over a fork, and starting OpenMP's there hangs), it runs once, on the
+calling thread.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -26,11 +29,23 @@ def run(task: int, data: int, threads: int) -> None:
     """Call the native `void task(void *data)` at address `task` on `threads` of torch's OpenMP workers (the caller
     among them) at once, or, where that cannot be, once on the calling thread: it must split its work among however
     many calls it gets. The GIL is released meanwhile."""
-    parallel = _gomp_parallel() if threads > 1 and not _forked else None
-    if parallel is None:
+    if threads <= 1 or _forked:
         _TASK_SIGNATURE(task)(data)
-    else:
+    elif (parallel := _gomp_parallel()) is not None:
         parallel(task, data, threads, 0)
+    else:
+        function = _TASK_SIGNATURE(task)
+        helpers = [_pool().submit(function, data) for _ in range(threads - 1)]
+        function(data)
+        for helper in helpers:
+            helper.result()
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """Threads of this module's own, where torch's OpenMP workers cannot be reached: as many as the machine has cores
+    (a call asks for at most torch's thread count), started as calls need them."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="streamwise-kernels")
 
 
 @functools.cache

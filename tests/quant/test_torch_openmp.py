@@ -45,3 +45,23 @@ def test_a_forked_process_runs_a_task_once_on_its_own_thread():
     """A runtime's workers are not carried over a fork: starting them in the child would hang it."""
     assert calls(2) == 2  # the parent's workers started
     assert in_forked_child(calls, 2) == (0, 1)
+
+
+@numba.cfunc(numba.types.void(numba.types.voidptr))
+def _meet(data):
+    """Arrive, then wait (boundedly) for the other calls: counts in slot 1 the calls that saw all arrive at once."""
+    slots = numba.carray(data, (3,), dtype=np.int64)
+    _fetch_add(slots.ctypes.data, 1)
+    for _ in range(200_000_000):
+        if _fetch_add(slots.ctypes.data, 0) >= slots[2]:
+            _fetch_add(slots.ctypes.data + 8, 1)
+            return
+
+
+def test_without_openmps_entry_point_a_task_runs_on_as_many_threads_at_once(monkeypatch):
+    """What Windows does (a DLL's symbols do not resolve through its dependencies): the calls still run together,
+    on a pool of threads of Streamwise's own, not one after another."""
+    monkeypatch.setattr(torch_openmp, "_gomp_parallel", lambda: None)
+    slots = np.array([0, 0, 3], np.int64)
+    torch_openmp.run(_meet.address, slots.ctypes.data, 3)
+    assert slots[:2].tolist() == [3, 3]
