@@ -94,7 +94,7 @@ def measure(args) -> None:
     import numpy as np
     import torch
 
-    from streamwise.runtime.quant import gguf_dequant, huge_pages
+    from streamwise.runtime.quant import gguf_dequant, huge_pages, numba_kernels
     from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, dequantize
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -121,11 +121,11 @@ def measure(args) -> None:
     def torch_kernels(fn):
         """`fn` with the fused CPU kernels out of the way: the torch kernels' time beside them."""
         def run():
-            fused, gguf_dequant._fused_cpu_module = gguf_dequant._fused_cpu_module, lambda: None
+            fused, numba_kernels.fused_dequant = numba_kernels.fused_dequant, lambda: None
             try:
                 return fn()
             finally:
-                gguf_dequant._fused_cpu_module = fused
+                numba_kernels.fused_dequant = fused
 
         return run
 

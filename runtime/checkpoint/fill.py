@@ -37,7 +37,7 @@ from ..plan import plan_for
 from ..policy.diagnostics import PolicyError
 from ..quant import dequant_cache
 from ..quant.convrot import check_group_size
-from ..quant.formats import ARITHMETICS, FORMATS, GGUF
+from ..quant.formats import ARITHMETICS, FORMATS
 from ..quant.residents import expansion_bytes, make_resident
 from ..sizes import human
 from . import comfy_quant
@@ -72,8 +72,9 @@ class LoadReport:
     tiers: Tiers | None = None
     """What is in host memory and what stayed in the file (`tiers.place`)."""
     cpu_arithmetic: dict[str, str] = field(default_factory=dict)
-    """GGML type of the GGUF residents -> how they compute on the CPU: `int8` (activations quantized per block, as
-    llama.cpp; relative error about 5e-3 per layer), `float32` (the weight dequantized, then `F.linear`)."""
+    """The residents' GGML type (GGUF) or format (the others) -> how they compute on the CPU: `int8` (activations
+    quantized per block, as llama.cpp; relative error about 5e-3 per layer), `bf16` (INT8's packed kernel), `float32`
+    (the weight expanded, then `F.linear`)."""
 
     def __str__(self) -> str:
         """One line for people: the class built, what was read, what stayed quantized (by type), what was dequantized
@@ -125,9 +126,9 @@ def load(
     budget (`tiers.host_budget`: by default what this process can spare): streamed units past it stay in the file and
     are read at each forward (`engine.file_tier`); the tree keeps the budget and where each tensor can be read back
     from, for a later `offload`. `file_tier=False` keeps everything in memory (for code that reads weights directly,
-    outside a fetch): what does not fit the budget is then refused before anything is read. `arithmetic` is how GGUF
-    residents compute on the CPU (`quant.formats.ARITHMETICS`: `int8` as llama.cpp, `float32` exact); the report
-    says which types each takes (`LoadReport.cpu_arithmetic`).
+    outside a fetch): what does not fit the budget is then refused before anything is read. `arithmetic` is how
+    quantized residents compute on the CPU where a kernel reads their storage in place (`quant.formats.ARITHMETICS`:
+    `int8` as llama.cpp, `float32` exact); the report says what each type takes (`LoadReport.cpu_arithmetic`).
     """
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"arithmetic {arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
@@ -157,9 +158,10 @@ def load(
             raise CheckpointError(filling.problems)
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
         must_hold, units = filling.units(plan)
-        expanded = [model.get_submodule(m.path) for m in plan.modules  # residents: kept from a GGUF, or made now
-                    if (m.path in filling.residents and not filling.computes_directly(m.path))
-                    or (m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load)]
+        expanded = [model.get_submodule(m.path) for m in plan.modules  # residents that expand their weight at a call
+                    if m.path in filling.residents and filling.expands(*filling.residents[m.path][::2])
+                    or m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load
+                    and filling.expands(m.quant, {protocol.GROUP_SIZE: m.group_size})]
         tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier,
                       working=expansion_bytes(expanded))
         if tiers.in_file:  # short of memory: what the load and the forwards free goes back to the system
@@ -175,6 +177,9 @@ def load(
         else:
             filling.assign(progress or (lambda done, total: None), journal, reads)
         apply(plan, model, journal=journal)
+        for module in model.modules():  # every resident, from the file or quantized now
+            if protocol.quant_handler(module) is not None:
+                journal.set_attributes(module, {protocol.ARITHMETIC: arithmetic})
         tree = applied_state(model).tree
         journal.set_attributes(tree, {"file_tier": reads, "host_budget": tiers.budget})
         if tiers.budget is not None:  # dequantized weights kept for reuse live in what the budget leaves
@@ -195,10 +200,21 @@ def load(
         checkpoint.path, len(filling.tensors) + len(filling.residents), tiers.host_bytes + tiers.file_bytes,
         dict(sorted(residents.items())), len(filling.dequantized), dict(sorted(filling.kept.items())),
         dict(sorted(filling.dequantized.items())), dict(sorted(mapped.ignored.items())) if mapped is not None else {},
-        covered=plan.coverage.percent, tiers=tiers, cpu_arithmetic=filling.cpu_arithmetic(),
+        covered=plan.coverage.percent, tiers=tiers, cpu_arithmetic=_cpu_arithmetic(model),
     )
     _log.info("load: policy `%s`, %s", plan.policy, report)
     return report
+
+
+def _cpu_arithmetic(model: nn.Module) -> dict[str, str]:
+    """`LoadReport.cpu_arithmetic` of a loaded tree."""
+    found = {}
+    for module in model.modules():
+        handler = protocol.quant_handler(module)
+        if handler is not None:
+            name = handler.name if handler.name != "gguf" else module.gguf_qtype.name
+            found[name] = handler.cpu_arithmetic(module)
+    return dict(sorted(found.items()))
 
 
 def _sharing(one: RowReads | None, other: RowReads | None) -> RowReads | None:
@@ -285,7 +301,7 @@ class _Filling:
                 self.problem(name, str(exc))
                 return
             if self._keeps_gguf_storage(module_path, attribute):
-                attributes = {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape, GGUF.ARITHMETIC: self.arithmetic}
+                attributes = {"gguf_qtype": stored.qtype, "gguf_shape": stored.shape}
                 raw = FileSource(stored.read, torch.uint8, stored.read.shape) if in_file else blocks
                 self.residents[module_path] = ("gguf", {"weight": raw}, attributes)
                 self.kept[name] = stored.qtype.name
@@ -304,7 +320,7 @@ class _Filling:
                 from ..quant.gguf_dequant import STORED_FLOATS
 
                 qtype = next(qtype for qtype, dtype in STORED_FLOATS.items() if dtype == stored.dtype)
-                attributes = {"gguf_qtype": qtype, "gguf_shape": stored.shape, GGUF.ARITHMETIC: self.arithmetic}
+                attributes = {"gguf_qtype": qtype, "gguf_shape": stored.shape}
                 nbytes = math.prod(stored.shape) * stored.dtype.itemsize
                 raw = (FileSource(stored.read, torch.uint8, (nbytes,)) if in_file
                        else stored.read().view(torch.uint8).reshape(-1))
@@ -321,15 +337,10 @@ class _Filling:
         self.tensors[name] = tensor
         self.aliases[name] = names
 
-    def computes_directly(self, module_path: str) -> bool:
-        """Whether a GGUF resident made here computes on the CPU without expanding its weight (`formats.GGUF`)."""
-        attributes = self.residents[module_path][2]
-        return GGUF.computes_blocks_directly(attributes["gguf_qtype"], self.arithmetic, torch.device("cpu"))
-
-    def cpu_arithmetic(self) -> dict[str, str]:
-        """GGML type of the residents made here -> the arithmetic they compute in on the CPU."""
-        return {attributes["gguf_qtype"].name: self.arithmetic if self.computes_directly(path) else "float32"
-                for path, (_, _, attributes) in sorted(self.residents.items())}
+    def expands(self, format_name: str, attributes: dict[str, object]) -> bool:
+        """Whether a resident of `format_name` with these attributes expands its weight at a call on the CPU."""
+        return not FORMATS[format_name].computes_directly({**attributes, protocol.ARITHMETIC: self.arithmetic},
+                                                          torch.device("cpu"))
 
     def _keeps_gguf_storage(self, module_path: str, attribute: str) -> bool:
         """A Linear weight in a GGUF file that a `gguf` quant rule selects: it becomes a resident."""

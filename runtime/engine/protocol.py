@@ -42,6 +42,7 @@ SOURCES = "_sw_sources"  # on modules loaded from a file: where each tensor can 
 NAME = "_sw_name"  # on residents: the module's path in the model it was made in, for messages
 COMPUTE_DTYPE = "_sw_compute_dtype"  # on residents: the dtype of the float weight their storage quantizes
 GROUP_SIZE = "_sw_group_size"  # on INT8/INT4 residents: the quantization group size (None: one scale per row)
+ARITHMETIC = "_sw_arithmetic"  # on residents a load made: how they compute on the CPU (`quant.formats.ARITHMETICS`)
 STATE = "_streamwise"  # on a converted root: its `AppliedState` (the tree, the records that undo it, the plan)
 COMPILE_STATE = "_sw_compile"  # on a module or host model armed for compilation: its `Armed` state
 DEVICE = "_sw_device"  # on a hosted root: the device a host assigned to `model.device` (read-only in transformers)

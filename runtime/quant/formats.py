@@ -20,7 +20,7 @@ A `[[quant.rule]]` selecting Linear layers with `format = "my_int8"` then quanti
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
@@ -29,8 +29,9 @@ from torch import Tensor, nn
 
 from ..engine import protocol
 from ..registry import Registry
-from . import dequant_cache
-from .int4 import dequantize_int4, int4_linear, quantize_int4
+from . import dequant_cache, numba_kernels
+from .convrot import rotate
+from .int4 import dequantize_int4, int4_linear, quantize_int4, scale_group_for
 from .int8 import dequantize_int8, int8_linear, quantize_int8
 
 FORMATS: Registry[QuantFormat] = Registry("quant format")
@@ -69,6 +70,15 @@ class QuantFormat(ABC):
         """Whether `dequantize` returns the stored tensor itself, reinterpreted (decided without looking at data)."""
         return False
 
+    def computes_directly(self, attributes: Mapping[str, object], *devices: torch.device) -> bool:
+        """Whether a resident with these attributes (its `__dict__`, or a load's for it) computes on `devices` with a
+        kernel that reads its storage in place (`cpu_matmul`), expanding nothing; else `linear` expands it."""
+        return False
+
+    def cpu_arithmetic(self, module: nn.Module) -> str:
+        """How `module`, a resident, computes on the CPU: `int8` where a kernel reads its storage, else `float32`."""
+        return "int8" if self.computes_directly(module.__dict__, torch.device("cpu")) else "float32"
+
     def prepare(self, device: torch.device) -> None:
         """Make on `device` what the kernels read there besides the stored tensors, before a compiled graph is
         traced on it (default: nothing)."""
@@ -98,46 +108,66 @@ class _ScaledIntegers(QuantFormat):
 class Int8(_ScaledIntegers):
     kernels = (quantize_int8, dequantize_int8, int8_linear)
 
+    def cpu_arithmetic(self, module):
+        return "bf16" if module.in_features % 16 == 0 else "float32"  # torch's packed kernel (`int8.int8_linear`)
+
 
 @quant_format("convrot_int4")
 class ConvRotInt4(_ScaledIntegers):
     kernels = (quantize_int4, dequantize_int4, int4_linear)
     compile_safe = False
 
+    def linear(self, module, x, stored, bias):
+        if not self.computes_directly(module.__dict__, x.device, stored["weight"].device):
+            return super().linear(module, x, stored, bias)
+        from .cpu_matmul import CONVROT_INT4, matmul
+
+        group_size, shape = getattr(module, protocol.GROUP_SIZE), (module.out_features, -1)
+        rows = rotate(x, group_size).reshape(-1, module.in_features)
+        out = matmul(rows, stored["weight"], CONVROT_INT4, module.out_features, stored["weight_scale"].view(shape))
+        return _with_bias(out, x, bias)
+
+    def computes_directly(self, attributes, *devices):
+        from .cpu_matmul import CONVROT_INT4, LAYOUTS
+
+        return (_direct(attributes, devices)
+                and scale_group_for(attributes[protocol.GROUP_SIZE]) == LAYOUTS[CONVROT_INT4].block_size)
+
 
 ARITHMETICS = ("int8", "float32")
-"""How a GGUF resident computes on the CPU where a kernel reads its type's blocks directly (`gguf_matmul_cpu`):
-`int8` (the default, the fastest): activations quantized per block as llama.cpp does, integer dot products with the
-blocks; `float32`: the weight dequantized, then `F.linear` in float32 (exact, slower; the dequant cache holds what it
-can). Other types and devices always take the float route."""
+"""How a resident computes on the CPU where a kernel reads its storage in place (`cpu_matmul`: GGUF's Q8_0, Q4_0,
+Q4_K, Q5_K, Q6_K, and ConvRot INT4): `int8` (the default, the fastest), activations quantized per block as llama.cpp
+does, integer dot products with the stored values; `float32`, the weight expanded, then `F.linear` in float32 (exact,
+slower; the dequant cache holds what it can). Other types and devices always take the float route."""
+
+
+def _direct(attributes, devices) -> bool:
+    """The conditions every in-place kernel shares: numba's kernels built, the `int8` arithmetic, the CPU."""
+    return (numba_kernels.matmul() is not None and attributes.get(protocol.ARITHMETIC, "int8") == "int8"
+            and all(device.type == "cpu" for device in devices))
+
+
+def _with_bias(out: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
+    """A kernel's float32 (rows, out) as the layer's output: x's dtype and leading dims, the bias added."""
+    out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias.to(x.dtype)
 
 
 @quant_format("gguf")
 class GGUF(QuantFormat):
     quantizes_on_load = False
     attributes = ("gguf_qtype", "gguf_shape")
-    ARITHMETIC = "gguf_arithmetic"
-    """The resident attribute naming its arithmetic (one of `ARITHMETICS`; absent: `int8`)."""
 
     def linear(self, module, x, stored, bias):
         blocks = stored["weight"]
-        if not self.computes_blocks_directly(module.gguf_qtype, module.__dict__.get(self.ARITHMETIC), blocks.device,
-                                             x.device):
+        if not self.computes_directly(module.__dict__, x.device, blocks.device):
             return super().linear(module, x, stored, bias)
         rows = x.reshape(-1, module.in_features)
-        out = torch.ops.streamwise.gguf_matmul(rows, blocks, int(module.gguf_qtype), module.out_features)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], module.out_features)
-        return out if bias is None else out + bias.to(x.dtype)
+        return _with_bias(torch.ops.streamwise.gguf_matmul(rows, blocks, int(module.gguf_qtype), module.out_features),
+                          x, bias)
 
-    @staticmethod
-    def computes_blocks_directly(qtype: int, arithmetic: str | None, *devices: torch.device) -> bool:
-        """Whether a resident of `qtype` computes with `gguf_matmul_cpu`'s kernels (none of its weight expanded):
-        on the CPU, in the `int8` arithmetic, for a type they read, where numba is installed."""
-        from . import gguf_dequant
-
-        kernels = gguf_dequant.matmul_kernels()
-        return (kernels is not None and arithmetic in (None, "int8") and qtype in kernels.TYPES
-                and all(device.type == "cpu" for device in devices))
+    def computes_directly(self, attributes, *devices):
+        return _direct(attributes, devices) and attributes["gguf_qtype"] in numba_kernels.matmul().LAYOUTS
 
     def dequantize(self, module, stored, dtype):
         from . import gguf_dequant  # imported with the first GGUF resident: the gguf package costs 20 ms

@@ -24,8 +24,6 @@ the same bits.
 from __future__ import annotations
 
 import functools
-import importlib
-import logging
 import math
 from collections.abc import Callable
 from types import ModuleType
@@ -39,10 +37,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...errors import Error
 from ..registry import Registry
-from . import huge_pages
+from . import huge_pages, numba_kernels
 
 QType = gguf.GGMLQuantizationType
-_log = logging.getLogger("streamwise.quant")
 
 Kernel = Callable[[Tensor, Tensor], None]
 #: A kernel per GGML type: (n_blocks, type_size) uint8 blocks -> fills a (n_blocks, block_size) float32 output.
@@ -116,39 +113,8 @@ def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
     trace), for the types it has, with numba installed and compiling (its kernels would run as Python without)."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or not _on_cpu(blocks):
         return None
-    fused = _fused_cpu_module()
+    fused = numba_kernels.fused_dequant()
     return fused if fused is not None and qtype in fused.TYPES else None
-
-
-@functools.cache
-def _fused_cpu_module() -> ModuleType | None:
-    return _cpu_kernels("gguf_fused_cpu", "expand GGUF weights with the torch kernels")
-
-
-_MATMUL_KERNELS: ModuleType | None | bool = False  # False: not loaded yet
-
-
-def matmul_kernels() -> ModuleType | None:
-    """`gguf_matmul_cpu`, where numba builds it; loaded by `prepare` before a graph is compiled (a plain global, so
-    that a compiled forward reads it without a break)."""
-    global _MATMUL_KERNELS
-    if _MATMUL_KERNELS is False:
-        _MATMUL_KERNELS = _cpu_kernels("gguf_matmul_cpu", "dequantize GGUF weights before each CPU matmul")
-    return _MATMUL_KERNELS
-
-
-def _cpu_kernels(name: str, instead: str) -> ModuleType | None:
-    """This package's numba module `name`, or None where numba is not installed, cannot build it, or is disabled."""
-    try:
-        kernels = importlib.import_module(f"{__package__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("numba", "llvmlite"):
-            raise
-        return None  # numba, an optional dependency, not installed: nothing to say
-    except Exception as exc:  # numba there but unusable (built for another numpy) or its compiler failed: said once
-        _log.warning("Streamwise's numba kernels (%s) could not be built (%r); they %s", name, exc, instead)
-        return None
-    return None if kernels.numba.config.DISABLE_JIT else kernels
 
 
 def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
@@ -645,8 +611,8 @@ def prepare(device: torch.device) -> None:
     traced would break it. On the CPU the fused kernels are loaded too (numba: 43 MiB, and compiling them the first
     time on a machine, 80 MiB more while it lasts), so that a load holds that memory before it reads its host budget."""
     if device.type == "cpu":
-        _fused_cpu_module()
-        matmul_kernels()
+        numba_kernels.fused_dequant()
+        numba_kernels.matmul()
     for name in _CPU_TABLES.keys() - _CPU_ONLY_TABLES:
         _device_table(name, device)
 

@@ -19,7 +19,7 @@ from forked import in_forked_child
 from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, random_bytes
 
 import streamwise
-from streamwise.runtime.quant import gguf_dequant, torch_openmp
+from streamwise.runtime.quant import gguf_dequant, numba_kernels, torch_openmp
 from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, UnsupportedQuantType, dequantize
 
 
@@ -60,7 +60,7 @@ def take(monkeypatch):
 
     def take(path: str) -> None:
         if path == "torch":
-            monkeypatch.setattr(gguf_dequant, "_fused_cpu_module", lambda: None)
+            monkeypatch.setattr(numba_kernels, "fused_dequant", lambda: None)
             return
         real = gguf_fused_cpu.dequantize
         monkeypatch.setattr(gguf_fused_cpu, "dequantize", lambda *args: real(*args) or fused_calls.append("ran"))
@@ -192,14 +192,14 @@ def test_without_numba_the_torch_kernels_expand_every_type(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
     monkeypatch.delitem(sys.modules, "streamwise.runtime.quant.gguf_fused_cpu", raising=False)
     monkeypatch.delattr(quant, "gguf_fused_cpu", raising=False)
-    gguf_dequant._fused_cpu_module.cache_clear()
+    numba_kernels.fused_dequant.cache_clear()
     try:
         for qtype in FUSED or SCALE_OFFSETS:
             raw = random_bytes(qtype, (4, 512), seed=3, finite=False)
             assert same_bits(dequantize(torch.from_numpy(raw), qtype, (4, 512)), reference(raw, qtype, finite=False))
-        assert gguf_dequant._fused_cpu_module() is None
+        assert numba_kernels.fused_dequant() is None
     finally:
-        gguf_dequant._fused_cpu_module.cache_clear()
+        numba_kernels.fused_dequant.cache_clear()
 
 
 @needs_fused
@@ -214,14 +214,14 @@ def test_a_numba_that_cannot_build_the_kernels_leaves_the_torch_kernels_and_says
     monkeypatch.setattr(numba, "cfunc", failing)
     monkeypatch.delitem(sys.modules, "streamwise.runtime.quant.gguf_fused_cpu")
     monkeypatch.delattr(quant, "gguf_fused_cpu")
-    gguf_dequant._fused_cpu_module.cache_clear()
+    numba_kernels.fused_dequant.cache_clear()
     try:
         raw = random_bytes(Q.Q4_K, (4, 512), seed=3)
         with caplog.at_level("WARNING", logger="streamwise.quant"):
             assert same_bits(dequantize(torch.from_numpy(raw), Q.Q4_K, (4, 512)), reference(raw, Q.Q4_K))
         assert "LLVM could not compile it" in caplog.text and "the torch kernels" in caplog.text
     finally:
-        gguf_dequant._fused_cpu_module.cache_clear()
+        numba_kernels.fused_dequant.cache_clear()
 
 
 def _dequantize_in_child(raw: np.ndarray) -> np.ndarray:

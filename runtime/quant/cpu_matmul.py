@@ -1,4 +1,5 @@
-"""Matmuls that read GGUF blocks where they lie, on the CPU, in llama.cpp's arithmetic.
+"""Matmuls that read quantized weights where they lie, on the CPU, in llama.cpp's arithmetic: GGUF blocks (Q8_0,
+Q4_0, Q4_K, Q5_K, Q6_K; Q4_K_M is Q4_K and Q6_K) and ConvRot INT4 storage.
 
 Expanding a quantized weight into floats before each matmul writes eight times its size and reads it back: 15-30×
 slower per matmul than llama.cpp, which never expands. Its kernels quantize the activations to int8 per block of 32
@@ -10,13 +11,16 @@ The loops are numba's; the arithmetic of one 32-value chunk is LLVM vector code 
 numba widens every integer product to 64 bits and never reaches the byte-pair instructions the speed comes from. On
 x86 with AVX2 it is llama.cpp's instruction sequence (`psign`, `pmaddubsw`, `pmaddwd`); elsewhere (ARM, older x86)
 plain vector IR that LLVM lowers for the machine, with the same integer sums: no pair sum saturates, since the
-activations stay within ±127. Each type's decoder (`_DECODERS`) turns a block into chunks of 32 signed int8 values
+activations stay within ±127. Each layout's decoder (`LAYOUTS`) turns a block into chunks of 32 signed int8 values
 with integer sub-block scales, a float scale, and for Q4_K/Q5_K a float offset per chunk (their `- dmin * m`), applied
-through the chunk's activation sum, as llama.cpp does.
+through the chunk's activation sum, as llama.cpp does. Activations take one scale per weight block (32 values for
+Q8_0/Q4_0, 64 for ConvRot INT4, 256 for the K-quants: llama.cpp's Q8_0 and Q8_K), so a block's chunks add their
+integer sums before its two scales multiply them once.
 
 Arithmetic and bound: the result differs from dequantize → `F.linear` in float32 by the activations' rounding to 8
 bits, as llama.cpp's does: relative L2 about 5e-3 per layer on random data, no worse than ggml's own on the same
-blocks (its activation scales are float16, these float32). Each output is summed in one fixed order by one thread:
+blocks (the K-quants' integer sums are ggml's own; its Q8_0 activation scales are float16, these float32). ConvRot
+INT4 rotates the activations first, as its float route does. Each output is summed in one fixed order by one thread:
 the same bits on any number of threads. NaN or infinite activations or scales make the outputs they reach
 non-finite, as in float arithmetic (their values may differ: an infinite activation gives NaN here).
 
@@ -27,6 +31,8 @@ counter; four activation rows share each decoded weight chunk, so prefill decode
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import gguf
 import llvmlite.binding
@@ -138,11 +144,11 @@ def _ones() -> ir.Constant:
     return _constant(_I16, 16, 1)
 
 
-def _q8_0(b, block):
+def _q8_0(b, block, scale_at):
     return _Block([_load(b, block, 2, _vector(_I8, 32))], [_ones()], _half(b, block, 0))
 
 
-def _q4_0(b, block):
+def _q4_0(b, block, scale_at):
     quants = _load(b, block, 2, _vector(_I8, 16))
     both = b.shuffle_vector(_bits(b, quants, 0, 15), _bits(b, quants, 4, 15),
                             ir.Constant(_vector(_I32, 32), list(range(32))))
@@ -183,15 +189,15 @@ def _k_quant(b, block, quants_at, top_bit):
     return _Block(values, scales, d, b.fmul(mins, _splat(b, dmin, 8)), unsigned=True)
 
 
-def _q4_k(b, block):
+def _q4_k(b, block, scale_at):
     return _k_quant(b, block, 16, top_bit=False)
 
 
-def _q5_k(b, block):
+def _q5_k(b, block, scale_at):
     return _k_quant(b, block, 48, top_bit=True)
 
 
-def _q6_k(b, block):
+def _q6_k(b, block, scale_at):
     """Chunk c (h = c >> 2, j = c & 3) is nibble j >> 1 of the ql bytes at 64h + 32 (j & 1), topped by 2-bit field j
     of the qh bytes at 128 + 32h, less 32; its two halves take int8 scales 2c and 2c + 1 (at byte 192)."""
     values, scales = [], []
@@ -205,25 +211,54 @@ def _q6_k(b, block):
     return _Block(values, scales, _half(b, block, 208))
 
 
-_DECODERS = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_K: _q4_k, QType.Q5_K: _q5_k, QType.Q6_K: _q6_k}
-TYPES = frozenset(_DECODERS)
+def _convrot_int4(b, block, scale_at):
+    """64 values in 32 bytes (one row's scale group): chunk c's values 2i and 2i + 1 are the low and high nibbles of
+    byte 16c + i, less 8; the group's float32 scale is kept apart, at `scale_at` (the resident's `weight_scale`)."""
+    values = []
+    for c in range(2):
+        quants = _load(b, block, 16 * c, _vector(_I8, 16))
+        pairs = b.shuffle_vector(_bits(b, quants, 0, 15), _bits(b, quants, 4, 15),
+                                 ir.Constant(_vector(_I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)]))
+        values.append(b.sub(pairs, _constant(_I8, 32, 8)))
+    return _Block(values, [_ones()] * 2, b.load(b.inttoptr(scale_at, _F32.as_pointer()), align=4))
 
 
-def _rows_kernel(qtype: QType, rows: int, route: str):
-    """An intrinsic `(weight_row, x, x_scales, x_sums, k_chunks, out, out_stride)` (all addresses but the counts)
-    writing `rows` outputs: the dots of one weight row with `rows` activation rows (K bytes apart; one float32 scale
-    per weight block, and the float32 sum of each chunk's values, k_chunks apart), to out + r · out_stride floats.
-    A block's chunks add their integer sums before the block's two scales multiply them once."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    per_block = block_size // CHUNK
+@dataclass(frozen=True)
+class Layout:
+    """How a quantized weight's rows are stored: blocks of `block_size` values in `type_size` bytes, each decoded by
+    `decode(builder, block address, its scale's address)` (the second where the scales are kept apart)."""
+
+    name: str
+    block_size: int
+    type_size: int
+    decode: Callable
+    scales_apart: bool = False
+
+
+CONVROT_INT4 = "convrot_int4"
+LAYOUTS: dict[object, Layout] = {
+    **{qtype: Layout(qtype.name.lower(), *gguf.GGML_QUANT_SIZES[qtype], decode) for qtype, decode in (
+        (QType.Q8_0, _q8_0), (QType.Q4_0, _q4_0), (QType.Q4_K, _q4_k), (QType.Q5_K, _q5_k), (QType.Q6_K, _q6_k))},
+    CONVROT_INT4: Layout(CONVROT_INT4, 64, 32, _convrot_int4, scales_apart=True),
+}
+"""The layouts read here: GGML types by `QType`, ConvRot INT4 (with scale groups of 64) by `CONVROT_INT4`."""
+
+
+def _rows_kernel(layout: Layout, rows: int, route: str):
+    """An intrinsic `(weight_row, weight_scales, x, x_scales, x_sums, k_chunks, out, out_stride)` (all addresses but
+    the counts) writing `rows` outputs: the dots of one weight row (its scales apart where the layout keeps them so)
+    with `rows` activation rows (K bytes apart; one float32 scale per weight block, and the float32 sum of each chunk's
+    values, k_chunks apart), to out + r · out_stride floats."""
+    per_block, type_size = layout.block_size // CHUNK, layout.type_size
 
     def codegen(context, b, signature, args):
-        weight, x, x_scales, x_sums, k_chunks, out, out_stride = args
+        weight, weight_scales, x, x_scales, x_sums, k_chunks, out, out_stride = args
         sums = [cgutils.alloca_once_value(b, ir.Constant(_vector(_F32, 8), None)) for _ in range(rows)]
         floats = lambda address, at, of=_F32: b.load(  # noqa: E731
             b.bitcast(b.gep(b.inttoptr(address, _F32.as_pointer()), [at]), of.as_pointer()), align=4)
         with cgutils.for_range(b, b.udiv(k_chunks, ir.Constant(_I64, per_block))) as loop:
-            block = _DECODERS[qtype](b, b.add(weight, b.mul(loop.index, ir.Constant(_I64, type_size))))
+            block = layout.decode(b, b.add(weight, b.mul(loop.index, ir.Constant(_I64, type_size))),
+                                  b.add(weight_scales, b.mul(loop.index, ir.Constant(_I64, 4))))
             for r in range(rows):
                 # the block's first chunk in activation row r, and that row's scale for it (one per block)
                 chunk = b.add(b.mul(k_chunks, ir.Constant(_I64, r)), b.mul(loop.index, ir.Constant(_I64, per_block)))
@@ -249,45 +284,44 @@ def _rows_kernel(qtype: QType, rows: int, route: str):
             b.store(total, b.gep(outputs, [b.mul(out_stride, ir.Constant(_I64, r))]))
         return context.get_dummy_value()
 
-    def typer(typingctx, weight, x, x_scales, x_sums, k_chunks, out, out_stride):
-        return types.void(*([types.int64] * 7)), codegen
+    def typer(typingctx, weight, weight_scales, x, x_scales, x_sums, k_chunks, out, out_stride):
+        return types.void(*([types.int64] * 8)), codegen
 
     return intrinsic(typer)
 
 
 @functools.cache
-def _task(qtype: QType, route: str = ROUTE):
-    """The compiled work of one thread for `qtype` weights: claims ranges of output rows from the call's counter
+def _task(layout: Layout, route: str = ROUTE):
+    """The compiled work of one thread for weights in `layout`: claims ranges of output rows from the call's counter
     until none is left, and for each multiplies every activation row, four at a time.
 
-    The call's descriptor, int64: weight, activations, their scales, their sums, output addresses; M, N, K; the
-    weight row's bytes; the counter."""
-    together, single = _rows_kernel(qtype, _ROWS_TOGETHER, route), _rows_kernel(qtype, 1, route)
-    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
-    claim = _ROWS_PER_CLAIM
+    The call's descriptor, int64: weight, weight scales (or 0), activations, their scales, their sums, output
+    addresses; M, N, K; the weight row's bytes; the counter."""
+    together, single = _rows_kernel(layout, _ROWS_TOGETHER, route), _rows_kernel(layout, 1, route)
+    block_size, claim = layout.block_size, _ROWS_PER_CLAIM
 
     def task(data):
-        call = numba.carray(data, (10,), dtype=np.int64)
-        weight, x, x_scales, x_sums, out, m, n, k, row_bytes = (call[0], call[1], call[2], call[3], call[4],
-                                                                 call[5], call[6], call[7], call[8])
+        call = numba.carray(data, (11,), dtype=np.int64)
+        weight, weight_scales, x, x_scales, x_sums, out = call[0], call[1], call[2], call[3], call[4], call[5]
+        m, n, k, row_bytes = call[6], call[7], call[8], call[9]
         k_chunks, k_groups = k // CHUNK, k // block_size
-        counter = call.ctypes.data + 9 * 8
+        counter = call.ctypes.data + 10 * 8
         start = _fetch_add(counter, claim)
         while start < n:
             for row in range(start, min(start + claim, n)):
-                w = weight + row * row_bytes
+                w, w_scales = weight + row * row_bytes, weight_scales + row * k_groups * 4
                 first = 0
                 while first + _ROWS_TOGETHER <= m:
-                    together(w, x + first * k, x_scales + first * k_groups * 4, x_sums + first * k_chunks * 4,
-                             k_chunks, out + (first * n + row) * 4, n)
+                    together(w, w_scales, x + first * k, x_scales + first * k_groups * 4,
+                             x_sums + first * k_chunks * 4, k_chunks, out + (first * n + row) * 4, n)
                     first += _ROWS_TOGETHER
                 while first < m:
-                    single(w, x + first * k, x_scales + first * k_groups * 4, x_sums + first * k_chunks * 4,
+                    single(w, w_scales, x + first * k, x_scales + first * k_groups * 4, x_sums + first * k_chunks * 4,
                            k_chunks, out + (first * n + row) * 4, n)
                     first += 1
             start = _fetch_add(counter, claim)
 
-    task.__name__ = task.__qualname__ = f"matmul_{qtype.name.lower()}_{route}"  # numba caches each on its own
+    task.__name__ = task.__qualname__ = f"matmul_{layout.name}_{route}"  # numba caches each on its own
     return _compiled_task(task)
 
 
@@ -344,23 +378,29 @@ def quantize_activations(rows: Tensor, group: int) -> tuple[Tensor, Tensor, Tens
     return values, scales, sums
 
 
-def matmul(rows: Tensor, blocks: Tensor, qtype: QType, out_features: int, route: str = ROUTE) -> Tensor:
-    """rows (M, K) float · Wᵀ, W the `qtype` weight (out_features, K) held as raw GGML blocks on the CPU: (M,
-    out_features) float32. K a multiple of the type's block size (which a GGML weight's rows are). `route` is for
-    tests: the `vector` route runs on any machine."""
+def matmul(rows: Tensor, storage: Tensor, layout: object, out_features: int, weight_scales: Tensor | None = None,
+           route: str = ROUTE) -> Tensor:
+    """rows (M, K) float · Wᵀ, W the (out_features, K) weight held on the CPU as `storage` (uint8 or int8 bytes) in
+    `layout` (a key of `LAYOUTS`), with its float32 `weight_scales` (out_features, K / block) where the layout keeps
+    them apart: (M, out_features) float32. `route` is for tests: the `vector` route runs on any machine."""
     m, k = rows.shape
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    row_bytes = k // block_size * type_size
-    if k % block_size or blocks.numel() != out_features * row_bytes or blocks.dtype != torch.uint8:
-        raise ValueError(f"{qtype.name} blocks of {blocks.numel()} bytes ({blocks.dtype}) do not hold a "
+    found = LAYOUTS[layout]
+    row_bytes, groups = k // found.block_size * found.type_size, k // found.block_size
+    if k % found.block_size or storage.numel() * storage.element_size() != out_features * row_bytes:
+        raise ValueError(f"{found.name} storage of {storage.numel()} {storage.dtype} does not hold a "
                          f"{out_features}×{k} weight")
-    blocks = blocks.contiguous()
-    values, scales, sums = quantize_activations(rows.float(), block_size)
+    if found.scales_apart != (weight_scales is not None) or (
+            weight_scales is not None and tuple(weight_scales.shape) != (out_features, groups)):
+        wanted = f"scales of shape {(out_features, groups)}" if found.scales_apart else "no scales apart"
+        raise ValueError(f"{found.name} weights take {wanted}")
+    storage = storage.contiguous()
+    scales = None if weight_scales is None else weight_scales.float().contiguous()
+    values, x_scales, sums = quantize_activations(rows.float(), found.block_size)
     out = torch.empty(m, out_features, dtype=torch.float32)
-    call = np.array([blocks.data_ptr(), values.data_ptr(), scales.data_ptr(), sums.data_ptr(), out.data_ptr(),
-                     m, out_features, k, row_bytes, 0], np.int64)
+    call = np.array([storage.data_ptr(), 0 if scales is None else scales.data_ptr(), values.data_ptr(),
+                     x_scales.data_ptr(), sums.data_ptr(), out.data_ptr(), m, out_features, k, row_bytes, 0], np.int64)
     threads = max(1, min(torch.get_num_threads(), out_features // _ROWS_PER_CLAIM))
-    torch_openmp.run(_task(qtype, route).address, call.ctypes.data, threads)
+    torch_openmp.run(_task(found, route).address, call.ctypes.data, threads)
     return out
 
 
