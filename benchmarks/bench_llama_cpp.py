@@ -236,12 +236,12 @@ def bench_model(name: str, files: dict[str, Path], runs: int, threads: int, scra
 def bench_kernels(ggml: Ggml, runs: int, threads: int) -> None:
     import gguf
 
-    from streamwise.runtime.quant import gguf_matmul_cpu
+    from streamwise.runtime.quant import cpu_matmul
 
     out_features, in_features = KERNEL_SHAPE
     print(f"\n## Kernels: {in_features} → {out_features}, random blocks\n")
     print(f"ms per matmul, median (range) of {runs} interleaved runs, {threads} threads; error: relative L2 against "
-          "dequantize → float32 matmul; Streamwise's route: " + gguf_matmul_cpu.ROUTE + "\n")
+          "dequantize → float32 matmul; Streamwise's route: " + cpu_matmul.ROUTE + "\n")
     print("| type | rows | Streamwise | ggml_mul_mat | Streamwise: ggml's time × | error Streamwise | error ggml |")
     print("|---|---|---|---|---|---|---|")
     torch.set_num_threads(threads)
@@ -258,7 +258,7 @@ def bench_kernels(ggml: Ggml, runs: int, threads: int) -> None:
             for _ in range(runs):
                 for _ in range(repeat):  # as many as one ggml graph holds
                     start = time.perf_counter()
-                    got = gguf_matmul_cpu.matmul(x, blocks, qtype, out_features)
+                    got = cpu_matmul.matmul(x, blocks, qtype, out_features)
                     ours.append(time.perf_counter() - start)
                 peer, seconds = ggml.matmul(raw, name, out_features, x.numpy(), threads, repeat, 1)
                 theirs.extend(seconds)
