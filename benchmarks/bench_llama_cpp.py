@@ -56,6 +56,9 @@ FILES = ("F16", "Q8_0", "Q6_K", "Q4_K_M")
 KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 KERNEL_SHAPE = (5632, 2048)  # out, in: a 1 B-class MLP matmul
 PROMPT, LONG_PROMPT, DECODED = 32, 512, 48
+SETTLE = 0.05
+"""Seconds between one program's turn and the other's: torch's OpenMP workers and llama.cpp's threads spin a while
+after their work, and would take the cores from the other side's first milliseconds."""
 _GPT2_VOCABULARY = """    self.gguf_writer.add_tokenizer_model("gpt2")
     self.gguf_writer.add_tokenizer_pre("default")
     self.gguf_writer.add_token_list([f"t{i}" for i in range(size)])
@@ -213,6 +216,7 @@ def bench_model(name: str, files: dict[str, Path], runs: int, threads: int, scra
         tokens = {}
         for _ in range(runs):
             for program, runner in (("streamwise", ours), ("llama.cpp", theirs)):
+                time.sleep(SETTLE)
                 timings[program]["p32"].append(runner.prefill(ids))
                 timings[program]["p512"].append(runner.prefill(long_ids))
                 seconds, tokens[program] = runner.decode(ids)
@@ -256,10 +260,12 @@ def bench_kernels(ggml: Ggml, runs: int, threads: int) -> None:
             ours, theirs = [], []
             repeat = 10 if rows < 512 else 2
             for _ in range(runs):
+                time.sleep(SETTLE)
                 for _ in range(repeat):  # as many as one ggml graph holds
                     start = time.perf_counter()
                     got = cpu_matmul.matmul(x, blocks, qtype, out_features)
                     ours.append(time.perf_counter() - start)
+                time.sleep(SETTLE)
                 peer, seconds = ggml.matmul(raw, name, out_features, x.numpy(), threads, repeat, 1)
                 theirs.extend(seconds)
             ratio = statistics.median(ours) / statistics.median(theirs)
