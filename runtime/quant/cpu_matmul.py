@@ -53,11 +53,13 @@ QType = gguf.GGMLQuantizationType
 _I8, _I16, _I32, _I64, _F16, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.HalfType(),
                                      ir.FloatType())
 CHUNK = 32
-"""Values per activation block: one int8 scale group, as llama.cpp's Q8_0 activations."""
+"""Values per chunk: the unit of the vector arithmetic, and the activation sums kept for Q4_K/Q5_K's offsets."""
 _ROWS_TOGETHER = 4
 """Activation rows multiplied by each decoded weight chunk before the next is decoded."""
 _ROWS_PER_CLAIM = 16
 """Output rows a thread claims at once: few enough that the last claims even out the threads' shares."""
+_BYTES_PER_THREAD = 1 << 18
+"""Weight bytes (times activation rows) below which another thread costs more to start than it saves."""
 
 
 def _vector(element: ir.Type, count: int) -> ir.VectorType:
@@ -368,14 +370,24 @@ _QUANTIZE = _compiled_task(_quantize_task)
 
 def quantize_activations(rows: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
     """(int8 values, float32 scale per group, float32 sum of each chunk of 32 values) of float32 rows (M, K)."""
-    rows = rows.contiguous()
     m, k = rows.shape
-    values = torch.empty(m, k, dtype=torch.int8)
-    scales, sums = torch.empty(m, k // group), torch.empty(m, k // CHUNK)
-    call = np.array([rows.data_ptr(), values.data_ptr(), scales.data_ptr(), sums.data_ptr(), m, k, group, 0],
-                    np.int64)
+    buffer, _ = _quantized(rows.contiguous(), group)
+    values, scales = np.split(buffer, [m * k])
+    scales, sums = np.split(scales.view(np.float32), [m * (k // group)])
+    return (torch.from_numpy(values).reshape(m, k), torch.from_numpy(scales).reshape(m, -1),
+            torch.from_numpy(sums).reshape(m, -1))
+
+
+def _quantized(rows: Tensor, group: int) -> tuple[np.ndarray, int]:
+    """The activations quantized into one buffer (values, then scales, then sums) and its address: one allocation,
+    since a decode step quantizes once per Linear."""
+    m, k = rows.shape
+    buffer = np.empty(m * k + 4 * m * (k // group + k // CHUNK), np.int8)
+    address = buffer.ctypes.data
+    call = np.array([rows.data_ptr(), address, address + m * k, address + m * k + 4 * m * (k // group), m, k, group,
+                     0], np.int64)
     torch_openmp.run(_QUANTIZE.address, call.ctypes.data, min(torch.get_num_threads(), m))
-    return values, scales, sums
+    return buffer, address
 
 
 def matmul(rows: Tensor, storage: Tensor, layout: object, out_features: int, weight_scales: Tensor | None = None,
@@ -395,12 +407,13 @@ def matmul(rows: Tensor, storage: Tensor, layout: object, out_features: int, wei
         raise ValueError(f"{found.name} weights take {wanted}")
     storage = storage.contiguous()
     scales = None if weight_scales is None else weight_scales.float().contiguous()
-    values, x_scales, sums = quantize_activations(rows.float(), found.block_size)
+    buffer, values = _quantized(rows.float().contiguous(), found.block_size)
+    x_scales = values + m * k
     out = torch.empty(m, out_features, dtype=torch.float32)
-    call = np.array([storage.data_ptr(), 0 if scales is None else scales.data_ptr(), values.data_ptr(),
-                     x_scales.data_ptr(), sums.data_ptr(), out.data_ptr(), m, out_features, k, row_bytes, 0], np.int64)
-    threads = max(1, min(torch.get_num_threads(), out_features // _ROWS_PER_CLAIM))
-    torch_openmp.run(_task(found, route).address, call.ctypes.data, threads)
+    call = np.array([storage.data_ptr(), 0 if scales is None else scales.data_ptr(), values, x_scales,
+                     x_scales + 4 * m * groups, out.data_ptr(), m, out_features, k, row_bytes, 0], np.int64)
+    threads = min(torch.get_num_threads(), out_features // _ROWS_PER_CLAIM, 1 + m * storage.nbytes // _BYTES_PER_THREAD)
+    torch_openmp.run(_task(found, route).address, call.ctypes.data, max(1, threads))
     return out
 
 

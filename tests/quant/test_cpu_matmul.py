@@ -97,7 +97,8 @@ def test_non_finite_scales_and_activations_reach_the_outputs_float_arithmetic_wo
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=name)
-def test_the_same_bits_on_one_thread_and_two(layout):
+def test_the_same_bits_on_one_thread_and_two(layout, monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "_BYTES_PER_THREAD", 1)  # a second thread even for so small a weight
     stored, scales, _ = stored_and_weight(layout)
     x = activations(7)
     threads = torch.get_num_threads()
