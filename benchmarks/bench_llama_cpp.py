@@ -145,15 +145,26 @@ class Streamwise:
     def logits(self, ids: list[int]) -> np.ndarray:
         return self.model(torch.tensor([ids])).logits[0].float().numpy()
 
-    @torch.inference_mode()
     def matmul_share(self, ids: list[int]) -> float:
-        """The share of a decode's time spent in the GGUF matmul operator (torch's profiler)."""
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            self.decode(ids)
-        events = profile.key_averages()
-        total = sum(event.self_cpu_time_total for event in events)
-        matmuls = sum(event.self_cpu_time_total for event in events if event.key == "streamwise::gguf_matmul")
-        return matmuls / total
+        """The share of a decode's time spent in the quantized matmuls (`cpu_matmul.matmul`, timed call by call)."""
+        from streamwise.runtime.quant import cpu_matmul
+
+        inner, spent = cpu_matmul.matmul, []
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - start)
+
+        cpu_matmul.matmul = timed
+        try:
+            total, _ = self.decode(ids)
+        finally:
+            cpu_matmul.matmul = inner
+        prompt = len(spent) // (DECODED + 1)  # the prompt's forward makes as many calls as each decoded token's
+        return sum(spent[prompt:]) / total
 
 
 class LlamaCpp:
@@ -231,8 +242,8 @@ def bench_model(name: str, files: dict[str, Path], runs: int, threads: int, scra
                   f"{rate(t['decode'], DECODED)} | {f'{ratio:.2f}' if program == 'Streamwise' else ''} | "
                   f"{relative_l2(logits, expected):.2e} | {versus} | "
                   f"{f'{same}/{DECODED}' if program == 'Streamwise' else ''} |")
-        print(f"| {kind} | Streamwise: {ours.report.cpu_arithmetic or 'no GGUF residents'}; decode time in GGUF "
-              f"matmuls {ours.matmul_share(ids):.0%} (profiler) | | | | | | | |")
+        print(f"| {kind} | Streamwise: {ours.report.cpu_arithmetic or 'no quantized residents'}; decode time in "
+              f"quantized matmuls {ours.matmul_share(ids):.0%} | | | | | | | |")
         sys.stdout.flush()
         del ours, theirs
 
