@@ -90,10 +90,6 @@ def _half(b: ir.IRBuilder, address: ir.Value, offset: int) -> ir.Value:
     return b.fpext(_load(b, address, offset, _F16), _F32)
 
 
-def _byte(b: ir.IRBuilder, address: ir.Value, offset: int) -> ir.Value:
-    return _load(b, address, offset, _I8)
-
-
 def _bits(b: ir.IRBuilder, value: ir.Value, shift: int, mask: int) -> ir.Value:
     """(value >> shift) & mask, lane by lane, for a vector of bytes or one byte."""
     count = getattr(value.type, "count", None)
