@@ -1,6 +1,7 @@
 """GGUF files as people download them: written in llama.cpp's converter layout (`llama_cpp_files`), loaded from
 the `.gguf` alone, with no config.json beside it. The loaded model must equal the float model after the same
-quantize -> dequantize round trip, logits and greedy tokens.
+quantize -> dequantize round trip, logits and greedy tokens: loaded in the float32 arithmetic, which computes with
+exactly the weights the file holds (the CPU's int8 default rounds the activations too: `test_cpu_matmul.py`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def test_llama_cpp_gguf_alone_loads_quantized_and_matches(tmp_path, tokenizer_pa
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     assert "blk.0.attn_q.weight" in names and "output_norm.weight" in names
 
-    model, report, chosen = streamwise.load_pretrained(path, "auto")
+    # float32 arithmetic: the weights the file holds, exactly (the int8 default is checked below)
+    model, report, chosen = streamwise.load_pretrained(path, "auto", arithmetic="float32")
 
     assert type(model).__name__ == type(expected).__name__
     tied = {"lm_head"} if model.config.tie_word_embeddings else set()  # shares the embedding's float values
@@ -58,6 +60,11 @@ def test_llama_cpp_gguf_alone_loads_quantized_and_matches(tmp_path, tokenizer_pa
     assert_same_logits(model, expected, ids)
     greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=eos)
     assert torch.equal(model.generate(ids, **greedy), expected.generate(ids, **greedy))
+    fast, fast_report, _ = streamwise.load_pretrained(path, "auto")  # llama.cpp's arithmetic on the CPU
+    assert fast_report.cpu_arithmetic == {qtype.name: "int8"}
+    with torch.no_grad():
+        got, want = fast(ids).logits, expected(ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
 
     # the tokenizer comes from the file's metadata, through what load_pretrained records
     source = applied_state(model).source
@@ -113,7 +120,7 @@ def test_a_llama_cpp_file_into_a_model_built_elsewhere_maps_too(tmp_path, tokeni
     expected = write_llama_cpp_gguf(source, path, "qwen3", gguf.GGMLQuantizationType.Q8_0, tokenizer_parts)
     with streamwise.skeleton():
         model = transformers.AutoModelForCausalLM.from_config(source.config).eval()
-    report = streamwise.load(model, path, "transformers")
+    report = streamwise.load(model, path, "transformers", arithmetic="float32")
     assert report.residents == {"gguf": 14}
     ids = torch.tensor([[1, 2, 3, 4]])
     assert_same_logits(model, expected, ids)
@@ -126,7 +133,7 @@ def test_a_folder_holding_only_the_gguf_loads_and_extra_tensors_are_reported(tmp
     source = float_model("llama", len(tokens), eos)
     rope_freqs = {"rope_freqs.weight": np.ones(source.config.head_dim // 2, dtype=np.float32)}
     expected = write_llama_cpp_gguf(source, path, "llama", gguf.GGMLQuantizationType.Q8_0, tokenizer_parts, rope_freqs)
-    model, report, _ = streamwise.load_pretrained(tmp_path, "auto")
+    model, report, _ = streamwise.load_pretrained(tmp_path, "auto", arithmetic="float32")
     assert list(report.ignored) == ["rope_freqs.weight"] and "no parameter" in report.ignored["rope_freqs.weight"]
     ids = torch.tensor([[1, 2, 3]])
     assert_same_logits(model, expected, ids)
@@ -138,7 +145,7 @@ def test_a_config_json_beside_wins_and_a_mismatch_leaves_the_skeleton_untouched(
     source = float_model("gemma2", len(tokens), eos)
     expected = write_llama_cpp_gguf(source, path, "gemma2", gguf.GGMLQuantizationType.Q8_0, tokenizer_parts)
     source.config.save_pretrained(tmp_path)
-    model, report, _ = streamwise.load_pretrained(path, "auto")
+    model, report, _ = streamwise.load_pretrained(path, "auto", arithmetic="float32")
     assert applied_state(model).source == str(tmp_path) and report.residents == {"gguf": 14}
     ids = torch.tensor([[1, 2, 3]])
     assert_same_logits(model, expected, ids)
@@ -161,7 +168,7 @@ def test_more_architectures_load_from_the_gguf_alone(tmp_path, tokenizer_parts, 
     path = tmp_path / f"{family}.gguf"
     expected = write_llama_cpp_gguf(float_model(family, len(tokens), eos), path, family,
                                     gguf.GGMLQuantizationType.Q4_0, tokenizer_parts)
-    model, report, _ = streamwise.load_pretrained(path, "auto")
+    model, report, _ = streamwise.load_pretrained(path, "auto", arithmetic="float32")
     assert type(model).__name__ == type(expected).__name__
     assert report.residents["gguf"] == len(report.quantized) > 0
     assert set(report.quantized.values()) == {"Q4_0"}
