@@ -138,7 +138,7 @@ def test_gguf_written_by_streamwise_quantize_loads_as_residents(saved, tmp_path,
     assert streamwise_main(["quantize", str(folder), str(target), "--policy", str(policy)]) == 0
     assert "Q8_0 x15" in capsys.readouterr().out
     resident = skeleton_model()
-    report = streamwise.load(resident, target, policy)
+    report = streamwise.load(resident, target, policy, arithmetic="float32")  # the stored weights, exactly
     assert report.residents == {"gguf": 15}
     assert report.bytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(target).tensors)  # raw blocks counted too
     assert resident.model.layers[0].self_attn.q_proj._parameters["weight"].dtype == torch.uint8
@@ -665,7 +665,7 @@ def test_quantize_with_one_type_and_no_policy_loads_back_bit_exact_as_residents(
     target = tmp_path / f"model.{gguf_type}.gguf"
     assert streamwise_main(["quantize", str(tmp_path / "src"), str(target), "--type", gguf_type]) == 0
     model = skeleton_model(**wide)
-    report = streamwise.load(model, target, "decoder-llm", progress=False)
+    report = streamwise.load(model, target, "decoder-llm", progress=False, arithmetic="float32")  # exactly
     assert set(report.quantized.values()) == {gguf_type} and len(report.quantized) == 15  # every Linear
     (stored,) = [t for t in gguf.GGUFReader(target).tensors if t.name == "blk.0.ffn_down.weight"]  # llama.cpp's
     weight = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type).reshape(256, 256).copy())
