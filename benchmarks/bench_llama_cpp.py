@@ -202,7 +202,7 @@ class LlamaCpp:
         return np.array(every.scores[: len(ids)])
 
 
-def bench_model(name: str, files: dict[str, Path], runs: int, threads: int, scratch: Path) -> None:
+def bench_model(name: str, files: dict[str, Path], kinds: list[str], runs: int, threads: int, scratch: Path) -> None:
     import transformers
 
     folder = scratch / name
@@ -221,7 +221,7 @@ def bench_model(name: str, files: dict[str, Path], runs: int, threads: int, scra
     print("| file | program | prefill 32 | prefill 512 | decode | decode: llama.cpp's time × | error vs float | "
           "Streamwise vs llama.cpp | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for kind in FILES:
+    for kind in kinds:
         ours, theirs = Streamwise(files[kind]), LlamaCpp(files[kind], threads)
         timings = {program: {"p32": [], "p512": [], "decode": []} for program in ("streamwise", "llama.cpp")}
         tokens = {}
@@ -287,14 +287,19 @@ def bench_kernels(ggml: Ggml, runs: int, threads: int) -> None:
             sys.stdout.flush()
 
 
-def main() -> None:
+def parsed() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--files", nargs="*", default=list(FILES), choices=list(FILES))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scratch", type=Path, help="where models and files are made (kept for a later run)")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
-    arguments = parser.parse_args()
+    parser.add_argument("--label", help="results go to results/llama-cpp-<label>-<date>.md (a partial run)")
+    return parser.parse_args()
+
+
+def main(arguments: argparse.Namespace) -> None:
     import llama_cpp
 
     torch.set_num_threads(arguments.threads)
@@ -314,9 +319,11 @@ def main() -> None:
     print(f"\nconverter: {make_fixtures.CONVERTER} (a synthetic SentencePiece-style vocabulary); quantizer: "
           "llama.cpp's")
     for name in arguments.models:
-        bench_model(name, make_files(name, scratch, converter, driver), arguments.runs, arguments.threads, scratch)
+        bench_model(name, make_files(name, scratch, converter, driver), arguments.files, arguments.runs,
+                    arguments.threads, scratch)
 
 
 if __name__ == "__main__":
-    with recorded("llama-cpp"):
-        main()
+    options = parsed()
+    with recorded("llama-cpp" + (f"-{options.label}" if options.label else "")):
+        main(options)
