@@ -57,7 +57,10 @@ CHUNK = 32
 _ROWS_TOGETHER = 4
 """Activation rows multiplied by each decoded weight chunk before the next is decoded."""
 _ROWS_PER_CLAIM = 16
-"""Output rows a thread claims at once: few enough that the last claims even out the threads' shares."""
+"""The fewest output rows a thread claims at once."""
+_CLAIMS_PER_THREAD = 4
+"""About how many claims each thread makes: few, so that each reads long runs of weight rows from memory (a
+decode reads them from memory, not cache), yet enough that the last claims even out the threads' shares."""
 _BYTES_PER_THREAD = 1 << 18
 """Weight bytes (times activation rows) below which another thread costs more to start than it saves."""
 
@@ -294,16 +297,16 @@ def _task(layout: Layout, route: str = ROUTE):
     until none is left, and for each multiplies every activation row, four at a time.
 
     The call's descriptor, int64: weight, weight scales (or 0), activations, their scales, their sums, output
-    addresses; M, N, K; the weight row's bytes; the counter."""
+    addresses; M, N, K; the weight row's bytes; the rows of a claim; the counter."""
     together, single = _rows_kernel(layout, _ROWS_TOGETHER, route), _rows_kernel(layout, 1, route)
-    block_size, claim = layout.block_size, _ROWS_PER_CLAIM
+    block_size = layout.block_size
 
     def task(data):
-        call = numba.carray(data, (11,), dtype=np.int64)
+        call = numba.carray(data, (12,), dtype=np.int64)
         weight, weight_scales, x, x_scales, x_sums, out = call[0], call[1], call[2], call[3], call[4], call[5]
-        m, n, k, row_bytes = call[6], call[7], call[8], call[9]
+        m, n, k, row_bytes, claim = call[6], call[7], call[8], call[9], call[10]
         k_chunks, k_groups = k // CHUNK, k // block_size
-        counter = call.ctypes.data + 10 * 8
+        counter = call.ctypes.data + 11 * 8
         start = _fetch_add(counter, claim)
         while start < n:
             for row in range(start, min(start + claim, n)):
@@ -406,10 +409,12 @@ def matmul(rows: Tensor, storage: Tensor, layout: object, out_features: int, wei
     buffer, values = _quantized(rows.float().contiguous(), found.block_size)
     x_scales = values + m * k
     out = torch.empty(m, out_features, dtype=torch.float32)
+    threads = max(1, min(torch.get_num_threads(), out_features // _ROWS_PER_CLAIM,
+                         1 + m * storage.nbytes // _BYTES_PER_THREAD))
+    claim = max(_ROWS_PER_CLAIM, -(-out_features // (_CLAIMS_PER_THREAD * threads)))
     call = np.array([storage.data_ptr(), 0 if scales is None else scales.data_ptr(), values, x_scales,
-                     x_scales + 4 * m * groups, out.data_ptr(), m, out_features, k, row_bytes, 0], np.int64)
-    threads = min(torch.get_num_threads(), out_features // _ROWS_PER_CLAIM, 1 + m * storage.nbytes // _BYTES_PER_THREAD)
-    torch_openmp.run(_task(found, route).address, call.ctypes.data, max(1, threads))
+                     x_scales + 4 * m * groups, out.data_ptr(), m, out_features, k, row_bytes, claim, 0], np.int64)
+    torch_openmp.run(_task(found, route).address, call.ctypes.data, threads)
     return out
 
 
