@@ -158,10 +158,7 @@ def load(
             raise CheckpointError(filling.problems)
         check(plan, model)  # a plan that cannot be applied fails before the first assignment
         must_hold, units = filling.units(plan)
-        expanded = [model.get_submodule(m.path) for m in plan.modules  # residents that expand their weight at a call
-                    if m.path in filling.residents and filling.expands(*filling.residents[m.path][::2])
-                    or m.quant in FORMATS and FORMATS[m.quant].quantizes_on_load
-                    and filling.expands(m.quant, {protocol.GROUP_SIZE: m.group_size})]
+        expanded = [model.get_submodule(m.path) for m in plan.modules if filling.expands(m)]
         tiers = place(checkpoint.path, must_hold, units, host_budget(max_memory), file_tier=file_tier,
                       working=expansion_bytes(expanded))
         if tiers.in_file:  # short of memory: what the load and the forwards free goes back to the system
@@ -337,8 +334,15 @@ class _Filling:
         self.tensors[name] = tensor
         self.aliases[name] = names
 
-    def expands(self, format_name: str, attributes: dict[str, object]) -> bool:
-        """Whether a resident of `format_name` with these attributes expands its weight at a call on the CPU."""
+    def expands(self, planned) -> bool:
+        """Whether a planned module is a resident (kept from the file, or quantized now) that expands its weight at a
+        call on the CPU."""
+        if planned.path in self.residents:
+            format_name, _, attributes = self.residents[planned.path]
+        elif planned.quant in FORMATS and FORMATS[planned.quant].quantizes_on_load:
+            format_name, attributes = planned.quant, {protocol.GROUP_SIZE: planned.group_size}
+        else:
+            return False
         return not FORMATS[format_name].computes_directly({**attributes, protocol.ARITHMETIC: self.arithmetic},
                                                           torch.device("cpu"))
 
