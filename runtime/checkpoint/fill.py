@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ...schemas import Policy
 from ..convert import ConversionError, applied_state, apply, check
-from ..engine import protocol
+from ..engine import protocol, widened
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileSource, FileTier, Sources
 from ..engine.journal import Journal
@@ -72,9 +72,10 @@ class LoadReport:
     tiers: Tiers | None = None
     """What is in host memory and what stayed in the file (`tiers.place`)."""
     cpu_arithmetic: dict[str, str] = field(default_factory=dict)
-    """The residents' GGML type (GGUF) or format (the others) -> how they compute on the CPU: `int8` (activations
-    quantized per block, as llama.cpp; relative error about 5e-3 per layer), `bf16` (INT8's packed kernel), `float32`
-    (the weight expanded, then `F.linear`)."""
+    """The residents' GGML type (GGUF) or format (the others), and `F16`/`BF16` for half-precision Linear weights ->
+    how they compute on the CPU: `int8` (activations quantized per block, as llama.cpp; relative error about 5e-3 per
+    layer), `bf16` (INT8's packed kernel), `float32` (a resident's weight expanded, then `F.linear`; a half-precision
+    weight's exact products summed in float32, `engine.widened`)."""
 
     def __str__(self) -> str:
         """One line for people: the class built, what was read, what stayed quantized (by type), what was dequantized
@@ -129,6 +130,8 @@ def load(
     outside a fetch): what does not fit the budget is then refused before anything is read. `arithmetic` is how
     quantized residents compute on the CPU where a kernel reads their storage in place (`quant.formats.ARITHMETICS`:
     `int8` as llama.cpp, `float32` exact); the report says what each type takes (`LoadReport.cpu_arithmetic`).
+    Half-precision Linear weights compute in float32 on the CPU whatever it says (`engine.widened`: several rows at
+    once widened a slab of weight rows at a time, where the CPU has no half-precision kernels of its own).
     """
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"arithmetic {arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
@@ -174,9 +177,11 @@ def load(
         else:
             filling.assign(progress or (lambda done, total: None), journal, reads)
         apply(plan, model, journal=journal)
-        for module in model.modules():  # every resident, from the file or quantized now
+        for module in model.modules():  # every resident, from the file or quantized now, and half-precision Linear
             if protocol.quant_handler(module) is not None:
                 journal.set_attributes(module, {protocol.ARITHMETIC: arithmetic})
+            elif _half_linear(module):
+                journal.set_attributes(module, {protocol.ARITHMETIC: widened.ARITHMETIC})
         tree = applied_state(model).tree
         journal.set_attributes(tree, {"file_tier": reads, "host_budget": tiers.budget})
         if tiers.budget is not None:  # dequantized weights kept for reuse live in what the budget leaves
@@ -203,6 +208,11 @@ def load(
     return report
 
 
+def _half_linear(module: nn.Module) -> bool:
+    """Whether `module` is a Linear leaf holding a half-precision weight (`engine.widened`)."""
+    return protocol.kind_of(module) == "linear" and getattr(module.weight, "dtype", None) in widened.HALF_TYPES
+
+
 def _cpu_arithmetic(model: nn.Module) -> dict[str, str]:
     """`LoadReport.cpu_arithmetic` of a loaded tree."""
     found = {}
@@ -211,6 +221,8 @@ def _cpu_arithmetic(model: nn.Module) -> dict[str, str]:
         if handler is not None:
             name = handler.name if handler.name != "gguf" else module.gguf_qtype.name
             found[name] = handler.cpu_arithmetic(module)
+        elif _half_linear(module):
+            found[widened.HALF_TYPES[module.weight.dtype]] = widened.ARITHMETIC
     return dict(sorted(found.items()))
 
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ...schemas.vocabulary import AUTO_KIND
 from ..registry import Registry
-from . import protocol
+from . import protocol, widened
 
 WeightDtype = Literal["input", "stored"]
 #: What a specific kind's fetch brings; any other direct tensor of its module would stay behind.
@@ -57,13 +57,15 @@ class ComputeKind:
     (transformers' many copies of LlamaRMSNorm)."""
     probe: Probe | None = None
     """Small inputs for the class's own forward, shaped from the module's weight, for the numerical check."""
+    resident: Callable[..., Any] | None = None
+    """The forward while resident, where the kind computes it itself (else the class's own)."""
 
     def missing(self, module: nn.Module) -> list[str]:
         """Attributes the handler needs that `module` lacks (checked before any conversion)."""
         return [name for name in self.requires if not protocol.has_attribute(module, name)]
 
     def resident_forward(self, cls: type[nn.Module]) -> Callable[..., Any]:
-        return cls.forward
+        return self.resident or cls.forward
 
     def split(self, module: nn.Module, input_name: str | None, args: tuple, kwargs: dict) -> tuple[Tensor, tuple]:
         """The input (first positional, or by its keyword) and the other positional arguments."""
@@ -175,9 +177,10 @@ COMPUTE_KINDS.register(GENERIC, GenericKind(GENERIC, None, "stored", ()))
 def compute_kind(
     name: str, *, dtype: WeightDtype, requires: tuple[str, ...] = ("weight",), made_for: tuple[type, ...] = (),
     computes: tuple[str, ...] = ("forward",), reference: Callable[..., Any] | None = None, probe: Probe | None = None,
+    resident: Callable[..., Any] | None = None,
 ):
     return COMPUTE_KINDS.decorator(name, lambda name, function: ComputeKind(
-        name, function, dtype, requires, made_for, computes, reference, probe))
+        name, function, dtype, requires, made_for, computes, reference, probe, resident))
 
 
 _CONV = ("weight", "bias", "_conv_forward")
@@ -229,8 +232,15 @@ def _normalized(module: nn.Module, generator: torch.Generator) -> list[Tensor]:
     return _trailing(module, generator, *getattr(module, "normalized_shape", module.weight.shape))
 
 
-@compute_kind("linear", dtype="input", requires=("weight", "bias"), made_for=(nn.Linear,), probe=_features)
+def _resident_linear(module: nn.Module, input: Tensor) -> Tensor:  # `input`: nn.Linear.forward's, for calls by keyword
+    return _linear(module, input, module.weight, module.bias)
+
+
+@compute_kind("linear", dtype="input", requires=("weight", "bias"), made_for=(nn.Linear,), probe=_features,
+              resident=_resident_linear)
 def _linear(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if protocol.ARITHMETIC in module.__dict__:  # a half-precision weight a load filled (`widened.ARITHMETIC`)
+        return widened.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

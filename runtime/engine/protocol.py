@@ -9,7 +9,8 @@ ComfyUI host that spells those names, and the one place that spells Streamwise's
 
 Invariants:
 - a leaf fetches its weights per forward exactly when `is_fetching` is true; otherwise its forward computes from
-  the tensors it holds (the original forward, for float leaves);
+  the tensors it holds (the original forward, for float leaves; a load's half-precision Linear leaves may widen on
+  the CPU, `widened`);
 - every converted module's class derives from its original class, named by `original_class`;
 - every converted module of one tree points at one `StreamTree` (`tree_of`), never at process-global state.
 """
@@ -42,7 +43,7 @@ SOURCES = "_sw_sources"  # on modules loaded from a file: where each tensor can 
 NAME = "_sw_name"  # on residents: the module's path in the model it was made in, for messages
 COMPUTE_DTYPE = "_sw_compute_dtype"  # on residents: the dtype of the float weight their storage quantizes
 GROUP_SIZE = "_sw_group_size"  # on INT8/INT4 residents: the quantization group size (None: one scale per row)
-ARITHMETIC = "_sw_arithmetic"  # on residents a load made: how they compute on the CPU (`quant.formats.ARITHMETICS`)
+ARITHMETIC = "_sw_arithmetic"  # on residents and half-precision Linear leaves a load made: how they compute on the CPU
 STATE = "_streamwise"  # on a converted root: its `AppliedState` (the tree, the records that undo it, the plan)
 COMPILE_STATE = "_sw_compile"  # on a module or host model armed for compilation: its `Armed` state
 DEVICE = "_sw_device"  # on a hosted root: the device a host assigned to `model.device` (read-only in transformers)

@@ -26,9 +26,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..engine import protocol
+from ..engine.tracing import plain_call
 from ..registry import Registry
 from . import dequant_cache, numba_kernels
 from .convrot import rotate
@@ -119,7 +119,7 @@ class ConvRotInt4(_ScaledIntegers):
     compile_safe = False
 
     def linear(self, module, x, stored, bias):
-        if not (self.computes_directly(module.__dict__, x.device, stored["weight"].device) and _native_call_seen(x)):
+        if not (self.computes_directly(module.__dict__, x.device, stored["weight"].device) and plain_call(x)):
             return super().linear(module, x, stored, bias)  # no operator: neither a tracer nor autograd would see it
         kernels = numba_kernels.matmul()
         group_size, shape = getattr(module, protocol.GROUP_SIZE), (module.out_features, -1)
@@ -147,14 +147,6 @@ def _direct(attributes, devices) -> bool:
             and all(device.type == "cpu" for device in devices))
 
 
-def _native_call_seen(x: Tensor) -> bool:
-    """Whether a kernel may be called as plain native code here, where nothing would miss it: no compiled graph or
-    other tracer (a dispatch mode) records the call, and no gradient is asked of it. Else only an operator serves
-    (the dispatcher's call costs about 0.1 ms: a decode step makes one per Linear)."""
-    return not (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-                or (x.requires_grad and torch.is_grad_enabled()))
-
-
 def _with_bias(out: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
     """A kernel's float32 (rows, out) as the layer's output: x's dtype and leading dims, the bias added."""
     out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
@@ -171,7 +163,7 @@ class GGUF(QuantFormat):
         if not self.computes_directly(module.__dict__, x.device, blocks.device):
             return super().linear(module, x, stored, bias)
         rows = x.reshape(-1, module.in_features)
-        if _native_call_seen(x):
+        if plain_call(x):  # native code: the operator's dispatch costs about 0.1 ms, a decode step one per Linear
             out = numba_kernels.matmul().matmul(rows, blocks, module.gguf_qtype, module.out_features)
         else:
             out = torch.ops.streamwise.gguf_matmul(rows, blocks, int(module.gguf_qtype), module.out_features)
