@@ -5,7 +5,7 @@ Invariants:
 - the units are the outermost modules of the policy's `[compile] blocks` (the converting plan's own when it has
   them), one region per block forward, so N identical blocks compile once;
 - streamed leaves trace inside a block (resident, their forward is the original one; fetching, they fetch inline:
-  arming turns a host's side-stream prefetch off);
+  arming turns a host's copies ahead off);
 - a tree holding residents of a format that cannot compile (ConvRot INT4) is left eager, and says why;
 - a host's model (a ComfyUI MODEL) is armed through the target its host registered (`targets`); this stage never
   learns what a MODEL is;
@@ -123,7 +123,7 @@ def _unbound_forward(unit: nn.Module, own: Any):
 
 
 def _inline_fetchers(module: nn.Module, settings: CompileSettings) -> None:
-    """A fetcher that prefetches on a side stream keeps Python bookkeeping a graph cannot hold; reads from the file
+    """A fetcher that copies ahead on a copy stream keeps Python bookkeeping a graph cannot hold; reads from the file
     tier run outside the graphs."""
     state = applied_state(module)
     if state is not None:
@@ -131,4 +131,4 @@ def _inline_fetchers(module: nn.Module, settings: CompileSettings) -> None:
         if state.tree.file_tier is not None:
             state.tree.file_tier.read_outside_graphs()
         if settings.verbose:
-            log.info("compiled blocks fetch their weights inline (no side-stream prefetch)")
+            log.info("compiled blocks fetch their weights inline (no copies ahead)")

@@ -5,9 +5,10 @@ bytes: per-tensor pins round up to powers of two). As many leaves as fit the bud
 order (forward order for transformers models; leaves sharing a tied weight decide together), become
 resident on the compute device and run the original forward; the others fetch their weights per
 forward. The budget counts streamed leaves only (a generic container with the descendants it
-claims): relocated and unplanned tensors always live on the compute device. On CUDA the next
-streamed leaf's weights are copied on a side stream while the current one computes. With offload
-and compute device both CPU everything still runs, through the same code paths.
+claims): relocated and unplanned tensors always live on the compute device. On CUDA the streamed
+weights go through the streaming engine (`engine.stream`): a block's streamed leaves are one unit, copied
+into a ring of device slots (counted in the budget) while the unit before it computes. With offload and
+compute device both CPU everything still runs, fetching as plain torch does.
 
 The arguments are checked before anything changes, and placing is atomic: on any failure (Ctrl-C
 included) every tensor is moved back and the tree is as it was (converted only if it was before).
@@ -35,8 +36,11 @@ from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileTier
 from ..engine.journal import Journal
+from ..engine.stream import arena
+from ..engine.stream.device import device_ops
+from ..engine.stream.streamer import Unit, UnitStreamer
 from ..engine.tree import TorchFetcher
-from ..plan.selectors import walk_modules
+from ..plan.selectors import walk_modules, within
 from ..policy.diagnostics import PolicyError
 from ..sizes import SizeError, human, parse_size
 from .devices import weight_device
@@ -99,8 +103,9 @@ def offload(
 
     `budget`: bytes, a size such as `"2GiB"` or `"1.5GB"`, a share of the device such as `"50%"`, `"auto"` (the
     device's free memory less `AUTO_MARGIN` of its total) or None (every streamed leaf resident). Tensors outside
-    the plan are moved to the compute device; relocated ones follow it on their own. `prefetch` (CUDA only) overlaps the
-    next leaf's copy with the current leaf's compute.
+    the plan are moved to the compute device; relocated ones follow it on their own. `prefetch` (CUDA only) streams by
+    units through the engine's ring, each unit's copy overlapping the compute before it (False: each leaf copies
+    its weights when it computes).
     """
     device, offload_device = _usable(device, "device"), _usable(offload_device, "offload_device")
     budget = _budget(budget, device)
@@ -116,7 +121,8 @@ def offload(
         modules = dict(walk_modules(model))  # one walk, not a path lookup per leaf
         paths = [entry.path for entry in plan.modules if entry.stream]
         leaves = [modules[path] for path in paths]
-        streamer = _Streamer(device, pin=device.type == "cuda" and offload_device.type == "cpu", prefetch=prefetch)
+        pin = device.type == "cuda" and offload_device.type == "cpu"  # copies from pinned memory may overlap compute
+        ops = device_ops(device) if prefetch and offload_device.type == "cpu" else None
         resident_bytes = streamed_bytes = resident_count = file_bytes = 0
         host_budget = state.tree.host_budget
         placed = _residency(leaves, budget)
@@ -126,6 +132,11 @@ def offload(
             if budget is None or budget > room:
                 budget = room
                 placed = _residency(leaves, budget)
+        if ops is not None and budget is not None:  # the ring of device slots lives within the budget
+            ring = 0  # sized by the largest streamed unit, which a smaller room for residents may make larger
+            while (needed := UnitStreamer.ring_bytes(_units(plan, modules, placed, set()))) > ring:
+                ring = needed
+                placed = _residency(leaves, max(0, budget - ring))
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
         host_tier = []
         read: dict[int, Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
@@ -146,8 +157,15 @@ def offload(
                 file_bytes += size if id(group[0]) in in_file else 0
         if state.tree.file_tier is not None:
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
-        if streamer.non_blocking:
-            _pin_together(journal, host_tier)
+        units = _units(plan, modules, placed, in_file)
+        if ops is not None and units:
+            arena.pack(journal, host_tier, pinned=pin)
+            streamer = UnitStreamer(ops, device, units)
+        else:
+            streamer = TorchFetcher()
+            streamer.non_blocking = pin
+            if pin:
+                arena.pack(journal, host_tier, pinned=True)
         converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
         for module in model.modules():
             if id(module) not in converted and not protocol.relocated_names(module):
@@ -327,110 +345,19 @@ def _place(journal: Journal, module: nn.Module, device: torch.device, read: dict
             journal.move(module, name, device)
 
 
-PIN_ALIGNMENT = 512
-"""Bytes each tensor's start in the pinned region is aligned to (what CUDA copies run fastest from)."""
-
-
-def _pin_together(journal: Journal, owners: list[nn.Module]) -> None:
-    """Pin the host tier as one region of the bytes it holds, each tensor a view of it (a Parameter stays the same
-    object). Torch's pinned allocator rounds each allocation up to a power of two, so pinning per tensor can take
-    up to twice the host budget; tensors pinned already (a region of an earlier placing) stay where they are."""
-    slots = [(owner, name, tensor) for owner in owners
-             for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
-             if tensor is not None and file_tier.in_memory(tensor) and name not in protocol.relocated_names(owner)
-             and tensor.device.type == "cpu" and not tensor.is_pinned()]
-    offsets, total = {}, 0
-    for _, _, tensor in slots:
-        if id(tensor) not in offsets:
-            offsets[id(tensor)] = total
-            total += -(-tensor.nbytes // PIN_ALIGNMENT) * PIN_ALIGNMENT
-    if not total:
-        return
-    region, views = _pinned_region(total), {}
-    for owner, name, tensor in slots:
-        view = views.get(id(tensor))
-        if view is None:
-            start = offsets[id(tensor)]
-            view = views[id(tensor)] = region[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor)
-        if isinstance(tensor, nn.Parameter):
-            if tensor.data_ptr() != view.data_ptr():  # a tied Parameter takes its view once
-                journal.set_data(tensor, view)
-        else:
-            journal.set_tensor(owner, name, view)
-
-
-def _pinned_region(nbytes: int) -> Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-class _Streamer(TorchFetcher):
-    """Fetches streamed weights; on CUDA, prefetches the next leaf's weights on a side stream."""
-
-    def __init__(self, device: torch.device, *, pin: bool, prefetch: bool) -> None:
-        self.device = device
-        self.non_blocking = pin  # copies from pinned memory may overlap compute
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" and prefetch else None
-        self.order: list[nn.Module] = []
-        self.position: dict[int, int] = {}
-        # weight, bias, event, versions
-        self.ready: dict[int, tuple[Tensor | None, Tensor | None, object, tuple[int, ...]]] = {}
-
-    def fetch(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
-        """Copy in the stored dtype and cast on the device: a host-to-device copy that also casts
-        would convert on the CPU into a pageable buffer first."""
-        if self.side is None:  # plain tensor ops: also what torch.compile traces cleanly inside a block
-            weight, bias = _copy(module, device)
-        else:
-            key = id(module)  # prefetching: learn the forward order, take what was copied ahead
-            if key not in self.position:
-                self.position[key] = len(self.order)
-                self.order.append(module)
-            weight, bias = self._take(module)
-            self._prefetch_after(key)
-        return self.for_compute(module, weight, bias, device, dtype)
-
-    def inline_for_compile(self) -> None:
-        """Copy on demand from now on (compiled blocks cannot trace the side-stream bookkeeping)."""
-        self.side = None
-        self.ready.clear()
-
-    def _take(self, module: nn.Module) -> tuple[Tensor | None, Tensor | None]:
-        ready = self.ready.pop(id(module), None)
-        if ready is None or ready[3] != _versions(module):  # changed in place since the copy: copy again
-            return _copy(module, self.device)
-        weight, bias, event, _ = ready
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(event)
-        for tensor in (weight, bias):
-            if tensor is not None:
-                tensor.record_stream(stream)
-        return weight, bias
-
-    def _prefetch_after(self, key: int) -> None:
-        following = self.position[key] + 1
-        if following >= len(self.order):
-            following = 0  # the next forward starts over
-        module = self.order[following]
-        if id(module) in self.ready or not protocol.is_fetching(module):
-            return
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side):
-            weight, bias = _copy(module, self.device)
-            event = torch.cuda.Event()
-            event.record(self.side)
-        self.ready[id(module)] = (weight, bias, event, _versions(module))
-
-
-def _copy(module: nn.Module, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-    weight, bias = file_tier.held(module, "weight"), file_tier.held(module, "bias")
-    return (
-        None if weight is None else weight.to(device, non_blocking=True),
-        None if bias is None else bias.to(device, non_blocking=True),
-    )
-
-
-def _versions(module: nn.Module) -> tuple[int, ...]:
-    """In-place update counters of a leaf's weight and bias: a prefetched copy is stale once they move."""
-    held = module._parameters
-    return tuple(t._version for t in (held.get("weight"), held.get("bias")) if t is not None)
+def _units(plan, modules: dict[str, nn.Module], placed: list[tuple[list[nn.Module], int, bool]],
+           in_file: set[int]) -> list[Unit]:
+    """The streamed leaves held in host memory, grouped into units: those of one block (a plan's compile unit)
+    together, any other leaf alone; in registration order."""
+    streamed = {id(leaf) for group, _, resident in placed if not resident for leaf in group
+                if id(leaf) not in in_file}
+    grouped: dict[str, list[nn.Module]] = {}
+    block = None
+    for entry in plan.modules:
+        if entry.compile_unit and not (block is not None and within(entry.path, block)):
+            block = entry.path
+        leaf = modules.get(entry.path)
+        if entry.stream and leaf is not None and id(leaf) in streamed:
+            key = block if block is not None and within(entry.path, block) else entry.path
+            grouped.setdefault(key, []).append(leaf)
+    return [Unit(group) for group in grouped.values()]

@@ -566,15 +566,19 @@ def test_a_converted_dynamic_model_is_not_demoted():
 
 
 def test_offloading_an_armed_model_keeps_prefetch_off(monkeypatch):
-    """Side-stream prefetch (CUDA) keeps Python bookkeeping a graph cannot hold; arming first must still win."""
+    """Streaming by units (CUDA; here the recording fake) keeps Python bookkeeping a graph cannot hold; arming first
+    must still win."""
+    from recording_device import RecordingOps
+
+    from streamwise.runtime.engine.stream.streamer import UnitStreamer
     from streamwise.runtime.hosts import standalone
 
-    quieted = []
-    monkeypatch.setattr(standalone._Streamer, "inline_for_compile", lambda self: quieted.append(self))
+    monkeypatch.setattr(standalone, "device_ops", lambda device: RecordingOps())
     model = Net(blocks=2)
     streamwise.lazy_compile(model, POLICY, backend="aot_eager")
     streamwise.offload(model, POLICY, device="cpu", budget=0)
-    assert quieted == [streamwise.runtime.convert.applied_state(model).tree.fetcher]
+    fetcher = streamwise.runtime.convert.applied_state(model).tree.fetcher
+    assert isinstance(fetcher, UnitStreamer) and fetcher.inline
 
 
 def test_a_policy_with_compile_enabled_arms_the_standalone_host():

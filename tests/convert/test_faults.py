@@ -198,7 +198,7 @@ def test_revert_completes_or_leaves_the_tree_converted_and_revertible(monkeypatc
 def test_offload_completes_or_restores(monkeypatch, device):
     faults = Faults(monkeypatch, [
         *CONVERTING, (journal_module, "move_in_place"), (standalone, "_place"), (standalone, "_residency"),
-        (standalone, "_Streamer"), (protocol, "set_fetching"),
+        (standalone, "_units"), (standalone, "TorchFetcher"), (protocol, "set_fetching"),
     ])
     budget = 40_000  # some leaves resident, the others streamed
 
@@ -235,7 +235,7 @@ def test_offload_refuses_what_it_cannot_place_with_and_changes_nothing(arguments
 
 def test_offload_of_a_converted_tree_restores_it_converted(monkeypatch):
     """A tree converted before (here by apply) stays converted, with its tree state, when offloading fails."""
-    faults = Faults(monkeypatch, [(standalone, "_place"), (protocol, "set_fetching"), (standalone, "_Streamer")])
+    faults = Faults(monkeypatch, [(standalone, "_place"), (protocol, "set_fetching"), (standalone, "_units")])
 
     def converted():
         model = small()

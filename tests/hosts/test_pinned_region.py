@@ -8,7 +8,7 @@ import torch
 
 import streamwise
 from streamwise.runtime.engine.journal import Journal
-from streamwise.runtime.hosts import standalone
+from streamwise.runtime.engine.stream import arena
 
 from helpers import tiny_qwen2
 
@@ -17,11 +17,12 @@ from helpers import tiny_qwen2
 def regions(monkeypatch):
     made = []
 
-    def region(nbytes):
+    def region(nbytes, pinned):
+        assert pinned
         made.append(torch.zeros(nbytes, dtype=torch.uint8))
         return made[-1]
 
-    monkeypatch.setattr(standalone, "_pinned_region", region)
+    monkeypatch.setattr(arena, "host_region", region)
     return made
 
 
@@ -34,10 +35,10 @@ def test_the_host_tier_is_one_region_of_its_bytes_and_a_failure_gives_each_tenso
               if p is not None}
     journal = Journal()
     with pytest.raises(KeyboardInterrupt), journal.atomic(lambda exc: None):
-        standalone._pin_together(journal, owners)
+        arena.pack(journal, owners, pinned=True)
         (region,) = regions
         total = sum(t.numel() * t.element_size() for t, _, _ in before.values())
-        assert total <= region.numel() <= total + standalone.PIN_ALIGNMENT * len(before)  # exact, less alignment
+        assert total <= region.numel() <= total + arena.ALIGNMENT * len(before)  # exact, less alignment
         for parameter, values, _ in before.values():  # the same objects, now views of the region, same values
             assert parameter.untyped_storage().data_ptr() == region.data_ptr() and torch.equal(parameter, values)
         assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one view
@@ -50,5 +51,5 @@ def test_nothing_is_pinned_again_and_an_empty_host_tier_takes_no_region(regions,
     model = tiny_qwen2()
     streamwise.apply_policy(model, "decoder-llm")
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # all pinned already (an earlier placing)
-    standalone._pin_together(Journal(), list(model.modules()))
+    arena.pack(Journal(), list(model.modules()), pinned=True)
     assert regions == []

@@ -1,0 +1,187 @@
+"""Streaming by units: one copy per unit into a ring of device slots, ahead of the compute, for every kind.
+
+A fetch of any streamed leaf (a float leaf's weight and bias, a resident's raw storage, a generic container's
+parameters and those it claims) enters the leaf's unit: the compute stream waits for the unit's copy, and the copy
+stream starts on the units that follow, as many as the ring has slots besides this one (wrap-around: after the last
+unit of a forward comes the first of the next). A slot is written again only after the compute stream has passed
+every use of it: its "free" event is recorded when the next unit is entered, and the copy into it waits for that
+event. The ring, its events and the units' layout are made when placing; a settled forward makes no device buffer,
+event or stream, and no call that waits on the host.
+
+A unit's tensors come from the host region they were packed into (`arena`): one copy where they still lie there
+together, else one per tensor. Before a unit's copy is used, its tensors' addresses and in-place versions are
+compared with those its copy was made from: a weight changed in place (a merged LoRA, an optimizer step) or replaced
+(`.data =`, a new Parameter, `tie_weights()`) is copied again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import protocol
+from ..tree import TorchFetcher
+from .arena import padded
+from .device import DeviceOps
+
+
+class Unit:
+    """The streamed leaves of one block (or a leaf outside every block) and the parameters their fetches read: their
+    own, and those a generic container claims, each once."""
+
+    def __init__(self, leaves: Sequence[nn.Module]) -> None:
+        self.leaves = tuple(leaves)
+        owners = {id(o): o for leaf in leaves for o in (leaf, *protocol.claimed(leaf))}
+        self.owners = tuple(owners.values())
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for owner in self.owners:
+            for name, tensor in owner._parameters.items():
+                if tensor is not None:
+                    holders.setdefault(id(tensor), []).append((owner, name))
+        self.holders = list(holders.values())
+        """Per tensor, each (module, name) holding it: a tensor tied within the unit is copied once."""
+        self.nbytes = sum(padded(tensor.nbytes) for tensor in self.tensors())
+
+    def tensors(self) -> list[Tensor]:
+        """The unit's tensors as its modules hold them now."""
+        return [owner._parameters[name] for (owner, name), *_ in self.holders]
+
+    def stamp(self) -> tuple[tuple[int, int], ...]:
+        """Where each tensor lies and its in-place version: a copy made from another stamp is stale."""
+        return tuple((t.data_ptr(), t._version) for t in self.tensors())
+
+    def host_range(self) -> Tensor | None:
+        """The unit's bytes as one host range, where its tensors lie one after another in one storage in the
+        unit's order, each at the aligned end of the one before (as `arena.pack` lays them out); else None."""
+        tensors = self.tensors()
+        storage = tensors[0].untyped_storage()
+        start = tensors[0].data_ptr() - storage.data_ptr()
+        expected = tensors[0].data_ptr()
+        for tensor in tensors:
+            if tensor.data_ptr() != expected or tensor.untyped_storage().data_ptr() != storage.data_ptr():
+                return None
+            expected += padded(tensor.nbytes)
+        whole = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage)
+        return whole[start:start + min(self.nbytes, storage.nbytes() - start)]
+
+
+class _Slot:
+    """One device buffer of the ring, the unit copied into it, and its two events."""
+
+    def __init__(self, ops: DeviceOps, nbytes: int) -> None:
+        self.buffer = ops.buffer(nbytes)
+        self.copied = ops.event()  # recorded on the copy stream after the unit's copy
+        self.free = ops.event()  # recorded on the compute stream once every use of the slot is queued
+        self.unit: Unit | None = None
+        self.stamp: tuple = ()
+        self.views: dict[int, dict[str, Tensor]] = {}  # by module id: its tensors' views of the buffer
+
+
+class UnitStreamer(TorchFetcher):
+    """A tree's fetcher streaming `units` to `device` through a ring of `slots` device buffers (prefetch depth
+    `slots - 1`); leaves in no unit (on the file tier) fetch as plain torch does."""
+
+    non_blocking = True
+    SLOTS = 2
+    """The ring's slots: prefetch depth 1 (a unit computes while the next is copied)."""
+
+    def __init__(self, ops: DeviceOps, device: torch.device, units: Sequence[Unit], slots: int = SLOTS) -> None:
+        self.ops, self.device, self.units = ops, device, tuple(units)
+        self.unit_of = {id(owner): unit for unit in self.units for owner in unit.owners}
+        size = max((unit.nbytes for unit in self.units), default=0)
+        self.slots = [_Slot(ops, size) for _ in range(slots)] if self.units else []
+        self.after = {id(unit): following for unit, following in zip(self.units, self.units[1:] + self.units[:1],
+                                                                        strict=True)}
+        """The unit entered after each last time (first guess: registration order, which wraps around)."""
+        self.current: _Slot | None = None
+        self.turn = 0
+        self.inline = False
+
+    @staticmethod
+    def ring_bytes(units: Sequence[Unit], slots: int = SLOTS) -> int:
+        """Device bytes a ring for `units` takes."""
+        return slots * max((unit.nbytes for unit in units), default=0)
+
+    def fetch(self, module, device, dtype):
+        views = self._views(module, device)
+        if views is None:
+            return super().fetch(module, device, dtype)
+        return self.for_compute(module, views.get("weight"), views.get("bias"), device, dtype)
+
+    def fetch_raw(self, module, names, device):
+        views = self._views(module, device)
+        return super().fetch_raw(module, names, device) if views is None else [views.get(name) for name in names]
+
+    fetch_parameters = fetch_raw  # a generic container's parameters and those it claims: views of the same slot
+
+    def inline_for_compile(self) -> None:
+        """Copy inline from now on: a compiled graph cannot hold this bookkeeping."""
+        self.inline = True
+
+    def _views(self, module: nn.Module, device: torch.device) -> dict[str, Tensor] | None:
+        unit = self.unit_of.get(id(module))
+        if unit is None or self.inline or device != self.device:
+            return None
+        if self.current is None or self.current.unit is not unit:
+            self._enter(unit)
+        return self.current.views[id(module)]
+
+    def _enter(self, unit: Unit) -> None:
+        """Make `unit` the one computing: its copy waited for (made now if absent or stale), the next copies begun."""
+        ops = self.ops
+        if self.current is not None:
+            ops.computed(self.current.free)  # every use of the unit left is queued: its slot may be written after
+            self.after[id(self.current.unit)] = unit
+        slot = self._holding(unit)
+        if slot is None or slot.stamp != unit.stamp():
+            slot = self._load(unit, slot)
+        ops.compute_after(slot.copied)
+        self.current = slot
+        following = unit
+        for _ in range(len(self.slots) - 1):
+            following = self.after[id(following)]
+            if following is unit:
+                break
+            held = self._holding(following)
+            if held is None or held.stamp != following.stamp():
+                self._load(following, held)
+
+    def _holding(self, unit: Unit) -> _Slot | None:
+        return next((slot for slot in self.slots if slot.unit is unit), None)
+
+    def _load(self, unit: Unit, slot: _Slot | None) -> _Slot:
+        """Copy `unit` into `slot` (its own, stale), or into the ring's next slot other than the computing one."""
+        if slot is None:
+            slot = self.slots[self.turn]
+            if slot is self.current:
+                self.turn = (self.turn + 1) % len(self.slots)
+                slot = self.slots[self.turn]
+            self.turn = (self.turn + 1) % len(self.slots)
+        ops = self.ops
+        ops.copy_after(slot.free)  # the compute that read the slot's last unit is done
+        tensors, stamp = unit.tensors(), unit.stamp()
+        host = unit.host_range()
+        offsets, at = [], 0
+        for tensor in tensors:
+            offsets.append(at if host is None else tensor.data_ptr() - tensors[0].data_ptr())
+            at += padded(tensor.nbytes)
+        if host is not None:
+            ops.copy(slot.buffer[: host.numel()], host)
+        else:
+            for tensor, offset in zip(tensors, offsets, strict=True):
+                ops.copy(slot.buffer[offset:offset + tensor.nbytes], _bytes(tensor))
+        ops.copied(slot.copied)
+        views: dict[int, dict[str, Tensor]] = {id(owner): {} for owner in unit.owners}
+        for holders, tensor, offset in zip(unit.holders, tensors, offsets, strict=True):
+            view = slot.buffer[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            for owner, name in holders:
+                views[id(owner)][name] = view
+        slot.unit, slot.stamp, slot.views = unit, stamp, views
+        return slot
+
+
+def _bytes(tensor: Tensor) -> Tensor:
+    """A tensor's bytes, flat (a contiguous copy first where it is not contiguous)."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)

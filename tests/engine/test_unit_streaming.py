@@ -1,0 +1,178 @@
+"""Streaming by units (`engine.stream`), its schedule read from the recording fake device on the CPU: one copy per
+block, issued before the block before it computes; slots written again only after their last use; nothing made or
+waited on by the host once placed; changed weights seen; every kind computing exactly what it computes resident."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from recording_device import RecordingOps
+from torch import nn
+
+import streamwise
+from streamwise.runtime.convert import applied_state
+from streamwise.runtime.engine.stream.streamer import UnitStreamer
+from streamwise.runtime.hosts import standalone
+
+from helpers import make_policy, stream_rule, tiny_qwen2
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    recording = RecordingOps()
+    monkeypatch.setattr(standalone, "device_ops", lambda device: recording)
+    return recording
+
+
+def _quantizing(format_name: str):
+    """decoder-llm, with every Linear quantized on apply."""
+    rule = {"id": "q", "format": format_name, "select": {"class": "Linear"},
+            **({"group_size": 64} if format_name.startswith("convrot") else {})}
+    return streamwise.load_policy("decoder-llm").model_copy(update={"quant": make_policy(quant={"rule": [rule]}).quant})
+
+
+def _streamed(model: nn.Module, policy, ops: RecordingOps) -> UnitStreamer:
+    report = streamwise.offload(model, policy, device="cpu", budget=0)
+    assert report.resident_modules == 0
+    streamer = applied_state(model).tree.fetcher
+    assert isinstance(streamer, UnitStreamer)
+    return streamer
+
+
+def _logging_compute(model: nn.Module, streamer: UnitStreamer, log: list) -> None:
+    """Log each streamed leaf's compute (after its fetch) into the fake's log, by its unit's index."""
+    for index, unit in enumerate(streamer.units):
+        for leaf in unit.leaves:
+            leaf.register_forward_hook(lambda m, a, o, i=index: log.append(("compute", i)))
+
+
+@pytest.mark.parametrize("policy", ["decoder-llm", "int8", "convrot_int8"])
+def test_every_kind_streams_by_blocks_and_computes_what_it_computes_resident(ops, policy):
+    torch.manual_seed(0)
+    resident = tiny_qwen2()
+    chosen = "decoder-llm" if policy == "decoder-llm" else _quantizing(policy)
+    streamwise.apply_policy(resident, chosen)
+    model = copy.deepcopy(resident)
+    streamer = _streamed(model, chosen, ops)
+    ids = torch.randint(0, 128, (1, 7))
+
+    with torch.no_grad():
+        got, expected = model(ids).logits, resident(ids).logits
+        settled = len(ops.log)
+        again = model(ids).logits
+
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    paths = {id(m): p for p, m in model.named_modules()}
+    layer_units = [u for u in streamer.units if paths[id(u.leaves[0])].startswith("model.layers.")]
+    assert len(layer_units) == 2  # a decoder layer (its 7 Linears and 2 norms): one unit
+    assert all(sum(isinstance(leaf, nn.Linear) for leaf in u.leaves) == 7 for u in layer_units)
+    copies = [entry for entry in ops.log[settled:] if entry[0] == "copy"]
+    assert len(copies) == len(streamer.units)  # one copy per unit per forward: every unit lies together
+
+
+def test_a_generic_container_streams_what_it_claims_in_one_copy(ops):
+    torch.manual_seed(0)
+    resident = tiny_qwen2(num_hidden_layers=3)  # more units than the ring's two slots: each copied per forward
+    policy = make_policy(stream={"rule": [stream_rule("blocks", "generic", path="model.layers.*")]},
+                         relocate={"rule": [{"id": "rest", "select": {"path": ["model.norm", "model.rotary_emb"]}}]})
+    model = copy.deepcopy(resident)
+    streamer = _streamed(model, policy, ops)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+        settled = len(ops.log)
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+    assert len(streamer.units) == 3 and sum(e[0] == "copy" for e in ops.log[settled:]) == 3
+
+
+def test_the_next_block_is_copied_before_this_one_computes_and_a_slot_waits_for_its_last_use(ops):
+    torch.manual_seed(0)
+    model = tiny_qwen2(num_hidden_layers=4)
+    streamer = _streamed(model, "decoder-llm", ops)
+    log = ops.log
+    _logging_compute(model, streamer, log)
+    settled = len(log)
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+
+    forward = log[settled:]
+    host = {unit.host_range().data_ptr(): i for i, unit in enumerate(streamer.units)}
+    first_compute = {}
+    for position, entry in enumerate(forward):
+        if entry[0] == "compute":
+            first_compute.setdefault(entry[1], position)
+    copied_at = {}
+    for position, entry in enumerate(forward):
+        if entry[0] == "copy":
+            copied_at.setdefault(host[entry[2]], position)
+    units = len(streamer.units)
+    for i in range(units - 1):  # unit i+1's copy is issued before unit i computes
+        assert copied_at[i + 1] < first_compute[i], (i, forward)
+    # a copy into a slot used before waits for its free event, recorded after the last compute of the unit it held
+    held: dict[int, int] = {}
+    for position, entry in enumerate(forward):
+        if entry[0] != "copy":
+            continue
+        slot, unit = entry[1], host[entry[2]]
+        if slot in held:
+            free = streamer.slots[slot].free
+            waited = max(p for p in range(position) if forward[p] == ("copy_after", free))
+            recorded = max(p for p in range(waited) if forward[p] == ("computed", free))
+            used = max((p for p in range(position) if forward[p] == ("compute", held[slot])), default=-1)
+            assert used < recorded < waited < position, (slot, position)
+        held[slot] = unit
+    assert not {kind for kind, *_ in forward} & {"buffer", "event"}  # nothing made once placed
+    assert sum(e[0] == "buffer" for e in log[:settled]) == len(streamer.slots) == 2
+
+
+def test_weights_changed_in_place_or_replaced_between_forwards_are_seen(ops):
+    torch.manual_seed(0)
+    resident = tiny_qwen2()
+    streamwise.apply_policy(resident, "decoder-llm")
+    model = copy.deepcopy(resident)
+    _streamed(model, "decoder-llm", ops)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        model(ids)  # the first unit's copy for the next forward is made at the end of this one (wrap-around)
+        for tree in (model, resident):
+            tree.model.embed_tokens.weight.mul_(1.5)  # in place, in the unit copied ahead: an optimizer step
+            tree.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # in place: a merged LoRA
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+        for tree in (model, resident):
+            layer = tree.model.layers[0].self_attn.q_proj
+            layer.weight = nn.Parameter(layer.weight.detach() * 0.5)  # replaced: a fresh Parameter
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+        for tree in (model, resident):
+            tree.model.layers[1].mlp.down_proj.weight.data = tree.model.layers[1].mlp.down_proj.weight.data + 1
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+
+
+def test_the_ring_is_counted_in_the_budget(ops):
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    budget = sum(p.nbytes for p in model.parameters()) * 95 // 100  # the ring takes two decoder layers' room
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=budget)
+    streamer = applied_state(model).tree.fetcher
+    ring = sum(slot.buffer.nbytes for slot in streamer.slots)
+    assert report.streamed_modules > 0 and ring > 0 and report.resident_bytes + ring <= budget
+
+
+def test_the_gpu_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
+    """`benchmarks/gpu_stream.py --dry-run`: a GPU run cannot fail on a typo its first minutes would find."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, "gpu_stream.py", "--dry-run", "--quick", "--tokens", "4", "--out", str(out)],
+                          cwd=benchmarks, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    for name in ("bf16-eager-host", "int8-eager-host"):
+        assert figures[name]["identical_to_resident"] and figures[name]["streamed_bytes"] > 0, figures[name]
