@@ -1,0 +1,165 @@
+"""Each streaming configuration against its physical floor on a GPU: T >= max(T_compute, W / B_h2d).
+
+A Qwen2-style decoder (bf16) runs resident (T_compute, the same mode) and under `offload` with part of its weights
+streamed; W is the bytes streamed per forward, B_h2d one pinned copy of W bytes timed in the same run. Configurations
+in priority order, each written to `--out` as soon as it is measured (a cut-off run keeps what it measured):
+{bf16, INT8} x {eager, compiled} from host memory, then bf16 from the file tier. Each records the forward time, the
+floor and the ratio (goal <= 1.15), peak device bytes, whether the logits equal the resident run's, and whether one
+forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the host).
+
+    python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
+    python benchmarks/gpu_stream.py --dry-run      # on a CPU: the recording fake device, a tiny model, end to end
+
+`--quick` runs the first two configurations (on a GPU at 8 layers at most: minutes). Fixtures are made on the
+spot (no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
+
+import streamwise
+from streamwise.runtime.hosts import standalone
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGURATIONS = (("bf16", "eager", "host"), ("int8", "eager", "host"), ("bf16", "compiled", "host"),
+                  ("int8", "compiled", "host"), ("bf16", "eager", "file"))
+STREAMED_SHARE = 0.75
+
+
+def decoder(layers: int, hidden: int) -> torch.nn.Module:
+    config = transformers.Qwen2Config(
+        hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512), vocab_size=32000)
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def policy(weights: str, mode: str):
+    chosen = streamwise.load_policy("decoder-llm")
+    if weights == "int8":
+        rule = {"id": "q", "format": "int8", "select": {"class": "Linear"}}
+        chosen = chosen.model_copy(update={"quant": type(chosen.quant).model_validate({"rule": [rule]})})
+    if mode == "compiled":
+        chosen = chosen.model_copy(update={"compile": chosen.compile.model_copy(update={"enabled": True})})
+    return chosen
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(model, ids, repeats: int) -> tuple[torch.Tensor, float]:
+    with torch.inference_mode():
+        for _ in range(2):
+            logits = model(ids).logits
+        synchronize(ids.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            logits = model(ids).logits
+        synchronize(ids.device)
+    return logits, (time.perf_counter() - start) / repeats
+
+
+def link_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """One copy of `nbytes` from pinned host memory to `device`, timed (the best of `repeats`)."""
+    source = torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        source.to(device, non_blocking=True)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def configuration(weights: str, mode: str, tier: str, host: torch.nn.Module, ids: torch.Tensor,
+                  repeats: int) -> dict:
+    device = ids.device
+    chosen = policy(weights, mode)
+    with tempfile.TemporaryDirectory() as folder:
+        if tier == "file":  # the resident run loads the same folder (a load keeps rotary tables in float32)
+            host.save_pretrained(folder)
+
+        def fresh(max_memory=None) -> torch.nn.Module:
+            if tier == "file":
+                return streamwise.load_pretrained(folder, chosen, progress=False, max_memory=max_memory)[0]
+            return copy.deepcopy(host)
+
+        resident = fresh()
+        streamwise.offload(resident, chosen, device=device, budget=None)
+        expected, compute = timed(resident, ids, repeats)
+        total = sum(p.nbytes for p in resident.parameters())
+        del resident
+        model = fresh({"cpu": int(total * (1 - STREAMED_SHARE / 2))})  # half of what streams left in the file
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        report = streamwise.offload(model, chosen, device=device, budget=int(total * (1 - STREAMED_SHARE)))
+        logits, seconds = timed(model, ids, repeats)
+        link = link_seconds(report.streamed_bytes, device)
+        floor = max(compute, link)
+        no_host_wait = None
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.inference_mode():
+                    model(ids)
+                no_host_wait = True
+            except RuntimeError:
+                no_host_wait = False
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return {
+            "ms": seconds * 1e3, "resident_ms": compute * 1e3, "link_ms": link * 1e3, "floor_ms": floor * 1e3,
+            "ratio": seconds / floor, "streamed_bytes": report.streamed_bytes, "file_bytes": report.file_bytes,
+            "report": str(report), "identical_to_resident": bool(torch.equal(logits, expected)),
+            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            "no_host_wait": no_host_wait,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="a CPU, the recording fake device, a tiny model")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.dry_run:
+        sys.path.insert(0, str(REPO / "tests"))
+        from recording_device import RecordingOps
+
+        standalone.device_ops = lambda device: RecordingOps()
+        device, layers, hidden, repeats = torch.device("cpu"), 2, 256, 1
+    else:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device here: run with --dry-run on a CPU")
+        device, layers, hidden, repeats = torch.device("cuda"), args.layers, args.hidden, args.repeats
+        layers = min(layers, 8) if args.quick else layers
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
+                     "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "model": {"layers": layers, "hidden": hidden, "tokens": args.tokens}}
+    host = decoder(layers, hidden)
+    ids = torch.randint(0, 32000, (1, args.tokens), device=device)
+    for weights, mode, tier in CONFIGURATIONS[:2] if args.quick else CONFIGURATIONS:
+        section(results, f"{weights}-{mode}-{tier}", configuration, weights, mode, tier, host, ids, repeats)
+        emit(results, args.out)  # after each: a run cut off keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
