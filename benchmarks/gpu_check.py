@@ -52,14 +52,18 @@ def timed(model, ids, repeats: int) -> tuple[torch.Tensor, float]:
     return logits, (time.perf_counter() - start) / repeats
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decoder_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of a run of `decoder` (the GPU benchmarks' model), and `--out`."""
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = decoder_options(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
     results: dict = {

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
+from gpu_check import decoder, decoder_options, timed  # this folder's: the GPU benchmarks' model, timed alike
 from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise
@@ -34,14 +34,6 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGURATIONS = (("bf16", "eager", "host"), ("int8", "eager", "host"), ("bf16", "compiled", "host"),
                   ("int8", "compiled", "host"), ("bf16", "eager", "file"))
 STREAMED_SHARE = 0.75
-
-
-def decoder(layers: int, hidden: int) -> torch.nn.Module:
-    config = transformers.Qwen2Config(
-        hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512), vocab_size=32000)
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
 
 
 def policy(weights: str, mode: str):
@@ -57,18 +49,6 @@ def policy(weights: str, mode: str):
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def timed(model, ids, repeats: int) -> tuple[torch.Tensor, float]:
-    with torch.inference_mode():
-        for _ in range(2):
-            logits = model(ids).logits
-        synchronize(ids.device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            logits = model(ids).logits
-        synchronize(ids.device)
-    return logits, (time.perf_counter() - start) / repeats
 
 
 def link_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
@@ -131,14 +111,9 @@ def configuration(weights: str, mode: str, tier: str, host: torch.nn.Module, ids
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = decoder_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="a CPU, the recording fake device, a tiny model")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out")
     args = parser.parse_args()
     if args.dry_run:
         sys.path.insert(0, str(REPO / "tests"))
@@ -154,7 +129,7 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
                      "torch": torch.__version__, "cuda": torch.version.cuda,
                      "model": {"layers": layers, "hidden": hidden, "tokens": args.tokens}}
-    host = decoder(layers, hidden)
+    host = decoder(layers, hidden, torch.bfloat16)
     ids = torch.randint(0, 32000, (1, args.tokens), device=device)
     for weights, mode, tier in CONFIGURATIONS[:2] if args.quick else CONFIGURATIONS:
         section(results, f"{weights}-{mode}-{tier}", configuration, weights, mode, tier, host, ids, repeats)

@@ -4,9 +4,10 @@ accelerate places a model across devices from a device map (`dispatch_model`); S
 blocks (the policy's compile units), its streamed leaves and their bytes. `infer_device_map` turns a Plan and a
 budget per device into that map: whole blocks (and accelerate's `_no_split_modules`) per accelerator, in order,
 tied weights on one device, and what fits no accelerator in the `"cpu"` entry, bounded by its budget. Those
-modules are not accelerate's to offload: their leaves stay in (pinned) CPU memory and Streamwise streams them to
-the device their inputs arrive on, which is the last accelerator for the tail the greedy fill leaves over, so
-that accelerator keeps room for the largest leaf fetched there.
+modules are not accelerate's to offload: their leaves stay in CPU memory (one pinned region) and Streamwise streams
+them to the device their inputs arrive on, which is the last accelerator for the tail the greedy fill leaves over:
+each entry's streamed leaves are one unit of the streaming engine (`engine.stream`), copied ahead through its ring
+of device slots, for which that accelerator keeps room.
 
 `dispatch` applies the policy, places every tensor in place (the same Parameter objects, so tied weights stay
 tied and a failure moves them back), and attaches accelerate's own device hooks to the accelerator shares and the
@@ -34,6 +35,9 @@ from ..convert import ConversionError, applied_state, apply_policy
 from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.journal import Journal
+from ..engine.stream import arena
+from ..engine.stream.device import device_ops
+from ..engine.stream.streamer import Unit, UnitStreamer
 from ..engine.tree import TorchFetcher
 from ..plan import Plan, plan_for
 from ..plan.selectors import joined
@@ -132,11 +136,12 @@ def infer_device_map(model: nn.Module, plan: Plan | Policy | str | Path, max_mem
     Atoms: the compile blocks, accelerate's `_no_split_modules`, streamed entries, and whatever subtree holds none
     of them; containers above them are split (their direct tensors become `path.name` entries). Atoms sharing a
     parameter (tied weights) form one unit, placed where its first atom goes. Units fill the accelerators greedily
-    in registration order (forward order for transformers models), moving to the next accelerator when one is
-    full; the rest go to `"cpu"`, which may hold only what Streamwise streams (a tensor outside every streamed entry
-    goes to the accelerator with most room left). The last accelerator keeps room for the largest leaf of the
-    `"cpu"` entry, fetched there per forward. Sizes count a tensor held at several paths at the first, as
-    accelerate's `compute_module_sizes` does (in bytes, where accelerate counts bool tensors in bits).
+    in registration order (forward order for transformers models), moving to the next accelerator when one is full;
+    the rest go to `"cpu"`, which may hold only what Streamwise streams (a tensor outside every streamed entry goes
+    to the accelerator with most room left). The last accelerator keeps room for the ring the `"cpu"` entries stream
+    through (`UnitStreamer.SLOTS` times the largest entry's streamed bytes). Sizes count a tensor held at several
+    paths at the first, as accelerate's `compute_module_sizes` does (in bytes, where accelerate counts bool tensors
+    in bits).
     """
     if not isinstance(plan, Plan):
         _, plan = plan_for(plan, model)
@@ -146,18 +151,24 @@ def infer_device_map(model: nn.Module, plan: Plan | Policy | str | Path, max_mem
     reserve = 0
     while True:
         placement = _fill(atoms.units, atoms.sizes, atoms.movable, accelerators, limits, reserve)
-        need = max((atoms.sizes[path] for path in atoms.streamed if _on_cpu(path, placement)), default=0)
+        fetched: dict[str, int] = {}  # by "cpu" or "disk" entry: the bytes its streamed leaves fetch
+        for path in atoms.streamed:
+            entry = _entry_of(path, placement)
+            if entry is not None and placement[entry] in (CPU, DISK):
+                fetched[entry] = fetched.get(entry, 0) + atoms.sizes[path]
+        need = UnitStreamer.SLOTS * max(fetched.values(), default=0)  # the ring they stream through
         if not accelerators or need <= reserve:
             return placement
         reserve = need  # only grows, and the cpu entry with it: this ends
 
 
-def _on_cpu(path: str, placement: dict[str, str]) -> bool:
+def _entry_of(path: str, placement: dict[str, str]) -> str | None:
+    """The device map's entry holding `path` (None: none does)."""
     while True:
         if path in placement:
-            return placement[path] in (CPU, DISK)
+            return path
         if not path:
-            return False
+            return None
         path = path.rpartition(".")[0]
 
 
@@ -278,7 +289,8 @@ def dispatch(
     for device in accelerators:
         _check_present(device)
     main = accelerators[0] if accelerators else torch.device(CPU)
-    pin = main.type == "cuda"
+    tail = accelerators[-1] if accelerators else main  # where the "cpu" entries compute: their inputs arrive there
+    ops = device_ops(tail)  # CUDA: each "cpu" entry's streamed leaves are one unit through the engine's ring there
 
     def failed(exc: Exception) -> Exception | None:
         if isinstance(exc, (ConversionError, PolicyError, DispatchError)):
@@ -295,6 +307,8 @@ def dispatch(
         seen: set[int] = set()
         read: dict[int, torch.Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
         made: dict[int, torch.Tensor] = {}  # what is left there, by the tensor: tied ones one placeholder
+        host_tier: list[nn.Module] = []  # the modules of the "cpu" entries, in order
+        units: list[Unit] = []  # the streamed leaves of each "cpu" entry
         for atom, device in device_map.items():
             on_cpu = device in (CPU, DISK)
             target = torch.device(CPU if device == DISK else device)
@@ -317,9 +331,9 @@ def dispatch(
                     if file_tier.on_file_tier(module, name):  # back from the file, then placed as any other
                         journal.set_tensor(module, name, file_tier.read_back(module, name, read))
                         tensor = module._parameters[name]
-                    pinned = pin and on_cpu and name in module._parameters
-                    if tensor.device != target or (pinned and not tensor.is_pinned()):
-                        journal.move(module, name, target, pin=pinned)
+                    if tensor.device != target:
+                        journal.move(module, name, target)
+            host_tier += modules if device == CPU else []
             prefix = f"{atom}." if atom else ""
             for path in leaves:
                 if path == atom or path.startswith(prefix):
@@ -327,8 +341,16 @@ def dispatch(
                     journal.keep(leaf, (protocol.FETCH_FLAG,))
                     protocol.set_fetching(leaf, on_cpu)
                     streamed, resident = streamed + on_cpu, resident + (not on_cpu)
-        fetcher = TorchFetcher()
-        fetcher.non_blocking = pin
+            unit = [module for module in modules if protocol.kind_of(module)] if device == CPU else []
+            units += [Unit(atom, unit)] if unit else []  # in the order the region holds them: one range, one copy
+        pinned = tail.type == "cuda"  # copies from pinned memory may overlap compute
+        if pinned or ops is not None:  # the host tier as one region, each entry's tensors together
+            arena.pack(journal, host_tier, pinned=pinned)
+        if ops is not None and units:
+            fetcher = UnitStreamer(ops, tail, units)
+        else:
+            fetcher = TorchFetcher()
+            fetcher.non_blocking = pinned
         journal.set_attributes(state.tree, {"compute_device": main, "fetcher": fetcher})
         for module in model.modules():
             journal.keep(module, _HOOK_ATTRIBUTES)

@@ -360,4 +360,4 @@ def _units(plan, modules: dict[str, nn.Module], placed: list[tuple[list[nn.Modul
         if entry.stream and leaf is not None and id(leaf) in streamed:
             key = block if block is not None and within(entry.path, block) else entry.path
             grouped.setdefault(key, []).append(leaf)
-    return [Unit(group) for group in grouped.values()]
+    return [Unit(name, group) for name, group in grouped.items()]

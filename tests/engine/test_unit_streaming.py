@@ -176,3 +176,14 @@ def test_the_gpu_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
     figures = json.loads(out.read_text())
     for name in ("bf16-eager-host", "int8-eager-host"):
         assert figures[name]["identical_to_resident"] and figures[name]["streamed_bytes"] > 0, figures[name]
+
+
+def test_a_weight_grown_past_its_slot_is_refused_naming_the_unit(ops):
+    torch.manual_seed(0)
+    model = tiny_qwen2(num_hidden_layers=3)
+    _streamed(model, "decoder-llm", ops)
+    ids = torch.randint(0, 128, (1, 4))
+    layer = model.model.layers[1].mlp.up_proj
+    layer.weight = nn.Parameter(torch.randn(layer.out_features * 4, layer.in_features))  # past two layers' slot
+    with torch.no_grad(), pytest.raises(RuntimeError, match="`model.layers.1` grew to .* offload the model again"):
+        model(ids)

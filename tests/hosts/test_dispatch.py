@@ -19,6 +19,7 @@ from accelerate.utils import check_device_map, compute_module_sizes, infer_auto_
 import streamwise  # noqa: E402
 from streamwise.runtime.convert import applied_state  # noqa: E402
 from streamwise.runtime.engine import protocol  # noqa: E402
+from streamwise.runtime.engine.stream.streamer import UnitStreamer  # noqa: E402
 from streamwise.runtime.hosts.dispatch import DispatchError, budgets, dispatch, infer_device_map  # noqa: E402
 
 GIB = 2**30
@@ -68,7 +69,8 @@ def test_map_is_what_dispatch_model_takes_and_keeps_blocks_whole(qwen2):
 def test_map_figures_against_accelerates_infer_auto_device_map(qwen2):
     model, plan = qwen2
     sizes = compute_module_sizes(model)
-    ours = per_device(infer_device_map(model, plan, BUDGETS), sizes)
+    device_map = infer_device_map(model, plan, BUDGETS)
+    ours = per_device(device_map, sizes)
     theirs = per_device(infer_auto_device_map(
         model, max_memory={0: "20GiB", 1: "20GiB", "cpu": "64GiB"},
         no_split_module_classes=model._no_split_modules), sizes)
@@ -76,14 +78,16 @@ def test_map_figures_against_accelerates_infer_auto_device_map(qwen2):
     assert sum(ours.values()) == sum(theirs.values()) == sizes[""]
     block = sizes["model.layers.0"]
     largest_leaf = max(sizes[entry.path] for entry in plan.modules if entry.stream)  # the embedding / lm_head
+    on_cpu = [entry for entry, device in device_map.items() if device == "cpu"]
+    ring = UnitStreamer.SLOTS * max(sizes[entry] for entry in on_cpu)  # the streaming engine's slots, each an entry
     for device in ("cuda:0", "cuda:1"):
         assert ours[device] <= 20 * GIB
-        # accelerate keeps its largest layer's room on the first accelerator, we on the last one (the cpu tail
-        # runs there): the shares differ by at most that room plus the block it displaces
-        assert abs(ours[device] - theirs[device]) <= largest_leaf + block
-    assert abs(ours["cpu"] - theirs["cpu"]) <= largest_leaf + block
-    # the last accelerator keeps room for the largest leaf streamed onto it from the cpu entry
-    assert ours["cuda:1"] + sizes["lm_head"] <= 20 * GIB
+        # accelerate keeps its largest layer's room on the first accelerator, we the ring's on the last one (the
+        # cpu tail runs there): the shares differ by at most the larger room plus the block it displaces
+        assert abs(ours[device] - theirs[device]) <= max(largest_leaf, ring) + block
+    assert abs(ours["cpu"] - theirs["cpu"]) <= max(largest_leaf, ring) + block
+    # the last accelerator keeps room for the ring the cpu entries stream through
+    assert ours["cuda:1"] + ring <= 20 * GIB
 
 
 def test_tied_weights_share_a_device():
@@ -96,9 +100,11 @@ def test_tied_weights_share_a_device():
     for room in (embedding + layer + slack, embedding + 5 * layer):  # the tied pair on cuda:0 either way
         device_map = infer_device_map(model, plan, {"cuda:0": room, "cuda:1": 4 * layer, "cpu": "64GiB"})
         assert device_map["lm_head"] == device_map["model.embed_tokens"] == "cuda:0"
-    # the only accelerator must keep room for what it fetches from the cpu entry, so the embedding cannot stay
-    # there: both go to the cpu entry, streamed, and the rotary table (no leaf's) takes the room left
-    device_map = infer_device_map(model, plan, {"cuda:0": embedding + slack, "cpu": "64GiB"})
+    # the only accelerator must keep room for the ring it streams the cpu entries through (two of the largest,
+    # a layer), so the embedding cannot stay there: both go to the cpu entry, streamed, and the rotary table (no
+    # leaf's) takes the room left
+    ring = UnitStreamer.SLOTS * layer
+    device_map = infer_device_map(model, plan, {"cuda:0": ring + slack, "cpu": "64GiB"})
     assert device_map["lm_head"] == device_map["model.embed_tokens"] == "cpu"
     assert device_map["model.rotary_emb"] == "cuda:0"
 
@@ -107,7 +113,8 @@ def test_a_module_held_at_several_paths_is_placed_once_with_what_shares_it():
     """T5's `shared` embedding is also the encoder's and the decoder's `embed_tokens` (and the lm_head's weight)."""
     model = meta_model(transformers.T5ForConditionalGeneration, transformers.T5Config(num_layers=4))
     sizes = compute_module_sizes(model)
-    budget = {"cuda:0": sizes[""] // 2, "cuda:1": sizes[""] // 4, "cpu": "64GiB"}
+    ring = UnitStreamer.SLOTS * max(sizes[f"decoder.block.{i}"] for i in range(4))  # the last accelerator's room
+    budget = {"cuda:0": sizes[""] // 2, "cuda:1": sizes[""] // 4 + ring, "cpu": "64GiB"}
     device_map = infer_device_map(model, "auto", budget)  # a policy, resolved there
     check_device_map(model, device_map)
     tied = {device_map[name] for name in ("shared", "encoder.embed_tokens", "decoder.embed_tokens", "lm_head")}
@@ -158,6 +165,32 @@ def test_dispatch_on_cpu_streams_and_matches_the_unconverted_model():
     assert report.bytes["cpu"] == compute_module_sizes(model)[""]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_the_cpu_entries_stream_by_units_through_the_engine(monkeypatch):
+    """Each "cpu" entry's streamed leaves are one unit of the streaming engine (the recording fake device here):
+    one copy per entry per forward, into the ring, and the numbers of the unconverted model."""
+    from recording_device import RecordingOps
+
+    from streamwise.runtime.hosts import dispatch as host
+
+    ops = RecordingOps()
+    monkeypatch.setattr(host, "device_ops", lambda device: ops)
+    torch.manual_seed(0)
+    model = tiny_qwen2(num_hidden_layers=3)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 9))
+    report = dispatch(model, "decoder-llm", max_memory={"cpu": "1GiB"})
+    streamer = applied_state(model).tree.fetcher
+    assert isinstance(streamer, UnitStreamer)
+    entries = {entry for entry, device in report.device_map.items() if device == "cpu"
+               if any(protocol.kind_of(m) for m in model.get_submodule(entry).modules())}
+    assert len(streamer.units) == len(entries) > 3  # the three layers, the embedding, the head...
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+        settled = len(ops.log)
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert sum(entry[0] == "copy" for entry in ops.log[settled:]) == len(streamer.units)
 
 
 def test_dispatch_that_fails_leaves_the_tree_as_it_was():

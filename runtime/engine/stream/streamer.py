@@ -31,7 +31,9 @@ class Unit:
     """The streamed leaves of one block (or a leaf outside every block) and the parameters their fetches read: their
     own, and those a generic container claims, each once."""
 
-    def __init__(self, leaves: Sequence[nn.Module]) -> None:
+    def __init__(self, name: str, leaves: Sequence[nn.Module]) -> None:
+        self.name = name
+        """The block's path (or the leaf's), for messages."""
         self.leaves = tuple(leaves)
         owners = {id(o): o for leaf in leaves for o in (leaf, *protocol.claimed(leaf))}
         self.owners = tuple(owners.values())
@@ -167,6 +169,9 @@ class UnitStreamer(TorchFetcher):
         for tensor in tensors:
             offsets.append(at if host is None else tensor.data_ptr() - tensors[0].data_ptr())
             at += padded(tensor.nbytes)
+        if at > slot.buffer.numel():  # a weight replaced by a larger one since placing (a resized embedding)
+            raise RuntimeError(f"the streamed weights of `{unit.name}` grew to {at} bytes since they were placed, "
+                               f"past the {slot.buffer.numel()} of a ring slot: offload the model again")
         if host is not None:
             ops.copy(slot.buffer[: host.numel()], host)
         else:
