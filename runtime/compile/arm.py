@@ -4,8 +4,9 @@ Invariants:
 - arming returns at once; nothing is traced until the first forward;
 - the units are the outermost modules of the policy's `[compile] blocks` (the converting plan's own when it has
   them), one region per block forward, so N identical blocks compile once;
-- streamed leaves trace inside a block (resident, their forward is the original one; fetching, they fetch inline:
-  arming turns a host's copies ahead off);
+- streamed leaves trace inside a block (resident, their forward is the original one; fetching, they read the
+  views their unit's slot holds, or fetch inline where their host streams no units): the fetcher's bookkeeping
+  runs around each block's graph (`Fetcher.around_block`, called by the region), never inside it;
 - a tree holding residents of a format that cannot compile (ConvRot INT4) is left eager, and says why;
 - a host's model (a ComfyUI MODEL) is armed through the target its host registered (`targets`); this stage never
   learns what a MODEL is;
@@ -53,7 +54,7 @@ def lazy_compile(
         warnings.warn(INT4_MESSAGE, stacklevel=2)
         armed.stats.reason = INT4_MESSAGE
         return target.holder
-    _inline_fetchers(target.module, settings)
+    _reads_outside_graphs(target.module)
     whole_model = settings.model_copy(update={"blocks": None})
     units = _units(target.module, settings if compile_transformer_blocks_only else whole_model)
     regions: dict[Any, Region] = {}
@@ -122,13 +123,9 @@ def _unbound_forward(unit: nn.Module, own: Any):
     return lambda module, *args, **kwargs: own(*args, **kwargs)
 
 
-def _inline_fetchers(module: nn.Module, settings: CompileSettings) -> None:
-    """A fetcher that copies ahead on a copy stream keeps Python bookkeeping a graph cannot hold; reads from the file
-    tier run outside the graphs."""
+def _reads_outside_graphs(module: nn.Module) -> None:
+    """Reads from the file tier run outside the graphs (a fetcher's own bookkeeping runs around each block's graph:
+    `Fetcher.around_block`)."""
     state = applied_state(module)
-    if state is not None:
-        state.tree.fetcher.inline_for_compile()
-        if state.tree.file_tier is not None:
-            state.tree.file_tier.read_outside_graphs()
-        if settings.verbose:
-            log.info("compiled blocks fetch their weights inline (no copies ahead)")
+    if state is not None and state.tree.file_tier is not None:
+        state.tree.file_tier.read_outside_graphs()

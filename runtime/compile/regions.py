@@ -21,6 +21,7 @@ import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -100,8 +101,10 @@ class Region:
         patch = self.patchers[viewed]
         before = (_graphs(), _graph_breaks(), perf_counter(), len(self._failures()))
         revert = patch() if patch else None
+        tree = self._tree(module)
         try:
-            result = self.compiled(module, *args, **kwargs)
+            with nullcontext() if tree is None else tree.fetcher.around_block(module):
+                result = self.compiled(module, *args, **kwargs)
         except (TorchDynamoException, FailOnRecompileLimitHit) as exc:  # the second: the limit under fullgraph
             failure = exc
         else:
@@ -111,6 +114,12 @@ class Region:
             if revert is not None:
                 revert()
         return self._fall_back(failure, module, args, kwargs)  # outside the handler: no dynamo traceback attached
+
+    @staticmethod
+    def _tree(block: nn.Module) -> Any:
+        """The streamed tree `block` lies in (its first converted module's: a few steps into it), or None: its
+        fetcher works around the graph."""
+        return next((tree for module in block.modules() if (tree := protocol.tree_of(module)) is not None), None)
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
         """Before the first graph on a device is traced: the quant formats of the model's residents make there what

@@ -48,6 +48,7 @@ STATE = "_streamwise"  # on a converted root: its `AppliedState` (the tree, the 
 COMPILE_STATE = "_sw_compile"  # on a module or host model armed for compilation: its `Armed` state
 DEVICE = "_sw_device"  # on a hosted root: the device a host assigned to `model.device` (read-only in transformers)
 REGION = "_sw_region"  # on compiled regions: a marker, not a class (ComfyUI may import this pack under two names)
+VIEWS = "_sw_views"  # on a unit's modules while their block's compiled graph runs: their tensors' slot views
 SHARED = "_sw_shared"  # on a copied root: weak references to the tensors its weights share with the tree copied
 
 #: A streamed leaf's class attributes: resident, unpatched. Immutable, so a stray in-place append fails instead of

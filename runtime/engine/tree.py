@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -38,8 +39,8 @@ class Fetcher(Protocol):
         would have merged into them by their state-dict key (core's LoRA patches)."""
         ...
 
-    def inline_for_compile(self) -> None:
-        """Fetch inline from now on: a compiled graph cannot hold a fetcher's Python bookkeeping (prefetch)."""
+    def around_block(self, block: nn.Module) -> AbstractContextManager:
+        """Around the compiled graph of `block`: the bookkeeping a graph cannot hold, done before and after it."""
         ...
 
 
@@ -71,8 +72,8 @@ class TorchFetcher:
     def release(self, module, weight, bias, handle) -> None:
         pass
 
-    def inline_for_compile(self) -> None:
-        pass
+    def around_block(self, block):
+        return nullcontext()
 
 
 def cast_for_compute(

@@ -342,7 +342,7 @@ def dispatch(
                     protocol.set_fetching(leaf, on_cpu)
                     streamed, resident = streamed + on_cpu, resident + (not on_cpu)
             unit = [module for module in modules if protocol.kind_of(module)] if device == CPU else []
-            units += [Unit(atom, unit)] if unit else []  # in the order the region holds them: one range, one copy
+            units += [Unit(atom, unit, owner if slot is None else None)] if unit else []  # the region's order
         pinned = tail.type == "cuda"  # copies from pinned memory may overlap compute
         if pinned or ops is not None:  # the host tier as one region, each entry's tensors together
             arena.pack(journal, host_tier, pinned=pinned)

@@ -30,7 +30,7 @@ from ...errors import Error
 from ...schemas import Policy
 from ..checkpoint import tiers
 from ..checkpoint.errors import CheckpointError
-from ..compile import is_armed, lazy_compile
+from ..compile import lazy_compile
 from ..convert import ConversionError, applied_state, apply_policy
 from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
@@ -75,6 +75,9 @@ class OffloadReport:
     """Of `streamed_bytes`, those read from their checkpoint file at each fetch (the file tier)."""
     host_budget: int | None = None
     """The host budget the tree was loaded under (None: host memory unlimited)."""
+    pinned_bytes: int = 0
+    """Of the host tier, the bytes pinned for asynchronous copies (CUDA); 0 where it stayed pageable, past the pinned
+    budget (`engine.stream.arena.pinned_budget`), or where nothing streams from host memory."""
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
@@ -84,6 +87,8 @@ class OffloadReport:
         if self.file_bytes:
             line += (f", {human(self.file_bytes)} of them read from the file (host budget "
                      f"{human(self.host_budget or 0)})")
+        if self.device.startswith("cuda") and self.streamed_bytes > self.file_bytes and not self.pinned_bytes:
+            line += "; the host tier is pageable (past the pinned budget): its copies wait for the host"
         if self.large_units:
             listed = ", ".join(f"`{path or '<root>'}` ({human(size)})" for path, size in self.large_units)
             line += f"; units larger than {UNIT_SHARE:.0%} of the budget: {listed}"
@@ -158,14 +163,14 @@ def offload(
         if state.tree.file_tier is not None:
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
         units = _units(plan, modules, placed, in_file)
+        pinned_bytes = arena.pack(journal, host_tier, pinned=True) if pin else 0
         if ops is not None and units:
-            arena.pack(journal, host_tier, pinned=pin)
+            if not pin:
+                arena.pack(journal, host_tier, pinned=False)  # the units' tensors together all the same
             streamer = UnitStreamer(ops, device, units)
         else:
             streamer = TorchFetcher()
             streamer.non_blocking = pin
-            if pin:
-                arena.pack(journal, host_tier, pinned=True)
         converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
         for module in model.modules():
             if id(module) not in converted and not protocol.relocated_names(module):
@@ -174,11 +179,9 @@ def offload(
         if policy.compile.enabled:
             _keep_arming(journal, model)
             lazy_compile(model, policy)
-        elif is_armed(model):  # armed before: its compiled blocks cannot trace prefetch bookkeeping
-            streamer.inline_for_compile()
     report = OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
                            resident_bytes, streamed_bytes, budget, _large_units(placed, paths, leaves, budget),
-                           file_bytes, state.tree.host_budget)
+                           file_bytes, state.tree.host_budget, pinned_bytes)
     (_log.warning if report.large_units else _log.info)("offload: policy `%s`, %s", policy.name, report)
     return report
 
@@ -358,6 +361,7 @@ def _units(plan, modules: dict[str, nn.Module], placed: list[tuple[list[nn.Modul
             block = entry.path
         leaf = modules.get(entry.path)
         if entry.stream and leaf is not None and id(leaf) in streamed:
-            key = block if block is not None and within(entry.path, block) else entry.path
-            grouped.setdefault(key, []).append(leaf)
-    return [Unit(name, group) for name, group in grouped.items()]
+            in_block = block is not None and within(entry.path, block)
+            grouped.setdefault(block if in_block else entry.path, []).append(leaf)
+    blocks = {entry.path for entry in plan.modules if entry.compile_unit}
+    return [Unit(path, group, modules[path] if path in blocks else None) for path, group in grouped.items()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import re
@@ -14,6 +15,7 @@ from torch import nn
 
 import streamwise
 from streamwise.runtime.compile import INT4_MESSAGE, compile_stats, disarm, regions
+from streamwise.runtime.engine import protocol
 from streamwise.runtime.hosts.comfyui.compile import DYNAMIC_VRAM_MESSAGE, PER_CALL_DICTS
 
 from helpers import force_streaming, make_policy, stream_rule
@@ -565,20 +567,43 @@ def test_a_converted_dynamic_model_is_not_demoted():
     assert patcher.clones == []
 
 
-def test_offloading_an_armed_model_keeps_prefetch_off(monkeypatch):
-    """Streaming by units (CUDA; here the recording fake) keeps Python bookkeeping a graph cannot hold; arming first
-    must still win."""
+@pytest.mark.parametrize(("arm_first", "backend"), [(True, "aot_eager"), (False, "inductor")],
+                         ids=["armed-then-offloaded", "offloaded-then-armed-inductor"])
+def test_compiled_blocks_stream_by_units_with_copies_ahead(monkeypatch, arm_first, backend):
+    """Streaming by units (CUDA; here the recording fake): each block's unit is entered around its graph, which
+    reads the slot's views as inputs: one graph for every block, no break, the next block's copy issued before this
+    block's graph runs, the numbers of the eager resident model."""
     from recording_device import RecordingOps
 
     from streamwise.runtime.engine.stream.streamer import UnitStreamer
     from streamwise.runtime.hosts import standalone
 
-    monkeypatch.setattr(standalone, "device_ops", lambda device: RecordingOps())
-    model = Net(blocks=2)
-    streamwise.lazy_compile(model, POLICY, backend="aot_eager")
+    ops = RecordingOps()
+    monkeypatch.setattr(standalone, "device_ops", lambda device: ops)
+    torch.manual_seed(0)
+    model = Net(blocks=4)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 32)
+    if arm_first:
+        streamwise.lazy_compile(model, POLICY, backend=backend)
     streamwise.offload(model, POLICY, device="cpu", budget=0)
+    if not arm_first:
+        streamwise.lazy_compile(model, POLICY, backend=backend)
     fetcher = streamwise.runtime.convert.applied_state(model).tree.fetcher
-    assert isinstance(fetcher, UnitStreamer) and fetcher.inline
+    assert isinstance(fetcher, UnitStreamer) and len(fetcher.unit_of_block) == 4
+    same = torch.equal if backend == "aot_eager" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert same(run(model, x), reference(x))
+        settled = len(ops.log)
+        assert same(run(model, x), reference(x))
+    stats = compile_stats(model)
+    assert stats.graphs == 1 and stats.graph_breaks == 0 and stats.recompiles == []
+    forward = ops.log[settled:]
+    waits = [i for i, entry in enumerate(forward) if entry[0] == "compute_after"]
+    copies = [i for i, entry in enumerate(forward) if entry[0] == "copy"]
+    assert len(copies) == len(fetcher.units)  # one per unit: every block's copy made ahead of it
+    assert all(any(w < c < next_w for c in copies) for w, next_w in zip(waits, waits[1:], strict=False))
+    assert not any(protocol.VIEWS in m.__dict__ for m in model.modules())  # handed over only while a graph runs
 
 
 def test_a_policy_with_compile_enabled_arms_the_standalone_host():

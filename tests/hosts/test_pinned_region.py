@@ -3,12 +3,15 @@ each allocation up to a power of two). No GPU here: the region is a plain buffer
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import streamwise
 from streamwise.runtime.engine.journal import Journal
 from streamwise.runtime.engine.stream import arena
+from streamwise.runtime.hosts.standalone import OffloadReport
 
 from helpers import tiny_qwen2
 
@@ -53,3 +56,25 @@ def test_nothing_is_pinned_again_and_an_empty_host_tier_takes_no_region(regions,
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # all pinned already (an earlier placing)
     arena.pack(Journal(), list(model.modules()), pinned=True)
     assert regions == []
+
+
+def test_a_region_past_the_pinned_budget_stays_pageable_and_the_report_says_so(monkeypatch, caplog):
+    asked = []
+
+    def region(nbytes, pinned):
+        asked.append(pinned)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(arena, "host_region", region)
+    monkeypatch.setattr(arena, "pinned_budget", lambda: 4096)  # less than the tiny model's host tier
+    torch.manual_seed(0)
+    model = tiny_qwen2()
+    streamwise.apply_policy(model, "decoder-llm")
+    values = {id(p): p.detach().clone() for p in model.parameters()}
+    with caplog.at_level(logging.WARNING, logger="streamwise.offload"):
+        assert arena.pack(Journal(), list(model.modules()), pinned=True) == 0
+    assert asked == [False] and "stay pageable" in caplog.text and "budget of 4.0 KiB" in caplog.text
+    assert all(torch.equal(p, values[id(p)]) for p in model.parameters())  # packed all the same, values kept
+    report = OffloadReport("cuda:0", "cpu", 0, 3, 0, 10_000)
+    assert "the host tier is pageable (past the pinned budget)" in str(report)
+    assert "pageable" not in str(OffloadReport("cuda:0", "cpu", 0, 3, 0, 10_000, pinned_bytes=10_000))

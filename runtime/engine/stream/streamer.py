@@ -16,7 +16,8 @@ compared with those its copy was made from: a weight changed in place (a merged 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -31,9 +32,11 @@ class Unit:
     """The streamed leaves of one block (or a leaf outside every block) and the parameters their fetches read: their
     own, and those a generic container claims, each once."""
 
-    def __init__(self, name: str, leaves: Sequence[nn.Module]) -> None:
+    def __init__(self, name: str, leaves: Sequence[nn.Module], block: nn.Module | None = None) -> None:
         self.name = name
         """The block's path (or the leaf's), for messages."""
+        self.block = block
+        """The block whose streamed leaves these are (None: a leaf outside every block)."""
         self.leaves = tuple(leaves)
         owners = {id(o): o for leaf in leaves for o in (leaf, *protocol.claimed(leaf))}
         self.owners = tuple(owners.values())
@@ -92,6 +95,7 @@ class UnitStreamer(TorchFetcher):
     def __init__(self, ops: DeviceOps, device: torch.device, units: Sequence[Unit], slots: int = SLOTS) -> None:
         self.ops, self.device, self.units = ops, device, tuple(units)
         self.unit_of = {id(owner): unit for unit in self.units for owner in unit.owners}
+        self.unit_of_block = {id(unit.block): unit for unit in self.units if unit.block is not None}
         size = max((unit.nbytes for unit in self.units), default=0)
         self.slots = [_Slot(ops, size) for _ in range(slots)] if self.units else []
         self.after = {id(unit): following for unit, following in zip(self.units, self.units[1:] + self.units[:1],
@@ -99,7 +103,6 @@ class UnitStreamer(TorchFetcher):
         """The unit entered after each last time (first guess: registration order, which wraps around)."""
         self.current: _Slot | None = None
         self.turn = 0
-        self.inline = False
 
     @staticmethod
     def ring_bytes(units: Sequence[Unit], slots: int = SLOTS) -> int:
@@ -118,13 +121,30 @@ class UnitStreamer(TorchFetcher):
 
     fetch_parameters = fetch_raw  # a generic container's parameters and those it claims: views of the same slot
 
-    def inline_for_compile(self) -> None:
-        """Copy inline from now on: a compiled graph cannot hold this bookkeeping."""
-        self.inline = True
+    @contextmanager
+    def around_block(self, block: nn.Module) -> Iterator[None]:
+        """Enter the unit of `block` before its compiled graph runs, and hand its modules their slot views for the
+        graph to read as inputs (`protocol.VIEWS`); taken back after it, so nothing outlives the call."""
+        unit = self.unit_of_block.get(id(block))
+        if unit is None:
+            yield
+            return
+        if self.current is None or self.current.unit is not unit:
+            self._enter(unit)
+        views = self.current.views
+        for owner in unit.owners:
+            owner.__dict__[protocol.VIEWS] = views[id(owner)]
+        try:
+            yield
+        finally:
+            for owner in unit.owners:
+                owner.__dict__.pop(protocol.VIEWS, None)
 
     def _views(self, module: nn.Module, device: torch.device) -> dict[str, Tensor] | None:
+        if torch.compiler.is_compiling():  # inside a compiled block: the views `around_block` handed over
+            return getattr(module, protocol.VIEWS, None)
         unit = self.unit_of.get(id(module))
-        if unit is None or self.inline or device != self.device:
+        if unit is None or device != self.device:
             return None
         if self.current is None or self.current.unit is not unit:
             self._enter(unit)

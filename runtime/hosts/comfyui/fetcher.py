@@ -7,6 +7,7 @@ Core is imported on first use and feature-detected, never pinned: older cores re
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -89,5 +90,5 @@ class ComfyFetcher:
             fetched.append(tensor)
         return fetched
 
-    def inline_for_compile(self) -> None:
-        pass  # core fetches inline already
+    def around_block(self, block: nn.Module):
+        return nullcontext()  # core fetches inline, inside the graph
