@@ -125,3 +125,29 @@ def test_core_counts_a_quantized_model_by_its_storage_while_model_code_sees_floa
     assert not layer._parameters["weight"].is_floating_point()
     patcher.load(CPU, full_load=True)
     assert patcher.model_size() == storage and not layer._parameters["weight"].is_floating_point()
+
+
+def test_residents_copy_on_cores_offload_stream_and_compute_waits_for_it(comfy_nodes, tmp_path):
+    """Raw storage moves as core's own layers' weights do: `cast_to` on core's offload stream (a CUDA stream; a
+    stand-in here, where core has none for the CPU), then `sync_stream` before the compute reads it."""
+    from streamwise.runtime.convert import applied_state
+
+    model = quantized_qwen("int8", tmp_path)
+    patcher = streamwise.model_patcher(model, load_device=CPU, offload_device=CPU)
+    patcher.load(CPU, lowvram_model_memory=20_000)
+    fetcher = applied_state(model).tree.fetcher
+    stream, log, cast = object(), [], fetcher._cast_to
+
+    def cast_to(tensor, dtype, device, non_blocking=False, copy=False, stream=None):
+        log.append(("copy", stream))
+        return cast(tensor, dtype, device, non_blocking=non_blocking, copy=copy)
+
+    fetcher._offload_stream = lambda device: stream
+    fetcher._cast_to = cast_to
+    fetcher._sync_stream = lambda device, waited: log.append(("sync", waited))
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 6)))
+    assert log and all(entry[1] is stream for entry in log)
+    copies = [entry[0] for entry in log]
+    assert copies[-1] == "sync" and "copy" in copies  # every fetch's copies, then the wait
+    assert all(a != "sync" or b == "copy" for a, b in zip(copies, copies[1:], strict=False))

@@ -40,6 +40,9 @@ class ComfyFetcher:
         self._offloadable = "offloadable" in inspect.signature(self._cast).parameters
         self._uncast = getattr(comfy.ops, "uncast_bias_weight", None)
         self._cast_to = comfy.model_management.cast_to
+        # core's offload streams, where it has them (both cores here do; CUDA and XPU only: None elsewhere)
+        self._offload_stream = getattr(comfy.model_management, "get_offload_stream", lambda device: None)
+        self._sync_stream = getattr(comfy.model_management, "sync_stream", lambda device, stream: None)
         self._patch = comfy.model_patcher.LowVramPatch
         self._paths = paths  # by module id: its path in the tree, the prefix of its parameters' keys
         self.patches: dict[str, list] | None = None
@@ -69,9 +72,13 @@ class ComfyFetcher:
             self._uncast(module, weight, bias, handle)
 
     def fetch_raw(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
-        """Raw storage through core's `cast_to`: `cast_bias_weight` would recast and patch it."""
-        return [None if (t := file_tier.held(module, name)) is None
-                else self._cast_to(t, None, device, non_blocking=True) for name in names]
+        """Raw storage through core's `cast_to` (`cast_bias_weight` would recast and patch it), on core's offload
+        stream as its own layers' weights: the compute stream waits for the copies, not the host."""
+        stream = self._offload_stream(device)
+        fetched = [None if (t := file_tier.held(module, name)) is None
+                   else self._cast_to(t, None, device, non_blocking=True, stream=stream) for name in names]
+        self._sync_stream(device, stream)
+        return fetched
 
     def fetch_parameters(self, module: nn.Module, names: tuple[str, ...], device: torch.device):
         """`fetch_raw`, each tensor with the loading patcher's patches for its key unless core merged them into the
@@ -80,15 +87,13 @@ class ComfyFetcher:
         if not patches or module.__dict__.get(protocol.PATCHED_FLAG, False) or protocol.is_resident(module):
             return self.fetch_raw(module, names, device)  # a resident keeps its patch beside its raw storage
         prefix = self._paths[id(module)]
-        fetched = []
-        for name in names:
-            tensor, key = file_tier.held(module, name), joined(prefix, name)
-            if tensor is not None and key in patches:
-                tensor = self._patch(key, patches)(self._cast_to(tensor, None, device, non_blocking=True, copy=True))
-            elif tensor is not None:
-                tensor = self._cast_to(tensor, None, device, non_blocking=True)
-            fetched.append(tensor)
-        return fetched
+        stream = self._offload_stream(device)
+        copied = [None if (t := file_tier.held(module, name)) is None else
+                  self._cast_to(t, None, device, non_blocking=True, copy=joined(prefix, name) in patches, stream=stream)
+                  for name in names]
+        self._sync_stream(device, stream)  # the patches compute on the compute stream, after the copies
+        return [tensor if tensor is None or (key := joined(prefix, name)) not in patches
+                else self._patch(key, patches)(tensor) for name, tensor in zip(names, copied, strict=True)]
 
     def around_block(self, block: nn.Module):
         return nullcontext()  # core fetches inline, inside the graph
