@@ -1,4 +1,4 @@
-"""What only a GPU can show: real streaming from pinned host memory, side-stream prefetch,
+"""What only a GPU can show: real streaming from pinned host memory, copies ahead (the streaming engine),
 relocated tensors following CUDA, two trees on two devices in one process, and the three tiers.
 
 A Qwen2-style decoder in bf16 runs (1) fully resident on the GPU, (2) under the standalone host
