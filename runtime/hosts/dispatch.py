@@ -35,10 +35,8 @@ from ..convert import ConversionError, applied_state, apply_policy
 from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.journal import Journal
-from ..engine.stream import arena
 from ..engine.stream.device import device_ops
-from ..engine.stream.streamer import Unit, UnitStreamer
-from ..engine.tree import TorchFetcher
+from ..engine.stream.streamer import Unit, UnitStreamer, fetcher_for
 from ..plan import Plan, plan_for
 from ..plan.selectors import joined
 from ..policy.diagnostics import PolicyError
@@ -343,14 +341,7 @@ def dispatch(
                     streamed, resident = streamed + on_cpu, resident + (not on_cpu)
             unit = [module for module in modules if protocol.kind_of(module)] if device == CPU else []
             units += [Unit(atom, unit, owner if slot is None else None)] if unit else []  # the region's order
-        pinned = tail.type == "cuda"  # copies from pinned memory may overlap compute
-        if pinned or ops is not None:  # the host tier as one region, each entry's tensors together
-            arena.pack(journal, host_tier, pinned=pinned)
-        if ops is not None and units:
-            fetcher = UnitStreamer(ops, tail, units)
-        else:
-            fetcher = TorchFetcher()
-            fetcher.non_blocking = pinned
+        fetcher, _ = fetcher_for(journal, ops, tail, host_tier, units, pinned=tail.type == "cuda")
         journal.set_attributes(state.tree, {"compute_device": main, "fetcher": fetcher})
         for module in model.modules():
             journal.keep(module, _HOOK_ATTRIBUTES)

@@ -36,10 +36,8 @@ from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileTier
 from ..engine.journal import Journal
-from ..engine.stream import arena
 from ..engine.stream.device import device_ops
-from ..engine.stream.streamer import Unit, UnitStreamer
-from ..engine.tree import TorchFetcher
+from ..engine.stream.streamer import Unit, UnitStreamer, fetcher_for
 from ..plan.selectors import walk_modules, within
 from ..policy.diagnostics import PolicyError
 from ..sizes import SizeError, human, parse_size
@@ -162,15 +160,8 @@ def offload(
                 file_bytes += size if id(group[0]) in in_file else 0
         if state.tree.file_tier is not None:
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
-        units = _units(plan, modules, placed, in_file)
-        pinned_bytes = arena.pack(journal, host_tier, pinned=True) if pin else 0
-        if ops is not None and units:
-            if not pin:
-                arena.pack(journal, host_tier, pinned=False)  # the units' tensors together all the same
-            streamer = UnitStreamer(ops, device, units)
-        else:
-            streamer = TorchFetcher()
-            streamer.non_blocking = pin
+        streamer, pinned_bytes = fetcher_for(journal, ops, device, host_tier, _units(plan, modules, placed, in_file),
+                                             pinned=pin)
         converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
         for module in model.modules():
             if id(module) not in converted and not protocol.relocated_names(module):

@@ -198,7 +198,7 @@ def test_revert_completes_or_leaves_the_tree_converted_and_revertible(monkeypatc
 def test_offload_completes_or_restores(monkeypatch, device):
     faults = Faults(monkeypatch, [
         *CONVERTING, (journal_module, "move_in_place"), (standalone, "_place"), (standalone, "_residency"),
-        (standalone, "_units"), (standalone, "TorchFetcher"), (protocol, "set_fetching"),
+        (standalone, "_units"), (standalone, "fetcher_for"), (protocol, "set_fetching"),
     ])
     budget = 40_000  # some leaves resident, the others streamed
 

@@ -48,14 +48,12 @@ def pack(journal: Journal, owners: list[nn.Module], *, pinned: bool) -> int:
     once, in order) into one region, each a view of it (a Parameter stays the same object); returns the bytes of
     them pinned now (none where `pinned` is false, or the region would pass the pinned budget and is pageable).
     Tensors pinned already (the region of an earlier placing, laid out alike) stay where they are."""
-    held = {id(tensor): (owner, name, tensor) for owner in owners
-            for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
-            if tensor is not None and file_tier.in_memory(tensor) and name not in protocol.relocated_names(owner)
-            and tensor.device.type == "cpu"}
-    already = sum(padded(tensor.nbytes) for _, _, tensor in held.values() if tensor.is_pinned())
-    slots = [(owner, name, tensor) for owner in owners
-             for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
-             if id(tensor) in held and not tensor.is_pinned()]
+    candidates = [(owner, name, tensor) for owner in owners
+                  for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
+                  if tensor is not None and file_tier.in_memory(tensor) and name not in protocol.relocated_names(owner)
+                  and tensor.device.type == "cpu"]
+    already = sum(padded(t.nbytes) for t in {id(t): t for _, _, t in candidates if t.is_pinned()}.values())
+    slots = [slot for slot in candidates if not slot[2].is_pinned()]
     offsets, total = {}, 0
     for _, _, tensor in slots:
         if id(tensor) not in offsets:
@@ -63,10 +61,9 @@ def pack(journal: Journal, owners: list[nn.Module], *, pinned: bool) -> int:
             total += padded(tensor.nbytes)
     if not total:
         return already
-    if pinned and pinned_now() + total > pinned_budget():
+    if pinned and (holding := pinned_now() + total) > (budget := pinned_budget()):
         _log.warning("the host tier's %s stay pageable: pinned, this process would hold %s of pinned memory, past "
-                     "its budget of %s; copies from it wait for the host", human(total), human(pinned_now() + total),
-                     human(pinned_budget()))
+                     "its budget of %s; copies from it wait for the host", human(total), human(holding), human(budget))
         pinned = False
     region, views = host_region(total, pinned), {}
     for owner, name, tensor in slots:

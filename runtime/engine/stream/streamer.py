@@ -23,7 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import protocol
+from ..journal import Journal
 from ..tree import TorchFetcher
+from . import arena
 from .arena import padded
 from .device import DeviceOps
 
@@ -53,14 +55,16 @@ class Unit:
         """The unit's tensors as its modules hold them now."""
         return [owner._parameters[name] for (owner, name), *_ in self.holders]
 
-    def stamp(self) -> tuple[tuple[int, int], ...]:
-        """Where each tensor lies and its in-place version: a copy made from another stamp is stale."""
-        return tuple((t.data_ptr(), t._version) for t in self.tensors())
+    def stamp(self, tensors: list[Tensor] | None = None) -> tuple[tuple[int, int], ...]:
+        """Where each tensor lies and its in-place version (of `tensors`, the unit's as held now, where given): a copy
+        made from another stamp is stale."""
+        return tuple((t.data_ptr(), t._version) for t in tensors or self.tensors())
 
-    def host_range(self) -> Tensor | None:
-        """The unit's bytes as one host range, where its tensors lie one after another in one storage in the
-        unit's order, each at the aligned end of the one before (as `arena.pack` lays them out); else None."""
-        tensors = self.tensors()
+    def host_range(self, tensors: list[Tensor] | None = None) -> Tensor | None:
+        """The unit's bytes (`tensors`, the unit's as held now, where given) as one host range, where they lie one
+        after another in one storage in the unit's order, each at the aligned end of the one before (as `arena.pack`
+        lays them out); else None."""
+        tensors = tensors or self.tensors()
         storage = tensors[0].untyped_storage()
         start = tensors[0].data_ptr() - storage.data_ptr()
         expected = tensors[0].data_ptr()
@@ -183,8 +187,8 @@ class UnitStreamer(TorchFetcher):
             self.turn = (self.turn + 1) % len(self.slots)
         ops = self.ops
         ops.copy_after(slot.free)  # the compute that read the slot's last unit is done
-        tensors, stamp = unit.tensors(), unit.stamp()
-        host = unit.host_range()
+        tensors = unit.tensors()
+        stamp, host = unit.stamp(tensors), unit.host_range(tensors)
         offsets, at = [], 0
         for tensor in tensors:
             offsets.append(at if host is None else tensor.data_ptr() - tensors[0].data_ptr())
@@ -205,6 +209,20 @@ class UnitStreamer(TorchFetcher):
                 views[id(owner)][name] = view
         slot.unit, slot.stamp, slot.views = unit, stamp, views
         return slot
+
+
+def fetcher_for(journal: Journal, ops: DeviceOps | None, device: torch.device, host_tier: list[nn.Module],
+                units: Sequence[Unit], *, pinned: bool) -> tuple[TorchFetcher, int]:
+    """The fetcher a host places a tree with, and the bytes of its host tier pinned: where `ops` stream `units` to
+    `device`, a unit streamer over the host tier packed into one region (`arena.pack`, `pinned` for asynchronous
+    copies); else plain torch copies, asynchronous from a pinned region where `pinned`."""
+    streams = ops is not None and bool(units)
+    pinned_bytes = arena.pack(journal, host_tier, pinned=pinned) if pinned or streams else 0
+    if streams:
+        return UnitStreamer(ops, device, units), pinned_bytes
+    fetcher = TorchFetcher()
+    fetcher.non_blocking = pinned
+    return fetcher, pinned_bytes
 
 
 def _bytes(tensor: Tensor) -> Tensor:
