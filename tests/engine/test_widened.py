@@ -39,6 +39,7 @@ def test_several_rows_take_float32_arithmetic(monkeypatch, dtype, slab_bytes):
     bias = torch.randn(70, generator=generator).to(dtype)
     x = torch.randn(2, 5, 96, generator=generator).to(dtype)
     assert widened.widens(x, weight)
+    assert widened.widens(x[0, : widened.ROWS], weight) and not widened.widens(x[0, : widened.ROWS - 1], weight)
 
     got = widened.linear(x, weight, bias)
 
@@ -124,3 +125,18 @@ def test_a_loaded_half_model_widens_and_one_converted_in_place_does_not(tmp_path
     assert protocol.ARITHMETIC not in converted.model.layers[0].mlp.up_proj.__dict__
     with torch.no_grad():
         assert torch.equal(converted(ids).logits, expected)
+
+
+@needs_widening
+def test_a_loaded_half_model_streamed_at_budget_0_computes_what_it_computes_resident(tmp_path):
+    """Fetched weights widen as resident ones do: budget 0 and everything resident give the same numbers."""
+    torch.manual_seed(0)
+    tiny_qwen2().to(torch.float16).save_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 12))
+    resident, _, _ = streamwise.load_pretrained(tmp_path, "auto", progress=False)
+    streamed, _, _ = streamwise.load_pretrained(tmp_path, "auto", progress=False)
+    report = streamwise.offload(streamed, "decoder-llm", device="cpu", budget=0)
+    assert report.resident_modules == 0 and report.streamed_modules > 0
+    assert streamed.model.layers[0].mlp.up_proj.__dict__[protocol.ARITHMETIC] == widened.ARITHMETIC
+    with torch.no_grad():
+        assert torch.equal(streamed(ids).logits, resident(ids).logits)
