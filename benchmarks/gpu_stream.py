@@ -5,7 +5,10 @@ streamed; W is the bytes streamed per forward, B_h2d one pinned copy of W bytes 
 in priority order, each written to `--out` as soon as it is measured (a cut-off run keeps what it measured):
 {bf16, INT8} x {eager, compiled} from host memory, then bf16 from the file tier. Each records the forward time, the
 floor and the ratio (goal <= 1.15), peak device bytes, whether the logits equal the resident run's, and whether one
-forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the host).
+forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the host). Last (`decode`), the
+same decoder generating token by token with the streamed part computed on the host where its costs say so
+(`host_compute=True`), beside the same part streamed: ms per token, the blocks that may compute on the host, the
+measured costs, and whether both decode the same tokens (the host's kernels round differently from the GPU's).
 
     python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
     python benchmarks/gpu_stream.py --dry-run      # on a CPU: the recording fake device, a tiny model, end to end
@@ -110,6 +113,33 @@ def configuration(weights: str, mode: str, tier: str, host: torch.nn.Module, ids
         }
 
 
+def decode(host: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
+    """ms per decoded token with the streamed part computed on the host where cheaper, and with it streamed."""
+    device, figures, tokens = ids.device, {}, {}
+    for name, on_host in (("streamed", False), ("on_host", True)):
+        model = copy.deepcopy(host)
+        total = sum(p.nbytes for p in model.parameters())
+        costs = streamwise.StreamCosts() if on_host else False
+        report = streamwise.offload(model, policy("bf16", "eager"), device=device,
+                                    budget=int(total * (1 - STREAMED_SHARE)), host_compute=costs)
+        greedy = dict(do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=2, **greedy)  # the measuring forwards: the prompt's size, one row
+            synchronize(device)
+            start = time.perf_counter()
+            tokens[name] = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **greedy)
+            synchronize(device)
+        prompt = time.perf_counter() - start
+        figures[name] = {"ms_per_token_with_prompt": prompt * 1e3 / steps, "host_blocks": report.host_blocks,
+                         "report": str(report)}
+        if on_host:
+            figures[name]["link_s_per_MiB"] = costs.link * 2**20
+            figures[name]["host_s_per_MiB"] = {rows: cost * 2**20 for rows, cost in costs.host.items()}
+        del model
+    figures["same_tokens"] = bool(torch.equal(tokens["streamed"], tokens["on_host"]))
+    return figures
+
+
 def main() -> None:
     parser = decoder_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--quick", action="store_true")
@@ -134,6 +164,8 @@ def main() -> None:
     for weights, mode, tier in CONFIGURATIONS[:2] if args.quick else CONFIGURATIONS:
         section(results, f"{weights}-{mode}-{tier}", configuration, weights, mode, tier, host, ids, repeats)
         emit(results, args.out)  # after each: a run cut off keeps what it measured
+    section(results, "decode", decode, host, ids[:, :16], 4 if args.dry_run else 32)
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ class RecordingOps:
     def compute_after(self, event: Event) -> None:
         self.log.append(("compute_after", event))
 
+    def synchronize(self) -> None:
+        self.log.append(("synchronize",))
+
     def slot_of(self, tensor: Tensor) -> int:
         """The index of the buffer `tensor` lies in."""
         address = tensor.data_ptr()

@@ -36,7 +36,9 @@ from ..engine import file_tier, protocol
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileTier
 from ..engine.journal import Journal
+from ..engine.stream import on_host
 from ..engine.stream.device import device_ops
+from ..engine.stream.on_host import StreamCosts
 from ..engine.stream.streamer import Unit, UnitStreamer, fetcher_for
 from ..plan.selectors import walk_modules, within
 from ..policy.diagnostics import PolicyError
@@ -76,6 +78,9 @@ class OffloadReport:
     pinned_bytes: int = 0
     """Of the host tier, the bytes pinned for asynchronous copies (CUDA); 0 where it stayed pageable, past the pinned
     budget (`engine.stream.arena.pinned_budget`), or where nothing streams from host memory."""
+    host_blocks: int = 0
+    """Streamed blocks that may compute on the host where their weights lie, input size by input size
+    (`host_compute`, `engine.stream.on_host`)."""
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
@@ -87,6 +92,8 @@ class OffloadReport:
                      f"{human(self.host_budget or 0)})")
         if self.device.startswith("cuda") and self.streamed_bytes > self.file_bytes and not self.pinned_bytes:
             line += "; the host tier is pageable (past the pinned budget): its copies wait for the host"
+        if self.host_blocks:
+            line += f"; {self.host_blocks} blocks compute on the host where cheaper than their copy"
         if self.large_units:
             listed = ", ".join(f"`{path or '<root>'}` ({human(size)})" for path, size in self.large_units)
             line += f"; units larger than {UNIT_SHARE:.0%} of the budget: {listed}"
@@ -101,6 +108,7 @@ def offload(
     budget: int | str | None = "auto",
     offload_device: str | torch.device = "cpu",
     prefetch: bool = True,
+    host_compute: bool | StreamCosts = False,
 ) -> OffloadReport:
     """Convert `model` by `policy` and stream it from `offload_device` to `device` within `budget`.
 
@@ -108,7 +116,9 @@ def offload(
     device's free memory less `AUTO_MARGIN` of its total) or None (every streamed leaf resident). Tensors outside
     the plan are moved to the compute device; relocated ones follow it on their own. `prefetch` (CUDA only) streams by
     units through the engine's ring, each unit's copy overlapping the compute before it (False: each leaf copies
-    its weights when it computes).
+    its weights when it computes). `host_compute` (with `prefetch`, eager): a streamed block computes on the host,
+    where its weights lie, for the input sizes where that costs less than copying it (decode steps, on a slow link),
+    its costs measured (`StreamCosts` given: those figures); its numbers are then the host kernels', not the device's.
     """
     device, offload_device = _usable(device, "device"), _usable(offload_device, "offload_device")
     budget = _budget(budget, device)
@@ -162,6 +172,15 @@ def offload(
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
         streamer, pinned_bytes = fetcher_for(journal, ops, device, host_tier, _units(plan, modules, placed, in_file),
                                              pinned=pin)
+        on_host.uninstall(journal, model)
+        host_blocks = 0
+        if host_compute is not False and isinstance(streamer, UnitStreamer):
+            if policy.compile.enabled:
+                _log.warning("offload: host_compute is off: policy `%s` compiles, and its graphs are traced for %s",
+                             policy.name, device)
+            else:
+                costs = host_compute if isinstance(host_compute, StreamCosts) else StreamCosts()
+                host_blocks = on_host.install(journal, streamer, costs)
         converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
         for module in model.modules():
             if id(module) not in converted and not protocol.relocated_names(module):
@@ -172,7 +191,7 @@ def offload(
             lazy_compile(model, policy)
     report = OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
                            resident_bytes, streamed_bytes, budget, _large_units(placed, paths, leaves, budget),
-                           file_bytes, state.tree.host_budget, pinned_bytes)
+                           file_bytes, state.tree.host_budget, pinned_bytes, host_blocks)
     (_log.warning if report.large_units else _log.info)("offload: policy `%s`, %s", policy.name, report)
     return report
 

@@ -2,7 +2,8 @@
 
 Everything the streamer asks of a device is here: a buffer and events made when a tree is placed (never per
 forward), an asynchronous copy on the copy stream, events recorded on either stream, and either stream waiting for
-one. Nothing synchronises the host. `CudaOps` implements it with torch's CUDA calls; a test implements it with CPU
+one. Nothing synchronises the host, but for measuring a cost (`synchronize`: placing, and the forwards a report
+names as measuring). `CudaOps` implements it with torch's CUDA calls; a test implements it with CPU
 tensors and a log of every call (`tests/recording_device.py`), which is how the schedule is checked on a CPU.
 """
 
@@ -44,6 +45,10 @@ class DeviceOps(Protocol):
         """Make the compute stream wait for `event` before the compute issued next."""
         ...
 
+    def synchronize(self) -> None:
+        """Wait on the host for everything issued on both streams: only to time a copy or a computation."""
+        ...
+
 
 class CudaOps:
     """`DeviceOps` of a CUDA device: one copy stream of the streamer's own, the compute stream being the current."""
@@ -73,6 +78,9 @@ class CudaOps:
 
     def compute_after(self, event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
 
 def device_ops(device: torch.device) -> DeviceOps | None:

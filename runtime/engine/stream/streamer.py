@@ -16,6 +16,7 @@ compared with those its copy was made from: a weight changed in place (a merged 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -107,6 +108,8 @@ class UnitStreamer(TorchFetcher):
         """The unit entered after each last time (first guess: registration order, which wraps around)."""
         self.current: _Slot | None = None
         self.turn = 0
+        self.on_host: Unit | None = None
+        """The unit computing on the host now (`on_host`): its leaves read their host tensors, no copy."""
 
     @staticmethod
     def ring_bytes(units: Sequence[Unit], slots: int = SLOTS) -> int:
@@ -148,7 +151,7 @@ class UnitStreamer(TorchFetcher):
         if torch.compiler.is_compiling():  # inside a compiled block: the views `around_block` handed over
             return getattr(module, protocol.VIEWS, None)
         unit = self.unit_of.get(id(module))
-        if unit is None or device != self.device:
+        if unit is None or device != self.device or unit is self.on_host:
             return None
         if self.current is None or self.current.unit is not unit:
             self._enter(unit)
@@ -173,6 +176,15 @@ class UnitStreamer(TorchFetcher):
             held = self._holding(following)
             if held is None or held.stamp != following.stamp():
                 self._load(following, held)
+
+    def copy_seconds(self, unit: Unit) -> float:
+        """Seconds one copy of `unit` into the ring takes, timed on the host between two synchronisations (for
+        placing only); the copy is kept, as a prefetch would have made it."""
+        self.ops.synchronize()
+        start = time.perf_counter()
+        self._load(unit, self._holding(unit))
+        self.ops.synchronize()
+        return time.perf_counter() - start
 
     def _holding(self, unit: Unit) -> _Slot | None:
         return next((slot for slot in self.slots if slot.unit is unit), None)
