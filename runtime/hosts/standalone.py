@@ -4,7 +4,7 @@ Streamed leaves keep their weights on the offload device (on CUDA, one pinned re
 bytes: per-tensor pins round up to powers of two). As many leaves as fit the budget, in registration
 order (forward order for transformers models; leaves sharing a tied weight decide together), become
 resident on the compute device and run the original forward; the others fetch their weights per
-forward. The budget counts streamed leaves only (a generic container with the descendants it
+forward (on CUDA whole blocks decide, the streamed ones spread among the resident ones). The budget counts streamed leaves only (a generic container with the descendants it
 claims): relocated and unplanned tensors always live on the compute device. On CUDA the streamed
 weights go through the streaming engine (`engine.stream`): a block's streamed leaves are one unit, copied
 into a ring of device slots (counted in the budget) while the unit before it computes. With offload and
@@ -138,18 +138,20 @@ def offload(
         ops = device_ops(device) if prefetch and offload_device.type == "cpu" else None
         resident_bytes = streamed_bytes = resident_count = file_bytes = 0
         host_budget = state.tree.host_budget
-        placed = _residency(leaves, budget)
+        # the ring hides each copy behind the compute before it: streamed blocks are spread among resident ones
+        blocks = {id(leaf): block for leaf, block in _blocks(plan, modules)} if ops is not None else None
+        placed = _residency(leaves, budget, blocks)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
             room = max(0, host_budget - sum(t.nbytes for t in _outside_tensors(model, leaves)) - staging)
             if budget is None or budget > room:
                 budget = room
-                placed = _residency(leaves, budget)
+                placed = _residency(leaves, budget, blocks)
         if ops is not None and budget is not None:  # the ring of device slots lives within the budget
             ring = 0  # sized by the largest streamed unit, which a smaller room for residents may make larger
             while (needed := UnitStreamer.ring_bytes(_units(plan, modules, placed, set()))) > ring:
                 ring = needed
-                placed = _residency(leaves, max(0, budget - ring))
+                placed = _residency(leaves, max(0, budget - ring), blocks)
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
         host_tier = []
         read: dict[int, Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
@@ -256,17 +258,38 @@ def _keep_arming(journal: Journal, model: nn.Module) -> None:
         journal.keep(module, ("forward",))
 
 
-def _residency(leaves: list[nn.Module], budget: int | None) -> list[tuple[list[nn.Module], int, bool]]:
-    """(leaves, bytes, resident) per tied group, in registration order: greedily resident while within `budget`,
-    skipping groups that no longer fit (`budget=None`: everything resident)."""
-    placed, used = [], 0
-    for group in _tied_groups(leaves):
-        size = sum(t.nbytes for t in {id(p): p for leaf in group for owner in _owners(leaf)
-                                        for p in owner._parameters.values() if p is not None}.values())
-        resident = budget is None or used + size <= budget
-        used += size if resident else 0
-        placed.append((group, size, resident))
-    return placed
+def _residency(leaves: list[nn.Module], budget: int | None,
+               blocks: dict[int, str] | None = None) -> list[tuple[list[nn.Module], int, bool]]:
+    """(leaves, bytes, resident) per tied group, in registration order, resident within `budget` (None: everything).
+
+    Without `blocks`, greedily in order, skipping groups that no longer fit. With `blocks` (each leaf's block, by
+    leaf id), a block's groups decide together and the streamed blocks are spread among the resident ones, about
+    one in every `total / (total - budget)`: a streamed block's copy then overlaps the compute of the resident
+    blocks before it, not only that of another streamed block (streamed blocks all at the end would leave the forward
+    bound by the link there while the device idles); what the spread leaves of the budget is filled in order."""
+    sized = [(group, sum(t.nbytes for t in {id(p): p for leaf in group for owner in _owners(leaf)
+                                            for p in owner._parameters.values() if p is not None}.values()))
+             for group in _tied_groups(leaves)]
+    if budget is None:
+        return [(group, size, True) for group, size in sized]
+    resident, used = [False] * len(sized), 0
+    if blocks is not None:
+        decisions: dict[str, list[int]] = {}  # a block's groups, in order
+        for index, (group, _) in enumerate(sized):
+            decisions.setdefault(blocks.get(id(group[0]), str(index)), []).append(index)
+        share = budget / max(1, sum(size for _, size in sized))
+        seen = 0
+        for indices in decisions.values():
+            size = sum(sized[i][1] for i in indices)
+            seen += size
+            if used + size <= budget and used + size <= share * seen + size / 2:
+                used += size
+                for i in indices:
+                    resident[i] = True
+    for index, (_, size) in enumerate(sized):
+        if not resident[index] and used + size <= budget:
+            resident[index], used = True, used + size
+    return [(group, size, chosen) for (group, size), chosen in zip(sized, resident, strict=True)]
 
 
 def _large_units(placed: list[tuple[list[nn.Module], int, bool]], paths: list[str], leaves: list[nn.Module],
@@ -358,6 +381,19 @@ def _place(journal: Journal, module: nn.Module, device: torch.device, read: dict
             journal.move(module, name, device)
 
 
+def _blocks(plan, modules: dict[str, nn.Module]) -> list[tuple[nn.Module, str]]:
+    """Each streamed leaf, in the plan's order, with its block: the path of the compile unit it lies in, else its
+    own."""
+    found, block = [], None
+    for entry in plan.modules:
+        if entry.compile_unit and not (block is not None and within(entry.path, block)):
+            block = entry.path
+        leaf = modules.get(entry.path)
+        if entry.stream and leaf is not None:
+            found.append((leaf, block if block is not None and within(entry.path, block) else entry.path))
+    return found
+
+
 def _units(plan, modules: dict[str, nn.Module], placed: list[tuple[list[nn.Module], int, bool]],
            in_file: set[int]) -> list[Unit]:
     """The streamed leaves held in host memory, grouped into units: those of one block (a plan's compile unit)
@@ -365,13 +401,8 @@ def _units(plan, modules: dict[str, nn.Module], placed: list[tuple[list[nn.Modul
     streamed = {id(leaf) for group, _, resident in placed if not resident for leaf in group
                 if id(leaf) not in in_file}
     grouped: dict[str, list[nn.Module]] = {}
-    block = None
-    for entry in plan.modules:
-        if entry.compile_unit and not (block is not None and within(entry.path, block)):
-            block = entry.path
-        leaf = modules.get(entry.path)
-        if entry.stream and leaf is not None and id(leaf) in streamed:
-            in_block = block is not None and within(entry.path, block)
-            grouped.setdefault(block if in_block else entry.path, []).append(leaf)
+    for leaf, block in _blocks(plan, modules):
+        if id(leaf) in streamed:
+            grouped.setdefault(block, []).append(leaf)
     blocks = {entry.path for entry in plan.modules if entry.compile_unit}
     return [Unit(path, group, modules[path] if path in blocks else None) for path, group in grouped.items()]

@@ -5,6 +5,7 @@ waited on by the host once placed; changed weights seen; every kind computing ex
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -187,3 +188,18 @@ def test_a_weight_grown_past_its_slot_is_refused_naming_the_unit(ops):
     layer.weight = nn.Parameter(torch.randn(layer.out_features * 4, layer.in_features))  # past two layers' slot
     with torch.no_grad(), pytest.raises(RuntimeError, match="`model.layers.1` grew to .* offload the model again"):
         model(ids)
+
+
+@pytest.mark.parametrize("share", [0.75, 0.9])
+def test_streamed_blocks_are_spread_among_resident_ones(ops, share):
+    """Each streamed layer's copy overlaps resident layers' compute: no two streamed layers follow each other (greedy
+    residency in order, the plant tried, streams the last layers together)."""
+    torch.manual_seed(0)
+    model = tiny_qwen2(num_hidden_layers=8)
+    budget = int(sum(p.nbytes for p in model.parameters()) * share)
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=budget)
+    streamer = applied_state(model).tree.fetcher
+    layers = [int(unit.name.rsplit(".", 1)[1]) for unit in streamer.units if unit.name.startswith("model.layers.")]
+    assert len(layers) >= 3, layers
+    assert all(later - earlier > 1 for earlier, later in itertools.pairwise(layers)), layers
+    assert report.resident_bytes + sum(slot.buffer.nbytes for slot in streamer.slots) <= budget
