@@ -251,8 +251,9 @@ class FileTier:
         self.read_ahead = slabs > 1
         self._pool: list[_Arena] = []
         self._largest = largest
-        self._order: list[weakref.ref] = []
-        self._position: dict[int, int] = {}
+        self._after: dict[int, weakref.ref] = {}
+        """The unit read after each one last time (the forward's order, as it is now)."""
+        self._last: int | None = None
         self._ahead: dict[int, _Pending] = {}
         self._advised: set[int] = set()
         """Units the kernel was asked to read ahead since they were last read."""
@@ -260,6 +261,9 @@ class FileTier:
         self._lock = threading.Lock()
         self._reader: queue.SimpleQueue | None = None
         self._outside_graphs = False
+        self.pinned = False
+        """Whether the arenas are pinned memory, which a GPU copies from asynchronously: set by a host that streams
+        the tree to one (`offload`); a copy from pageable memory waits for the host instead."""
 
     def __reduce__(self):
         """A copied or unpickled tree reads its file through staging of its own (the bookkeeping, the reader thread
@@ -302,6 +306,9 @@ class FileTier:
             return current[1]
         del current  # the unit before is done: neither this frame nor the tier may keep its staging from reuse
         self._current = None
+        if self._last is not None:
+            self._after[self._last] = weakref.ref(module)
+        self._last = key
         self._advised.discard(key)
         pending = self._ahead.pop(key, None)
         if pending is not None:
@@ -336,25 +343,22 @@ class FileTier:
         self._drop_read_ahead()
         self._current = None
         self._advised.clear()
-        self._order.clear()
-        self._position.clear()
+        self._after.clear()
+        self._last = None
 
     def _follow(self, module: nn.Module) -> None:
-        """Learn the forward order; start reading the units after `module` in it while the pool has room, and ask
+        """Start reading the units after `module` in the forward's order while the pool has room, and ask
         the kernel to read the units after those into its page cache meanwhile, as many bytes as the pool holds
         (more requests in flight on the disk while the reader thread waits on its own; page cache the kernel drops
         first under memory pressure)."""
-        key = id(module)
-        position = self._position.get(key)
-        if position is None:
-            position = self._position[key] = len(self._order)
-            self._order.append(weakref.ref(module))
         if not self.read_ahead or torch.compiler.is_compiling():
             return
         past_pool: int | None = None  # bytes past a full pool, as far as the kernel is asked to read
-        for step in range(1, len(self._order)):
-            following = self._order[(position + step) % len(self._order)]()
-            if following is None or id(following) in self._ahead or not in_file(following):
+        following, seen = module, {id(module)}
+        while (link := self._after.get(id(following))) is not None and (following := link()) is not None \
+                and id(following) not in seen:
+            seen.add(id(following))
+            if id(following) in self._ahead or not in_file(following):
                 continue
             nbytes = _unit_bytes(following)  # a unit larger than the arenas (read by rows) is never read ahead
             buffer = None if past_pool is not None else self._buffer(nbytes, pooled=True, grow=False)
@@ -412,7 +416,7 @@ class FileTier:
                     return arena.buffer[arena.used - nbytes:arena.used]
             if len(self._pool) < self.slabs:
                 return_large_frees()  # staging: the process is short of memory, what its forwards free must go back
-                fresh = torch.empty(self._largest, dtype=torch.uint8)
+                fresh = torch.empty(self._largest, dtype=torch.uint8, pin_memory=self.pinned)
                 self._pool.append(_Arena(fresh, _use_count(fresh), nbytes))  # the count while only the pool holds it
                 return fresh[:nbytes]
             return None if pooled else torch.empty(nbytes, dtype=torch.uint8)

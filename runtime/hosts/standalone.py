@@ -4,11 +4,12 @@ Streamed leaves keep their weights on the offload device (on CUDA, one pinned re
 bytes: per-tensor pins round up to powers of two). As many leaves as fit the budget, in registration
 order (forward order for transformers models; leaves sharing a tied weight decide together), become
 resident on the compute device and run the original forward; the others fetch their weights per
-forward (on CUDA whole blocks decide, the streamed ones spread among the resident ones). The budget counts streamed leaves only (a generic container with the descendants it
-claims): relocated and unplanned tensors always live on the compute device. On CUDA the streamed
-weights go through the streaming engine (`engine.stream`): a block's streamed leaves are one unit, copied
-into a ring of device slots (counted in the budget) while the unit before it computes. With offload and
-compute device both CPU everything still runs, fetching as plain torch does.
+forward (on CUDA whole blocks decide, the streamed ones spread among the resident ones). The budget
+counts streamed leaves only (a generic container with the descendants it claims): relocated and
+unplanned tensors always live on the compute device. On CUDA the streamed weights go through the
+streaming engine (`engine.stream`): a block's streamed leaves are one unit (a leaf on the file tier
+its own), copied into a ring of device slots (counted in the budget) while the unit before it
+computes. With offload and compute device both CPU everything still runs, fetching as plain torch does.
 
 The arguments are checked before anything changes, and placing is atomic: on any failure (Ctrl-C
 included) every tensor is moved back and the tree is as it was (converted only if it was before).
@@ -32,7 +33,7 @@ from ..checkpoint import tiers
 from ..checkpoint.errors import CheckpointError
 from ..compile import lazy_compile
 from ..convert import ConversionError, applied_state, apply_policy
-from ..engine import file_tier, protocol
+from ..engine import file_tier, protocol, row_reads
 from ..engine.exclusive import one_writer
 from ..engine.file_tier import FileTier
 from ..engine.journal import Journal
@@ -139,7 +140,7 @@ def offload(
         resident_bytes = streamed_bytes = resident_count = file_bytes = 0
         host_budget = state.tree.host_budget
         # the ring hides each copy behind the compute before it: streamed blocks are spread among resident ones
-        blocks = {id(leaf): block for leaf, block in _blocks(plan, modules)} if ops is not None else None
+        blocks = {id(leaf): block for leaf, _, block in _blocks(plan, modules)} if ops is not None else None
         placed = _residency(leaves, budget, blocks)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
@@ -174,6 +175,11 @@ def offload(
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
         streamer, pinned_bytes = fetcher_for(journal, ops, device, host_tier, _units(plan, modules, placed, in_file),
                                              pinned=pin)
+        tier = state.tree.file_tier
+        staged_for_ring = pin and isinstance(streamer, UnitStreamer) and any(u.in_file for u in streamer.units)
+        if tier is not None and tier.pinned != staged_for_ring:  # the ring copies from the staging asynchronously
+            journal.set_attributes(tier, {"pinned": staged_for_ring})
+            tier.drop_staging()
         on_host.uninstall(journal, model)
         host_blocks = 0
         if host_compute is not False and isinstance(streamer, UnitStreamer):
@@ -381,28 +387,43 @@ def _place(journal: Journal, module: nn.Module, device: torch.device, read: dict
             journal.move(module, name, device)
 
 
-def _blocks(plan, modules: dict[str, nn.Module]) -> list[tuple[nn.Module, str]]:
-    """Each streamed leaf, in the plan's order, with its block: the path of the compile unit it lies in, else its
-    own."""
+def _blocks(plan, modules: dict[str, nn.Module]) -> list[tuple[nn.Module, str, str]]:
+    """Each streamed leaf, in the plan's order, with its path and its block: the path of the compile unit it lies in,
+    else its own."""
     found, block = [], None
     for entry in plan.modules:
         if entry.compile_unit and not (block is not None and within(entry.path, block)):
             block = entry.path
         leaf = modules.get(entry.path)
         if entry.stream and leaf is not None:
-            found.append((leaf, block if block is not None and within(entry.path, block) else entry.path))
+            found.append((leaf, entry.path, block if block is not None and within(entry.path, block) else entry.path))
     return found
 
 
 def _units(plan, modules: dict[str, nn.Module], placed: list[tuple[list[nn.Module], int, bool]],
            in_file: set[int]) -> list[Unit]:
-    """The streamed leaves held in host memory, grouped into units: those of one block (a plan's compile unit)
-    together, any other leaf alone; in registration order."""
-    streamed = {id(leaf) for group, _, resident in placed if not resident for leaf in group
-                if id(leaf) not in in_file}
+    """The streamed leaves grouped into units, in registration order: those of one block (a plan's compile unit)
+    together where they are all held in host memory, any other leaf alone. A block with leaves on the file tier is a
+    unit per leaf (their reads stage a leaf at a time, as the host budget counted, and each unit is entered once a
+    forward, so the ring's order is one); a leaf reading its weight by rows (an embedding's gathered rows, a head
+    larger than the staging) is in none: the ring never copies it whole."""
+    streamed = {id(leaf) for group, _, resident in placed if not resident for leaf in group}
+    partly_in_file = {block for leaf, _, block in _blocks(plan, modules) if id(leaf) in in_file}
     grouped: dict[str, list[nn.Module]] = {}
-    for leaf, block in _blocks(plan, modules):
-        if id(leaf) in streamed:
-            grouped.setdefault(block, []).append(leaf)
+    for leaf, path, block in _blocks(plan, modules):
+        if id(leaf) not in streamed or id(leaf) in in_file and _reads_by_rows(leaf):
+            continue
+        grouped.setdefault(path if block in partly_in_file else block, []).append(leaf)
     blocks = {entry.path for entry in plan.modules if entry.compile_unit}
     return [Unit(path, group, modules[path] if path in blocks else None) for path, group in grouped.items()]
+
+
+def _reads_by_rows(leaf: nn.Module) -> bool:
+    """Whether `leaf`, on the file tier, reads its weight by rows (`row_reads`): gathering them, or in chunks where
+    the weight is larger than the tier's staging."""
+    reads = row_reads.row_reads(protocol.kind_of(leaf), leaf)
+    if reads != "chunks":
+        return reads == "gather"
+    record = leaf.__dict__.get(protocol.SOURCES)
+    return record is not None and "weight" in record.tensors \
+        and record.tensors["weight"].range.nbytes > record.tier.largest

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 import streamwise
 from streamwise.runtime.convert import applied_state
+from streamwise.runtime.engine import file_tier
 from streamwise.runtime.engine.stream.streamer import UnitStreamer
 from streamwise.runtime.hosts import standalone
 
@@ -203,3 +205,90 @@ def test_streamed_blocks_are_spread_among_resident_ones(ops, share):
     assert len(layers) >= 3, layers
     assert all(later - earlier > 1 for earlier, later in itertools.pairwise(layers)), layers
     assert report.resident_bytes + sum(slot.buffer.nbytes for slot in streamer.slots) <= budget
+
+
+def test_leaves_on_the_file_tier_stream_through_the_ring_read_ahead_by_the_tier(ops, tmp_path, monkeypatch):
+    """Leaves left in their file (a host budget below the model) are units of the ring: read by the tier's reader
+    thread ahead of their turn into its staging, one copy per tensor into a slot, the staging held until the copy is
+    done; the numbers are those of the model loaded whole."""
+    from streamwise.runtime.checkpoint.checked_file import CheckedFile
+
+    torch.manual_seed(0)
+    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        expected = streamwise.load_pretrained(tmp_path, "auto", progress=False).model(ids).logits
+    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
+    streamer = applied_state(model).tree.fetcher
+    in_file = [unit for unit in streamer.units if unit.in_file]
+    assert report.file_bytes > 0 and in_file and all(len(unit.leaves) == 1 for unit in in_file)
+    readers = []
+    read_into = CheckedFile.read_into
+    monkeypatch.setattr(CheckedFile, "read_into", lambda file, ranges, **options: readers.append(
+        (threading.current_thread().name, ranges[0][0])) or read_into(file, ranges, **options))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+        readers.clear()
+        settled = len(ops.log)
+        assert torch.equal(model(ids).logits, expected)
+    arenas = [arena.buffer for arena in applied_state(model).tree.file_tier._pool]
+    staged = [entry for entry in ops.log[settled:] if entry[0] == "copy"
+              and any(a.data_ptr() <= entry[2] < a.data_ptr() + a.nbytes for a in arenas)]
+    assert len(staged) >= len(in_file)  # every unit on the file tier copied from the staging
+    starts = {next(iter(file_tier.sources(leaf).values())).range.offset for unit in in_file for leaf in unit.leaves}
+    by_thread = [thread for thread, offset in readers if offset in starts]
+    read = {offset for _, offset in readers} & starts  # those still in a slot since the last forward need none
+    assert len(read) >= len(in_file) - UnitStreamer.SLOTS, (readers, starts)
+    assert by_thread.count("MainThread") <= 1, by_thread
+    assert not {kind for kind, *_ in ops.log[settled:]} & {"buffer", "event"}
+
+
+def test_a_file_changed_under_the_ring_is_the_readers_error(ops, tmp_path):
+    from streamwise.runtime.checkpoint.readers import CheckpointError
+
+    torch.manual_seed(0)
+    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
+    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
+    streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        model(ids)
+    path = tmp_path / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-64:] = bytes(64)  # the last tensor's tail, in place: same size
+    path.write_bytes(bytes(data))
+    with torch.no_grad(), pytest.raises(CheckpointError):
+        model(ids)
+
+
+def test_staging_a_copy_may_still_read_is_never_read_into_again(ops, tmp_path, monkeypatch):
+    """Copies that never report done (a GPU far behind the host): what they read stays held and unwritten, and the
+    tier reads into other memory meanwhile; the numbers stay those of the model loaded whole."""
+    torch.manual_seed(0)
+    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        expected = streamwise.load_pretrained(tmp_path, "auto", progress=False).model(ids).logits
+    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
+    streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
+    streamer = applied_state(model).tree.fetcher
+    monkeypatch.setattr(ops, "finished", lambda event: False)
+    copied = []
+    copy_now = ops.copy
+    monkeypatch.setattr(ops, "copy", lambda destination, source: copied.append((source.data_ptr(), source.clone()))
+                        or copy_now(destination, source))  # no reference: it would keep the staging from reuse
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(ids).logits, expected)
+    held = {t.data_ptr() for slot in streamer.slots for t in slot.staged} \
+        | {t.data_ptr() for _, tensors in streamer.retiring for t in tensors}
+    staged = []  # each copy read from the tier's arenas: where it read, what it read then
+    for address, then in copied:
+        for arena in applied_state(model).tree.file_tier._pool:
+            offset = address - arena.buffer.data_ptr()
+            if 0 <= offset < arena.buffer.nbytes:
+                staged.append((address, arena.buffer[offset:offset + then.nbytes], then))
+    assert all(torch.equal(now, then) for _, now, then in staged)  # none written since its copy
+    assert streamer.retiring and any(address in held for address, _, _ in staged)
+    assert len(staged) < len(copied)  # with its arenas held, the tier read into memory of its own

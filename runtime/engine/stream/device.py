@@ -45,6 +45,10 @@ class DeviceOps(Protocol):
         """Make the compute stream wait for `event` before the compute issued next."""
         ...
 
+    def finished(self, event: object) -> bool:
+        """Whether the work before `event`'s last record is done (a query: it never waits)."""
+        ...
+
     def synchronize(self) -> None:
         """Wait on the host for everything issued on both streams: only to time a copy or a computation."""
         ...
@@ -78,6 +82,9 @@ class CudaOps:
 
     def compute_after(self, event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
+
+    def finished(self, event) -> bool:
+        return event.query()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

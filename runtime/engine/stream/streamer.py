@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from .. import protocol
+from .. import file_tier, protocol
 from ..journal import Journal
 from ..tree import TorchFetcher
 from . import arena
@@ -51,21 +51,26 @@ class Unit:
         self.holders = list(holders.values())
         """Per tensor, each (module, name) holding it: a tensor tied within the unit is copied once."""
         self.nbytes = sum(padded(tensor.nbytes) for tensor in self.tensors())
+        self.in_file = any(not file_tier.in_memory(tensor) for tensor in self.tensors())
+        """Whether some of its tensors are on the file tier: the unit is copied from what its reads stage."""
 
     def tensors(self) -> list[Tensor]:
         """The unit's tensors as its modules hold them now."""
         return [owner._parameters[name] for (owner, name), *_ in self.holders]
 
     def stamp(self, tensors: list[Tensor] | None = None) -> tuple[tuple[int, int], ...]:
-        """Where each tensor lies and its in-place version (of `tensors`, the unit's as held now, where given): a copy
-        made from another stamp is stale."""
-        return tuple((t.data_ptr(), t._version) for t in tensors or self.tensors())
+        """Where each tensor lies (a file-tier one: which stand-in) and its in-place version (of `tensors`, the
+        unit's as held now, where given): a copy made from another stamp is stale."""
+        return tuple((t.data_ptr() if file_tier.in_memory(t) else id(t), t._version)
+                     for t in tensors or self.tensors())
 
     def host_range(self, tensors: list[Tensor] | None = None) -> Tensor | None:
         """The unit's bytes (`tensors`, the unit's as held now, where given) as one host range, where they lie one
         after another in one storage in the unit's order, each at the aligned end of the one before (as `arena.pack`
         lays them out); else None."""
         tensors = tensors or self.tensors()
+        if self.in_file:
+            return None
         storage = tensors[0].untyped_storage()
         start = tensors[0].data_ptr() - storage.data_ptr()
         expected = tensors[0].data_ptr()
@@ -87,13 +92,14 @@ class _Slot:
         self.unit: Unit | None = None
         self.stamp: tuple = ()
         self.views: dict[int, dict[str, Tensor]] = {}  # by module id: its tensors' views of the buffer
+        self.staged: list[Tensor] = []  # what a file-tier unit's copy reads: kept from reuse until it is done
 
 
 class UnitStreamer(TorchFetcher):
     """A tree's fetcher streaming `units` to `device` through a ring of `slots` device buffers (prefetch depth
-    `slots - 1`); leaves in no unit (on the file tier) fetch as plain torch does."""
+    `slots - 1`); leaves in no unit (those reading their weight from the file by rows) fetch as plain torch does,
+    waiting for each copy: their staging is reused as soon as nothing holds it."""
 
-    non_blocking = True
     SLOTS = 2
     """The ring's slots: prefetch depth 1 (a unit computes while the next is copied)."""
 
@@ -110,6 +116,8 @@ class UnitStreamer(TorchFetcher):
         self.turn = 0
         self.on_host: Unit | None = None
         """The unit computing on the host now (`on_host`): its leaves read their host tensors, no copy."""
+        self.retiring: list[tuple[object, list[Tensor]]] = []
+        """File-tier staging copied into a slot written again since: held until that copy's event is done."""
 
     @staticmethod
     def ring_bytes(units: Sequence[Unit], slots: int = SLOTS) -> int:
@@ -160,6 +168,7 @@ class UnitStreamer(TorchFetcher):
     def _enter(self, unit: Unit) -> None:
         """Make `unit` the one computing: its copy waited for (made now if absent or stale), the next copies begun."""
         ops = self.ops
+        self._release_staging()
         if self.current is not None:
             ops.computed(self.current.free)  # every use of the unit left is queued: its slot may be written after
             self.after[id(self.current.unit)] = unit
@@ -186,6 +195,18 @@ class UnitStreamer(TorchFetcher):
         self.ops.synchronize()
         return time.perf_counter() - start
 
+    def _release_staging(self, rewriting: _Slot | None = None) -> None:
+        """Let go of the file-tier staging whose copies are done (asking, never waiting), so the tier reads ahead
+        into it; a slot about to be written again (`rewriting`) hands what it still holds to `retiring`."""
+        finished = self.ops.finished
+        for slot in self.slots:
+            if slot.staged and (slot is rewriting or finished(slot.copied)):
+                if not finished(slot.copied):
+                    self.retiring.append((slot.copied, slot.staged))
+                slot.staged = []
+        if self.retiring:
+            self.retiring = [(event, held) for event, held in self.retiring if not finished(event)]
+
     def _holding(self, unit: Unit) -> _Slot | None:
         return next((slot for slot in self.slots if slot.unit is unit), None)
 
@@ -199,8 +220,11 @@ class UnitStreamer(TorchFetcher):
             self.turn = (self.turn + 1) % len(self.slots)
         ops = self.ops
         ops.copy_after(slot.free)  # the compute that read the slot's last unit is done
+        self._release_staging(slot)
         tensors = unit.tensors()
         stamp, host = unit.stamp(tensors), unit.host_range(tensors)
+        if unit.in_file:  # read now, or taken from the tier's read ahead (its checks raise on a changed file)
+            tensors = slot.staged = [file_tier.held(owner, name) for (owner, name), *_ in unit.holders]
         offsets, at = [], 0
         for tensor in tensors:
             offsets.append(at if host is None else tensor.data_ptr() - tensors[0].data_ptr())
