@@ -4,10 +4,10 @@ A tensor on the file tier is a `FileTensor`: a stand-in (`stand_in`) of its dtyp
 code reading `.dtype` or `.shape` sees the real ones and a direct read (`F.linear(x, m.weight)`) reads its values from
 the file; its `FileSource` is also recorded on its module (`protocol.SOURCES`). A fetch reads a unit's tensors
 through the checkpoint's checked reads (handed in as `FileSource.range`: this stage imports no reader) into a staging
-buffer the tree reuses once nothing holds it any more. While one unit computes, a reader thread reads the unit that
-came next in the last forward, so a forward whose weights come from the file runs near the disk's
-read rate. A file changed under the model is the reader's `CheckpointError` at the fetch that reads it, never a
-signal: nothing of the file is mapped.
+buffer the tree reuses once nothing holds it any more. While one unit computes, reader threads read the units that
+came next in the last forward, so a forward whose weights come from the file runs near the disk's read rate. A file
+changed under the model is the reader's `CheckpointError` at the fetch that reads it, never a signal: nothing of the
+file is mapped.
 """
 
 from __future__ import annotations
@@ -245,6 +245,9 @@ class FileTier:
     SLABS = 2
     """Staging, in multiples of the largest unit read from the file: the unit computing, and room to read ahead. One
     where memory is too short for two: then nothing is read ahead."""
+    READERS = 2
+    """Threads reading ahead: the units that fit the staging are read at once, more requests in flight on a disk
+    than one thread keeps (each read opens its own descriptor)."""
 
     def __init__(self, slabs: int = SLABS, largest: int = 0) -> None:
         self.slabs = slabs
@@ -372,9 +375,10 @@ class FileTier:
                 continue
             if self._reader is None:
                 self._reader = queue.SimpleQueue()
-                threading.Thread(target=_read_ahead, args=(self._reader,), name="streamwise-read-ahead",
-                                 daemon=True).start()
-                weakref.finalize(self, self._reader.put, None)  # the thread ends with the tier
+                for index in range(self.READERS):
+                    threading.Thread(target=_read_ahead, args=(self._reader,), name=f"streamwise-read-ahead-{index}",
+                                     daemon=True).start()
+                    weakref.finalize(self, self._reader.put, None)  # the threads end with the tier
             pending = self._ahead[id(following)] = _Pending(following, buffer)
             self._reader.put(pending)
             del buffer, pending
@@ -463,7 +467,7 @@ def _advise(module: nn.Module) -> None:
 
 
 def _read_ahead(reads: queue.SimpleQueue) -> None:
-    """The reader thread: reads each unit put in `reads` until a None comes."""
+    """A reader thread: reads each unit put in `reads` until a None comes."""
     while (pending := reads.get()) is not None:
         try:
             pending.tensors = FileTier._read_unit(pending.module, pending.buffer)
