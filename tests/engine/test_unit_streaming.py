@@ -207,22 +207,32 @@ def test_streamed_blocks_are_spread_among_resident_ones(ops, share):
     assert report.resident_bytes + sum(slot.buffer.nbytes for slot in streamer.slots) <= budget
 
 
+FILE_IDS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+
+
+def _streamed_from_its_file(tmp_path) -> tuple[nn.Module, UnitStreamer, torch.Tensor]:
+    """A tiny Qwen2 saved with `save_pretrained`, loaded under a host budget that leaves most of it in its file and
+    streamed at budget 0 (through the fake device); with the logits of the same folder loaded whole."""
+    torch.manual_seed(0)
+    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = streamwise.load_pretrained(tmp_path, "auto", progress=False).model(FILE_IDS).logits
+    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
+    assert report.file_bytes > 0
+    return model, applied_state(model).tree.fetcher, expected
+
+
 def test_leaves_on_the_file_tier_stream_through_the_ring_read_ahead_by_the_tier(ops, tmp_path, monkeypatch):
     """Leaves left in their file (a host budget below the model) are units of the ring: read by the tier's reader
     thread ahead of their turn into its staging, one copy per tensor into a slot, the staging held until the copy is
     done; the numbers are those of the model loaded whole."""
     from streamwise.runtime.checkpoint.checked_file import CheckedFile
 
-    torch.manual_seed(0)
-    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
-    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-    with torch.no_grad():
-        expected = streamwise.load_pretrained(tmp_path, "auto", progress=False).model(ids).logits
-    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
-    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
-    streamer = applied_state(model).tree.fetcher
+    model, streamer, expected = _streamed_from_its_file(tmp_path)
+    ids = FILE_IDS
     in_file = [unit for unit in streamer.units if unit.in_file]
-    assert report.file_bytes > 0 and in_file and all(len(unit.leaves) == 1 for unit in in_file)
+    assert in_file and all(len(unit.leaves) == 1 for unit in in_file)
     readers = []
     read_into = CheckedFile.read_into
     monkeypatch.setattr(CheckedFile, "read_into", lambda file, ranges, **options: readers.append(
@@ -247,32 +257,21 @@ def test_leaves_on_the_file_tier_stream_through_the_ring_read_ahead_by_the_tier(
 def test_a_file_changed_under_the_ring_is_the_readers_error(ops, tmp_path):
     from streamwise.runtime.checkpoint.readers import CheckpointError
 
-    torch.manual_seed(0)
-    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
-    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
-    streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
-    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    model, _, _ = _streamed_from_its_file(tmp_path)
     with torch.no_grad():
-        model(ids)
+        model(FILE_IDS)
     path = tmp_path / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[-64:] = bytes(64)  # the last tensor's tail, in place: same size
     path.write_bytes(bytes(data))
     with torch.no_grad(), pytest.raises(CheckpointError):
-        model(ids)
+        model(FILE_IDS)
 
 
 def test_staging_a_copy_may_still_read_is_never_read_into_again(ops, tmp_path, monkeypatch):
     """Copies that never report done (a GPU far behind the host): what they read stays held and unwritten, and the
     tier reads into other memory meanwhile; the numbers stay those of the model loaded whole."""
-    torch.manual_seed(0)
-    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
-    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-    with torch.no_grad():
-        expected = streamwise.load_pretrained(tmp_path, "auto", progress=False).model(ids).logits
-    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
-    streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
-    streamer = applied_state(model).tree.fetcher
+    model, streamer, expected = _streamed_from_its_file(tmp_path)
     monkeypatch.setattr(ops, "finished", lambda event: False)
     copied = []
     copy_now = ops.copy
@@ -280,7 +279,7 @@ def test_staging_a_copy_may_still_read_is_never_read_into_again(ops, tmp_path, m
                         or copy_now(destination, source))  # no reference: it would keep the staging from reuse
     with torch.no_grad():
         for _ in range(3):
-            assert torch.equal(model(ids).logits, expected)
+            assert torch.equal(model(FILE_IDS).logits, expected)
     held = {t.data_ptr() for slot in streamer.slots for t in slot.staged} \
         | {t.data_ptr() for _, tensors in streamer.retiring for t in tensors}
     staged = []  # each copy read from the tier's arenas: where it read, what it read then
