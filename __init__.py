@@ -33,7 +33,6 @@ _ENGINE = {
     "lazy_compile": ".runtime.compile",
     "compile_stats": ".runtime.compile",
     "draft_policy": ".runtime.plan.draft",
-    "StreamCosts": ".runtime.engine.stream.on_host",
 }
 
 

@@ -31,6 +31,7 @@ from gpu_check import decoder, decoder_options, timed  # this folder's: the GPU 
 from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise
+from streamwise.runtime.engine.stream.on_host import StreamCosts
 from streamwise.runtime.hosts import standalone
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,7 +120,7 @@ def decode(host: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
     for name, on_host in (("streamed", False), ("on_host", True)):
         model = copy.deepcopy(host)
         total = sum(p.nbytes for p in model.parameters())
-        costs = streamwise.StreamCosts() if on_host else False
+        costs = StreamCosts() if on_host else False
         report = streamwise.offload(model, policy("bf16", "eager"), device=device,
                                     budget=int(total * (1 - STREAMED_SHARE)), host_compute=costs)
         greedy = dict(do_sample=False, pad_token_id=0)

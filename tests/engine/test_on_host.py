@@ -53,7 +53,7 @@ def test_decode_computes_on_the_host_and_the_prompt_streams_from_the_costs(ops):
     streamwise.apply_policy(resident, "decoder-llm")
     model = copy.deepcopy(resident)
     report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0,
-                                host_compute=streamwise.StreamCosts(**DECODE_ON_HOST))
+                                host_compute=on_host.StreamCosts(**DECODE_ON_HOST))
     assert report.host_blocks == 3 and "3 blocks compute on the host" in str(report)
     ids = torch.randint(0, 128, (1, 12))
 
@@ -73,7 +73,7 @@ def test_costs_left_out_are_measured_once_each_and_named(ops, caplog):
     resident = tiny_qwen2(num_hidden_layers=3)
     streamwise.apply_policy(resident, "decoder-llm")
     model = copy.deepcopy(resident)
-    costs = streamwise.StreamCosts()
+    costs = on_host.StreamCosts()
     with caplog.at_level("INFO", logger="streamwise.offload"):
         streamwise.offload(model, "decoder-llm", device="cpu", budget=0, host_compute=costs)
     assert costs.link is not None and ops.log.count(("synchronize",)) == 2  # one copy timed when placing
@@ -99,7 +99,7 @@ def test_a_gguf_block_on_the_host_computes_with_the_cpu_kernels(ops, tmp_path, m
     resident, _, _ = streamwise.load_pretrained(path, "auto")
     model, _, _ = streamwise.load_pretrained(path, "auto")
     report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0,
-                                host_compute=streamwise.StreamCosts(**DECODE_ON_HOST))
+                                host_compute=on_host.StreamCosts(**DECODE_ON_HOST))
     assert report.host_blocks == 2
     kernels = numba_kernels.matmul()
     calls = []
@@ -134,7 +134,7 @@ def test_placing_again_takes_the_host_forwards_back(ops):
     torch.manual_seed(0)
     model = tiny_qwen2()
     streamwise.offload(model, "decoder-llm", device="cpu", budget=0,
-                       host_compute=streamwise.StreamCosts(**DECODE_ON_HOST))
+                       host_compute=on_host.StreamCosts(**DECODE_ON_HOST))
     assert all(isinstance(layer.__dict__.get("forward"), on_host.OnHost) for layer in model.model.layers)
     report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0)
     assert report.host_blocks == 0 and not any("forward" in layer.__dict__ for layer in model.model.layers)
@@ -155,7 +155,7 @@ def test_a_failure_while_installing_leaves_no_host_forward(ops, monkeypatch):
     monkeypatch.setattr(on_host, "OnHost", Failing)
     with pytest.raises(standalone.OffloadError, match="planted"):
         streamwise.offload(model, "decoder-llm", device="cpu", budget=0,
-                           host_compute=streamwise.StreamCosts(**DECODE_ON_HOST))
+                           host_compute=on_host.StreamCosts(**DECODE_ON_HOST))
     assert made and not any("forward" in layer.__dict__ for layer in model.model.layers)
 
 
