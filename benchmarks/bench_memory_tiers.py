@@ -642,7 +642,7 @@ def main() -> None:
 
     # the half budget: half the checkpoint in memory, plus the staging buffers the file tier needs
     for _attempt in range(5):  # others edit the tree meanwhile: an import can fail for a moment
-        probe = subprocess.run([sys.executable, "-c", "from streamwise.runtime.engine.file_tier import FileTier; "
+        probe = subprocess.run([sys.executable, "-c", "from streamwise.runtime.engine.file_reads import FileTier; "
                                 "print(FileTier.SLABS)"], capture_output=True, text=True)
         if probe.returncode == 0:
             break

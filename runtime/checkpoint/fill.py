@@ -29,7 +29,8 @@ from ...schemas import Policy
 from ..convert import ConversionError, applied_state, apply, check
 from ..engine import protocol, widened
 from ..engine.exclusive import one_writer
-from ..engine.file_tier import FileSource, FileTier, Sources
+from ..engine.file_reads import FileTier
+from ..engine.file_tier import FileSource, Sources
 from ..engine.journal import Journal
 from ..engine.row_reads import RowReads, row_reads
 from ..host_memory import return_large_frees

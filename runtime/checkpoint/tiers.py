@@ -5,7 +5,7 @@ The host budget follows accelerate's `max_memory["cpu"]`: given, or by default w
 `HOST_MARGIN` of the ceiling, kept for activations, the KV cache, the allocator's slack and whatever else the process
 loads later. Tensors that must be in memory come first: everything outside a streamed unit, tied tensors, and values
 the load transformed (dequantized, reordered); then whole streamed units in the plan's order while they fit; the rest
-stays in the file and is read at each fetch into staging buffers (`engine.file_tier`), which the budget counts too. A
+stays in the file and is read at each fetch into staging buffers (`engine.file_reads`), which the budget counts too. A
 budget that cannot hold what must be in memory is refused before anything is read, with both figures and the budget
 to set.
 """
@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..engine.file_tier import FileSource, FileTier
+from ..engine.file_reads import FileTier
+from ..engine.file_tier import FileSource
 from ..engine.row_reads import RowReads, staging_bytes
 from ..host_memory import HostMemoryError, host_memory
 from ..sizes import SizeError, human, parse_size

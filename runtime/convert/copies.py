@@ -23,7 +23,8 @@ from collections import OrderedDict
 from torch import Tensor, nn
 
 from ..engine import protocol
-from ..engine.file_tier import FileTier, Sources
+from ..engine.file_reads import FileTier
+from ..engine.file_tier import Sources
 from ..engine.journal import Record
 from .state import AppliedState, applied_state
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import protocol
-from .file_tier import FileTensor, FileTier, on_file_tier, sources
+from .file_reads import FileTier
+from .file_tier import FileTensor, on_file_tier, sources
 
 RowReads = Literal["gather", "chunks"]
 #: How a leaf of each compute kind reads its weight by rows.

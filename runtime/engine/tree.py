@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from . import protocol
-from .file_tier import FileTier, held
+from .file_reads import FileTier
+from .file_tier import held
 
 
 class Fetcher(Protocol):

@@ -35,7 +35,7 @@ from ..compile import lazy_compile
 from ..convert import ConversionError, applied_state, apply_policy
 from ..engine import file_tier, protocol, row_reads
 from ..engine.exclusive import one_writer
-from ..engine.file_tier import FileTier
+from ..engine.file_reads import FileTier
 from ..engine.journal import Journal
 from ..engine.stream import on_host
 from ..engine.stream.device import device_ops

@@ -23,7 +23,7 @@ import streamwise
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.convert import ConversionError
-from streamwise.runtime.engine import file_tier
+from streamwise.runtime.engine import file_reads, file_tier
 from streamwise.runtime.sizes import human
 
 from helpers import REPO, MemoryCgroup, gguf_policy, leases_here, memory_cgroup, tiny_qwen2
@@ -269,8 +269,8 @@ def test_memory_too_short_for_two_staging_buffers_reads_with_one_and_no_read_ahe
     tight = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": largest + largest // 2})
     tiers = tight.report.tiers
     assert tiers.slabs == 1 and tiers.staging_bytes == largest and "no read-ahead" in str(tight.report)
-    taken, buffer = [], file_tier.FileTier._buffer
-    monkeypatch.setattr(file_tier.FileTier, "_buffer", lambda self, nbytes, *, pooled, **rest: (
+    taken, buffer = [], file_reads.FileTier._buffer
+    monkeypatch.setattr(file_reads.FileTier, "_buffer", lambda self, nbytes, *, pooled, **rest: (
         taken.append(pooled), buffer(self, nbytes, pooled=pooled, **rest))[1])
     assert torch.equal(_logits_and_tokens(tight.model)[0], expected)
     assert taken and all(taken), "a read took a buffer outside the pool"
@@ -360,7 +360,7 @@ def test_a_staging_buffer_is_reused_only_once_nothing_holds_what_was_read_into_i
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
     whole = streamwise.load_pretrained(path, policy, progress=False).model
     leaves = [(name, m) for name, m in model.named_modules() if file_tier.on_file_tier(m, "weight")]
-    assert len(leaves) > file_tier.FileTier.SLABS + 1
+    assert len(leaves) > file_reads.FileTier.SLABS + 1
     kept = file_tier.held(leaves[0][1], "weight")
     for _, module in leaves[1:]:
         file_tier.held(module, "weight")
@@ -373,7 +373,7 @@ def test_reads_run_ahead_of_the_forward_as_far_as_the_staging_pool_allows(tmp_pa
     path, policy = _saved(tmp_path, "safetensors")
     model = streamwise.load_pretrained(path, policy, progress=False, max_memory={"cpu": 64 << 10}).model
     tier = streamwise.runtime.convert.applied_state(model).tree.file_tier
-    largest = max(file_tier._unit_bytes(m) for m in model.modules())
+    largest = max(file_reads._unit_bytes(m) for m in model.modules())
     _logits_and_tokens(model)  # learns the order
     threads, ahead = [], []
     read_into = type(next(s for m in model.modules() for s in file_tier.sources(m).values()).range.file).read_into
