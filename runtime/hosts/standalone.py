@@ -139,8 +139,9 @@ def offload(
         ops = device_ops(device) if prefetch and offload_device.type == "cpu" else None
         resident_bytes = streamed_bytes = resident_count = file_bytes = 0
         host_budget = state.tree.host_budget
+        in_blocks = _blocks(plan, modules)
         # the ring hides each copy behind the compute before it: streamed blocks are spread among resident ones
-        blocks = {id(leaf): block for leaf, _, block in _blocks(plan, modules)} if ops is not None else None
+        blocks = {id(leaf): block or path for leaf, path, block in in_blocks} if ops is not None else None
         placed = _residency(leaves, budget, blocks)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
@@ -150,7 +151,7 @@ def offload(
                 placed = _residency(leaves, budget, blocks)
         if ops is not None and budget is not None:  # the ring of device slots lives within the budget
             ring = 0  # sized by the largest streamed unit, which a smaller room for residents may make larger
-            while (needed := UnitStreamer.ring_bytes(_units(plan, modules, placed, set()))) > ring:
+            while (needed := UnitStreamer.ring_bytes(_units(in_blocks, modules, placed, set()))) > ring:
                 ring = needed
                 placed = _residency(leaves, max(0, budget - ring), blocks)
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
@@ -173,10 +174,10 @@ def offload(
                 file_bytes += size if id(group[0]) in in_file else 0
         if state.tree.file_tier is not None:
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
-        streamer, pinned_bytes = fetcher_for(journal, ops, device, host_tier, _units(plan, modules, placed, in_file),
-                                             pinned=pin)
+        units = _units(in_blocks, modules, placed, in_file)
+        streamer, pinned_bytes = fetcher_for(journal, ops, device, host_tier, units, pinned=pin)
         tier = state.tree.file_tier
-        staged_for_ring = pin and isinstance(streamer, UnitStreamer) and any(u.in_file for u in streamer.units)
+        staged_for_ring = pin and isinstance(streamer, UnitStreamer) and streamer.staging
         if tier is not None and tier.pinned != staged_for_ring:  # the ring copies from the staging asynchronously
             journal.set_attributes(tier, {"pinned": staged_for_ring})
             tier.drop_staging()
@@ -387,43 +388,33 @@ def _place(journal: Journal, module: nn.Module, device: torch.device, read: dict
             journal.move(module, name, device)
 
 
-def _blocks(plan, modules: dict[str, nn.Module]) -> list[tuple[nn.Module, str, str]]:
-    """Each streamed leaf, in the plan's order, with its path and its block: the path of the compile unit it lies in,
-    else its own."""
+def _blocks(plan, modules: dict[str, nn.Module]) -> list[tuple[nn.Module, str, str | None]]:
+    """Each streamed leaf, in the plan's order, with its path and the path of the block (the plan's compile unit) it
+    lies in, None outside every block."""
     found, block = [], None
     for entry in plan.modules:
         if entry.compile_unit and not (block is not None and within(entry.path, block)):
             block = entry.path
         leaf = modules.get(entry.path)
         if entry.stream and leaf is not None:
-            found.append((leaf, entry.path, block if block is not None and within(entry.path, block) else entry.path))
+            found.append((leaf, entry.path, block if block is not None and within(entry.path, block) else None))
     return found
 
 
-def _units(plan, modules: dict[str, nn.Module], placed: list[tuple[list[nn.Module], int, bool]],
-           in_file: set[int]) -> list[Unit]:
-    """The streamed leaves grouped into units, in registration order: those of one block (a plan's compile unit)
-    together where they are all held in host memory, any other leaf alone. A block with leaves on the file tier is a
-    unit per leaf (their reads stage a leaf at a time, as the host budget counted, and each unit is entered once a
-    forward, so the ring's order is one); a leaf reading its weight by rows (an embedding's gathered rows, a head
-    larger than the staging) is in none: the ring never copies it whole."""
+def _units(in_blocks: list[tuple[nn.Module, str, str | None]], modules: dict[str, nn.Module],
+           placed: list[tuple[list[nn.Module], int, bool]], in_file: set[int]) -> list[Unit]:
+    """The streamed leaves grouped into units, in registration order: those of one block (`_blocks`) together where
+    they are all held in host memory, any other leaf alone. A block with leaves on the file tier is a unit per leaf
+    (their reads stage a leaf at a time, as the host budget counted, and each unit is entered once a forward, so the
+    ring's order is one); a leaf that reads its weight by rows from the file (`row_reads`: an embedding's gathered
+    rows, a head larger than the staging) is in none, as its forward never fetches it whole."""
     streamed = {id(leaf) for group, _, resident in placed if not resident for leaf in group}
-    partly_in_file = {block for leaf, _, block in _blocks(plan, modules) if id(leaf) in in_file}
+    partly_in_file = {block for leaf, _, block in in_blocks if id(leaf) in in_file}
     grouped: dict[str, list[nn.Module]] = {}
-    for leaf, path, block in _blocks(plan, modules):
-        if id(leaf) not in streamed or id(leaf) in in_file and _reads_by_rows(leaf):
+    for leaf, path, block in in_blocks:
+        by_rows = id(leaf) in in_file and row_reads.reading_by_rows(leaf, protocol.kind_of(leaf)) is not None
+        if id(leaf) not in streamed or by_rows:
             continue
-        grouped.setdefault(path if block in partly_in_file else block, []).append(leaf)
-    blocks = {entry.path for entry in plan.modules if entry.compile_unit}
-    return [Unit(path, group, modules[path] if path in blocks else None) for path, group in grouped.items()]
-
-
-def _reads_by_rows(leaf: nn.Module) -> bool:
-    """Whether `leaf`, on the file tier, reads its weight by rows (`row_reads`): gathering them, or in chunks where
-    the weight is larger than the tier's staging."""
-    reads = row_reads.row_reads(protocol.kind_of(leaf), leaf)
-    if reads != "chunks":
-        return reads == "gather"
-    record = leaf.__dict__.get(protocol.SOURCES)
-    return record is not None and "weight" in record.tensors \
-        and record.tensors["weight"].range.nbytes > record.tier.largest
+        grouped.setdefault(path if block is None or block in partly_in_file else block, []).append(leaf)
+    blocks = {block for _, _, block in in_blocks}
+    return [Unit(key, group, modules[key] if key in blocks else None) for key, group in grouped.items()]

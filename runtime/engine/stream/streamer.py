@@ -50,8 +50,9 @@ class Unit:
                     holders.setdefault(id(tensor), []).append((owner, name))
         self.holders = list(holders.values())
         """Per tensor, each (module, name) holding it: a tensor tied within the unit is copied once."""
-        self.nbytes = sum(padded(tensor.nbytes) for tensor in self.tensors())
-        self.in_file = any(not file_tier.in_memory(tensor) for tensor in self.tensors())
+        tensors = self.tensors()
+        self.nbytes = sum(padded(tensor.nbytes) for tensor in tensors)
+        self.in_file = not all(file_tier.in_memory(tensor) for tensor in tensors)
         """Whether some of its tensors are on the file tier: the unit is copied from what its reads stage."""
 
     def tensors(self) -> list[Tensor]:
@@ -118,6 +119,8 @@ class UnitStreamer(TorchFetcher):
         """The unit computing on the host now (`on_host`): its leaves read their host tensors, no copy."""
         self.retiring: list[tuple[object, list[Tensor]]] = []
         """File-tier staging copied into a slot written again since: held until that copy's event is done."""
+        self.staging = any(unit.in_file for unit in self.units)
+        """Whether some unit is copied from the file tier's staging, which `_release_staging` lets go."""
 
     @staticmethod
     def ring_bytes(units: Sequence[Unit], slots: int = SLOTS) -> int:
@@ -168,7 +171,8 @@ class UnitStreamer(TorchFetcher):
     def _enter(self, unit: Unit) -> None:
         """Make `unit` the one computing: its copy waited for (made now if absent or stale), the next copies begun."""
         ops = self.ops
-        self._release_staging()
+        if self.staging:
+            self._release_staging()
         if self.current is not None:
             ops.computed(self.current.free)  # every use of the unit left is queued: its slot may be written after
             self.after[id(self.current.unit)] = unit
