@@ -95,7 +95,8 @@ def test_a_gguf_block_on_the_host_computes_with_the_cpu_kernels(ops, tmp_path, m
     loaded resident on the CPU does."""
     tokens, _, eos = parts = train_tokenizer_parts()
     path = tmp_path / "tiny.Q8_0.gguf"
-    write_llama_cpp_gguf(float_model("llama", len(tokens), eos), path, "llama", gguf.GGMLQuantizationType.Q8_0, parts)
+    floats = write_llama_cpp_gguf(float_model("llama", len(tokens), eos), path, "llama", gguf.GGMLQuantizationType.Q8_0,
+                                  parts)  # the float model the file holds
     resident, _, _ = streamwise.load_pretrained(path, "auto")
     model, _, _ = streamwise.load_pretrained(path, "auto")
     report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0,
@@ -110,9 +111,15 @@ def test_a_gguf_block_on_the_host_computes_with_the_cpu_kernels(ops, tmp_path, m
     with torch.no_grad():
         got = model.generate(ids, **greedy)
     assert calls.count(1) >= 4 * 2 * 7  # every layer's 7 Linears, at each decode step, through the kernels
+    calls.clear()
+    with torch.no_grad():
+        host_logits = model(ids[:, :4]).logits  # 4 rows: the host's size by the costs
+    assert calls.count(4) >= 2 * 7
     monkeypatch.setattr(kernels, "matmul", original)
     with torch.no_grad():
         assert torch.equal(got, resident.generate(ids, **greedy))
+        want = floats(ids[:, :4]).logits
+    assert ((host_logits - want).norm() / want.norm()).item() < 2e-2  # int8 arithmetic, against the file's floats
 
 
 def test_an_operation_mixing_devices_runs_where_the_block_computes():
