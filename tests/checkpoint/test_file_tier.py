@@ -487,8 +487,9 @@ TRANSFORMERS_ROOM = 24 << 20
 def test_a_model_whose_embedding_is_a_fifth_of_its_bytes_runs_in_the_room_transformers_needs(tmp_path, variant):
     """A float32 Qwen2 with a 32,000-token vocabulary (its 125 MiB embedding a fifth of the untied model's bytes,
     shared with the head where tied) under a memory cgroup leaving it transformers' room above the imports: the
-    embedding and head stay in the file, read by rows, and the tokens are those of an unlimited run. With 8 MiB, the
-    clear refusal, never the OOM killer."""
+    embedding and head stay in the file, read by rows, and the tokens are those of an unlimited run. With 8 MiB above
+    the imports, never the OOM killer: the clear refusal, or, where the cgroup's reclaimable page cache leaves the
+    budget room for a staging buffer (its state is the machine's, not the test's), the same tokens again."""
     with memory_cgroup() as cgroup:
         torch.manual_seed(0)
         tiny_qwen2(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -501,8 +502,11 @@ def test_a_model_whose_embedding_is_a_fifth_of_its_bytes_runs_in_the_room_transf
         limited = _child(tmp_path, "auto", cgroup)
         assert limited["tokens"] == expected["tokens"] and limited["file"] > size * 9 // 10, limited
         cgroup.limit(cgroup.usage() + imports + (8 << 20))
-        refused = _run_child(tmp_path, "auto", cgroup)
-        assert refused.returncode == 1 and "loading needs at least" in refused.stderr, refused.stderr[-3000:]
+        short = _run_child(tmp_path, "auto", cgroup)
+        if short.returncode == 0:
+            assert json.loads(short.stdout.strip().splitlines()[-1])["tokens"] == expected["tokens"], short.stdout
+        else:
+            assert short.returncode == 1 and "loading needs at least" in short.stderr, short.stderr[-3000:]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="RssAnon is read from /proc (Linux)")
