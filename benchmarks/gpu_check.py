@@ -5,7 +5,8 @@ A Qwen2-style decoder in bf16 runs (1) fully resident on the GPU, (2) under the 
 with a quarter of its weights resident and the rest streamed, with and without prefetch. Outputs
 must be bit-identical to the resident run. (3) The same decoder saved with `save_pretrained` and
 loaded under a host budget that leaves half its blocks in the file: streamed onto the GPU, its
-logits equal the resident run's, and its host tier is pinned as one region of exactly its bytes. (4) Loaded whole
+logits equal the resident run's, and its host tier is pinned in pieces whose sizes torch's pinned allocator takes
+without rounding (powers of two), the allocator's own figure beside them. (4) Loaded whole
 with its host tier leased (viewing the page cache), placed on the GPU, then its file overwritten with zeros: the
 writer waits for the copy, and the logits stay the resident run's.
 Run on a CUDA machine:
@@ -175,7 +176,8 @@ def three_tiers(host: torch.nn.Module, ids: torch.Tensor, device: torch.device) 
             "modules reading their file": len(in_file), "identical_to_resident": bool(torch.equal(logits, expected)),
             "ms": seconds * 1e3, "resident_ms": resident_seconds * 1e3,
             "pinned regions": len(pinned), "pinned region bytes": sum(pinned.values()),
-            "pinned tensor bytes": held,
+            "pinned tensor bytes": held, "placing's pinned bytes": report.pinned_bytes,
+            "pinned by torch's host allocator": torch.cuda.host_memory_stats().get("allocated_bytes.current"),
         }
 
 

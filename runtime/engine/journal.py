@@ -132,6 +132,13 @@ class Journal:
         self._undo.append(lambda: setattr(parameter, "data", previous))
         parameter.data = value
 
+    def move_data(self, parameter: nn.Parameter, value: Tensor) -> None:
+        """Give `parameter` the storage of `value`, which holds its values already: undone by a copy of them in
+        storage of its own, so the journal holds no second copy meanwhile (packing the host tier never holds it
+        twice)."""
+        self._undo.append(lambda: setattr(parameter, "data", parameter.data.clone()))
+        parameter.data = value
+
     def keep(self, target: object, names: Iterable[str]) -> None:
         """Restore `target`'s instance attributes `names` on failure: they are about to change."""
         self._undo.append(_as_now(target, names))

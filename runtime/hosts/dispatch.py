@@ -4,7 +4,7 @@ accelerate places a model across devices from a device map (`dispatch_model`); S
 blocks (the policy's compile units), its streamed leaves and their bytes. `infer_device_map` turns a Plan and a
 budget per device into that map: whole blocks (and accelerate's `_no_split_modules`) per accelerator, in order,
 tied weights on one device, and what fits no accelerator in the `"cpu"` entry, bounded by its budget. Those
-modules are not accelerate's to offload: their leaves stay in CPU memory (one pinned region) and Streamwise streams
+modules are not accelerate's to offload: their leaves stay in CPU memory (pinned pieces) and Streamwise streams
 them to the device their inputs arrive on, which is the last accelerator for the tail the greedy fill leaves over:
 each entry's streamed leaves are one unit of the streaming engine (`engine.stream`), copied ahead through its ring
 of device slots, for which that accelerator keeps room.

@@ -1,7 +1,7 @@
 """`offload(model, policy, device=..., budget=...)`: low-VRAM inference without ComfyUI.
 
-Streamed leaves keep their weights on the offload device (on CUDA, one pinned region of exactly their
-bytes: per-tensor pins round up to powers of two). As many leaves as fit the budget, in registration
+Streamed leaves keep their weights on the offload device (on CUDA, pinned in pieces of powers of two
+that placing fills one at a time: `engine.stream.arena`). As many leaves as fit the budget, in registration
 order (forward order for transformers models; leaves sharing a tied weight decide together), become
 resident on the compute device and run the original forward; the others fetch their weights per
 forward (on CUDA whole blocks decide, the streamed ones spread among the resident ones). The budget

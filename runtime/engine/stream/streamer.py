@@ -254,10 +254,12 @@ class UnitStreamer(TorchFetcher):
 def fetcher_for(journal: Journal, ops: DeviceOps | None, device: torch.device, host_tier: list[nn.Module],
                 units: Sequence[Unit], *, pinned: bool) -> tuple[TorchFetcher, int]:
     """The fetcher a host places a tree with, and the bytes of its host tier pinned: where `ops` stream `units` to
-    `device`, a unit streamer over the host tier packed into one region (`arena.pack`, `pinned` for asynchronous
-    copies); else plain torch copies, asynchronous from a pinned region where `pinned`."""
+    `device`, a unit streamer over the host tier packed unit by unit (`arena.pack`, `pinned` for asynchronous
+    copies); else plain torch copies, asynchronous from pinned pieces where `pinned`."""
     streams = ops is not None and bool(units)
-    pinned_bytes = arena.pack(journal, host_tier, pinned=pinned) if pinned or streams else 0
+    in_units = {id(owner) for unit in units for owner in unit.owners}
+    groups = [unit.owners for unit in units] + [[owner] for owner in host_tier if id(owner) not in in_units]
+    pinned_bytes = arena.pack(journal, groups, pinned=pinned) if pinned or streams else 0
     if streams:
         return UnitStreamer(ops, device, units), pinned_bytes
     fetcher = TorchFetcher()
