@@ -4,11 +4,13 @@ A Qwen2-style decoder (bf16) runs resident (T_compute, the same mode) and under 
 streamed; W is the bytes streamed per forward, B_h2d one pinned copy of W bytes timed in the same run. Configurations
 in priority order, each written to `--out` as soon as it is measured (a cut-off run keeps what it measured):
 {bf16, INT8} x {eager, compiled} from host memory, then bf16 from the file tier. Each records the forward time, the
-floor and the ratio (goal <= 1.15), peak device bytes, whether the logits equal the resident run's, and whether one
-forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the host). Last (`decode`), the
-same decoder generating token by token with the streamed part computed on the host where its costs say so
-(`host_compute=True`), beside the same part streamed: ms per token, the blocks that may compute on the host, the
-measured costs, and whether both decode the same tokens (the host's kernels round differently from the GPU's).
+floor and the ratio (goal <= 1.15), peak device bytes, how much the process's anonymous memory grew while placing
+(beside the host tier's bytes: packing it holds one piece more at most), whether the logits equal the resident
+run's, and whether one forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the
+host). Last (`decode`), the same decoder generating token by token with the streamed part computed on the host
+where its costs say so (`host_compute=True`), beside the same part streamed: ms per token, the blocks that may
+compute on the host, the measured costs, and whether both decode the same tokens (the host's kernels round
+differently from the GPU's).
 
     python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
     python benchmarks/gpu_stream.py --dry-run      # on a CPU: the recording fake device, a tiny model, end to end
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_memory_tiers import Sampler  # this folder's: peaks of the process's memory, sampled
 from gpu_check import decoder, decoder_options, timed  # this folder's: the GPU benchmarks' model, timed alike
 from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
 
@@ -90,7 +93,10 @@ def configuration(weights: str, mode: str, tier: str, host: torch.nn.Module, ids
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+        sampler = Sampler()
+        before, _ = sampler.peak["RssAnon"], sampler.start()
         report = streamwise.offload(model, chosen, device=device, budget=int(total * (1 - STREAMED_SHARE)))
+        placing_grew = sampler.stop()["RssAnon"] - before
         logits, seconds = timed(model, ids, repeats)
         link = link_seconds(report.streamed_bytes, device)
         floor = max(compute, link)
@@ -110,7 +116,8 @@ def configuration(weights: str, mode: str, tier: str, host: torch.nn.Module, ids
             "ratio": seconds / floor, "streamed_bytes": report.streamed_bytes, "file_bytes": report.file_bytes,
             "report": str(report), "identical_to_resident": bool(torch.equal(logits, expected)),
             "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            "no_host_wait": no_host_wait,
+            "no_host_wait": no_host_wait, "host_tier_bytes": report.streamed_bytes - report.file_bytes,
+            "placing_anon_grew_bytes": placing_grew, "pinned_bytes": report.pinned_bytes,
         }
 
 
