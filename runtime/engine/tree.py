@@ -44,6 +44,12 @@ class Fetcher(Protocol):
         """Around the compiled graph of `block`: the bookkeeping a graph cannot hold, done before and after it."""
         ...
 
+    def expansion(self, nbytes: int, device: torch.device) -> Tensor | None:
+        """`nbytes` of the tree's reused expansion buffer on `device`, where it has one that large: a quantized
+        weight expanded at a call is written there, then read by the call's matmul on the same stream; None: a fresh
+        allocation."""
+        ...
+
 
 class TorchFetcher:
     """Plain torch: copy to the device (and dtype), then apply the module's weight functions."""
@@ -75,6 +81,9 @@ class TorchFetcher:
 
     def around_block(self, block):
         return nullcontext()
+
+    def expansion(self, nbytes, device):
+        return None
 
 
 def cast_for_compute(

@@ -43,6 +43,7 @@ from ..engine.stream.on_host import StreamCosts
 from ..engine.stream.streamer import Unit, UnitStreamer, fetcher_for
 from ..plan.selectors import walk_modules, within
 from ..policy.diagnostics import PolicyError
+from ..quant.residents import device_expansion_bytes
 from ..sizes import SizeError, human, parse_size
 from .devices import weight_device
 
@@ -82,6 +83,9 @@ class OffloadReport:
     host_blocks: int = 0
     """Streamed blocks that may compute on the host where their weights lie, input size by input size
     (`host_compute`, `engine.stream.on_host`)."""
+    expansion_bytes: int = 0
+    """The device buffer quantized weights are expanded into at a call, reused by every one of them and counted in
+    the budget (`Fetcher.expansion`); 0 where none expands there or nothing streams through the ring."""
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
@@ -93,6 +97,8 @@ class OffloadReport:
                      f"{human(self.host_budget or 0)})")
         if self.device.startswith("cuda") and self.streamed_bytes > self.file_bytes and not self.pinned_bytes:
             line += "; the host tier is pageable (past the pinned budget): its copies wait for the host"
+        if self.expansion_bytes:
+            line += f"; quantized weights expand into one {human(self.expansion_bytes)} buffer"
         if self.host_blocks:
             line += f"; {self.host_blocks} blocks compute on the host where cheaper than their copy"
         if self.large_units:
@@ -149,9 +155,11 @@ def offload(
             if budget is None or budget > room:
                 budget = room
                 placed = _residency(leaves, budget, blocks)
+        # quantized weights expanded at a call on the device go into one reused buffer, beside the ring
+        expansion = device_expansion_bytes(leaves, device) if ops is not None else 0
         if ops is not None and budget is not None:  # the ring of device slots lives within the budget
             ring = 0  # sized by the largest streamed unit, which a smaller room for residents may make larger
-            while (needed := UnitStreamer.ring_bytes(_units(in_blocks, modules, placed, set()))) > ring:
+            while (needed := UnitStreamer.ring_bytes(_units(in_blocks, modules, placed, set())) + expansion) > ring:
                 ring = needed
                 placed = _residency(leaves, max(0, budget - ring), blocks)
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
@@ -175,7 +183,8 @@ def offload(
         if state.tree.file_tier is not None:
             state.tree.file_tier.forget()  # the forward order and what was read ahead belong to the old placing
         units = _units(in_blocks, modules, placed, in_file)
-        streamer, pinned_bytes = fetcher_for(journal, ops, device, host_tier, units, pinned=pin)
+        streamer, pinned_bytes = fetcher_for(journal, ops, device, host_tier, units, pinned=pin,
+                                             expansion=expansion)
         tier = state.tree.file_tier
         staged_for_ring = pin and isinstance(streamer, UnitStreamer) and streamer.staging
         if tier is not None and tier.pinned != staged_for_ring:  # the ring copies from the staging asynchronously
@@ -200,7 +209,8 @@ def offload(
             lazy_compile(model, policy)
     report = OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
                            resident_bytes, streamed_bytes, budget, _large_units(placed, paths, leaves, budget),
-                           file_bytes, state.tree.host_budget, pinned_bytes, host_blocks)
+                           file_bytes, state.tree.host_budget, pinned_bytes, host_blocks,
+                           expansion if isinstance(streamer, UnitStreamer) else 0)
     (_log.warning if report.large_units else _log.info)("offload: policy `%s`, %s", policy.name, report)
     return report
 

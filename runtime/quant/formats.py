@@ -11,8 +11,9 @@ Adding a format, the whole contract:
     class MyInt8(QuantFormat):
         stored = ("weight", "weight_scale")
         def quantize(self, weight, group_size): ...        # float weight -> {"weight": ..., "weight_scale": ...}
-        def dequantize(self, module, stored, dtype): ...   # -> the float weight
+        def dequantize(self, module, stored, dtype, out=None): ...  # -> the float weight (into `out`'s bytes)
         def linear(self, module, x, stored, bias): ...     # optional: a fused kernel (default: dequantize + F.linear)
+        expands_at_call = False                            # with a `linear` of its own that expands nothing
 
 A `[[quant.rule]]` selecting Linear layers with `format = "my_int8"` then quantizes them on apply or load.
 """
@@ -48,6 +49,9 @@ class QuantFormat(ABC):
     """The module attributes `dequantize` and `linear` read besides the stored tensors."""
     compile_safe: ClassVar[bool] = True
     quantizes_on_load: ClassVar[bool] = True
+    expands_at_call: ClassVar[bool] = True
+    """Whether `linear` expands the weight through `dequantize` where it does not compute directly (into the tree's
+    reused expansion buffer where it has one): the formats with kernels of their own say no."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -56,15 +60,25 @@ class QuantFormat(ABC):
         raise TypeError(f"`{self.name}` residents come from a file, not from a float weight")
 
     @abstractmethod
-    def dequantize(self, module: nn.Module, stored: dict[str, Tensor], dtype: torch.dtype) -> Tensor:
-        """The float weight, in the original basis."""
+    def dequantize(self, module: nn.Module, stored: dict[str, Tensor], dtype: torch.dtype,
+                   out: Tensor | None = None) -> Tensor:
+        """The float weight, in the original basis; written into `out` (uint8 bytes, at least the weight's) where
+        given, else into memory of its own."""
 
     def linear(self, module: nn.Module, x: Tensor, stored: dict[str, Tensor], bias: Tensor | None) -> Tensor:
-        """Dequantize and multiply; a weight a forward asks for again comes from the process's dequant cache."""
+        """Dequantize and multiply: into the tree's reused expansion buffer where it has one on x's device (what
+        nothing records: no gradient, tracer or graph keeps the weight past the matmul that reads it, before the next
+        expansion writes it, on the same stream), else a weight a forward asks for again comes from the process's
+        dequant cache."""
         size = module.out_features * module.in_features * x.dtype.itemsize
-        stored_now = [module._parameters[name] for name in self.stored]  # what a cached weight was made from
-        weight = dequant_cache.DEQUANT_CACHE.weight(module, stored_now, x.dtype, x.device, size,
-                                                    lambda: self.dequantize(module, stored, x.dtype))
+        tree = protocol.tree_of(module)
+        room = tree.fetcher.expansion(size, x.device) if tree is not None and plain_call(x) else None
+        if room is not None:
+            weight = self.dequantize(module, stored, x.dtype, out=room)
+        else:
+            stored_now = [module._parameters[name] for name in self.stored]  # what a cached weight was made from
+            weight = dequant_cache.DEQUANT_CACHE.weight(module, stored_now, x.dtype, x.device, size,
+                                                        lambda: self.dequantize(module, stored, x.dtype))
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def dequantizes_to_a_view(self, module: nn.Module, dtype: torch.dtype) -> bool:
@@ -97,8 +111,11 @@ class _ScaledIntegers(QuantFormat):
         q, scale = self.kernels[0](weight, group_size)
         return {"weight": q, "weight_scale": scale}
 
-    def dequantize(self, module, stored, dtype):
-        return self.kernels[1](stored["weight"], stored["weight_scale"], getattr(module, protocol.GROUP_SIZE), dtype)
+    expands_at_call = False  # `linear` is the kernels' own
+
+    def dequantize(self, module, stored, dtype, out=None):
+        weight = self.kernels[1](stored["weight"], stored["weight_scale"], getattr(module, protocol.GROUP_SIZE), dtype)
+        return weight if out is None else _into(out, weight)
 
     def linear(self, module, x, stored, bias):
         return self.kernels[2](x, stored["weight"], stored["weight_scale"], bias, getattr(module, protocol.GROUP_SIZE))
@@ -147,6 +164,11 @@ def _direct(attributes, devices) -> bool:
             and all(device.type == "cpu" for device in devices))
 
 
+def _into(out: Tensor, weight: Tensor) -> Tensor:
+    """`weight` copied into the bytes `out`, as a tensor of its shape and dtype there."""
+    return out[: weight.nbytes].view(weight.dtype).view(weight.shape).copy_(weight)
+
+
 def _with_bias(out: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
     """A kernel's float32 (rows, out) as the layer's output: x's dtype and leading dims, the bias added."""
     out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
@@ -172,11 +194,11 @@ class GGUF(QuantFormat):
     def computes_directly(self, attributes, *devices):
         return _direct(attributes, devices) and attributes["gguf_qtype"] in numba_kernels.matmul().LAYOUTS
 
-    def dequantize(self, module, stored, dtype):
+    def dequantize(self, module, stored, dtype, out=None):
         from . import gguf_dequant  # imported with the first GGUF resident: the gguf package costs 20 ms
 
         qtype = gguf_dequant.QType(module.gguf_qtype)
-        return gguf_dequant.dequantize(stored["weight"], qtype, tuple(module.gguf_shape), dtype)
+        return gguf_dequant.dequantize(stored["weight"], qtype, tuple(module.gguf_shape), dtype, out=out)
 
     def dequantizes_to_a_view(self, module, dtype):
         from . import gguf_dequant

@@ -78,9 +78,11 @@ def check_blocks(qtype: QType, shape: tuple[int, ...], nbytes: int) -> int:
 
 
 def dequantize(
-    blocks: Tensor, qtype: QType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    blocks: Tensor, qtype: QType, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Expand raw GGML block bytes into a `dtype` tensor of `shape` (torch order, the reverse of GGUF's ne).
+    """Expand raw GGML block bytes into a `dtype` tensor of `shape` (torch order, the reverse of GGUF's ne), written
+    into `out` (uint8 bytes on the blocks' device, at least the result's) where given.
 
     Values are computed in float32 and then cast; F32 bytes read as float32 come back as a view of `blocks`.
     """
@@ -90,13 +92,21 @@ def dequantize(
     n_blocks = check_blocks(qtype, shape, blocks.numel())
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     kernel = DEQUANTIZERS.get(qtype)
+
+    def result(dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        if out is None:
+            return huge_pages.empty(shape, dtype, blocks.device)
+        return out[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
     if n_blocks == 0:
         return torch.empty(shape, dtype=dtype, device=blocks.device)
     blocks = blocks.reshape(n_blocks, type_size)
     if kernel is None:
         stored = _reinterpret(blocks, STORED_FLOATS[qtype]).reshape(shape)
-        return stored if stored.dtype == dtype else huge_pages.empty(shape, dtype, blocks.device).copy_(stored)
-    values = huge_pages.empty((n_blocks, block_size), torch.float32, blocks.device)
+        return stored if stored.dtype == dtype else result(dtype, shape).copy_(stored)
+    # float32 is computed where the result goes; another dtype from float32 of its own (the torch kernels' design)
+    values = (result(torch.float32, (n_blocks, block_size)) if dtype == torch.float32
+              else huge_pages.empty((n_blocks, block_size), torch.float32, blocks.device))
     fused = _fused_cpu(qtype, blocks)
     if fused is None:
         kernel(blocks, values)
@@ -104,7 +114,7 @@ def dequantize(
         fused.dequantize(qtype, blocks.detach().contiguous().numpy(), values.numpy(), _CPU_TABLES["f16"].numpy())
     if dtype == torch.float32:
         return values.view(shape)
-    return huge_pages.empty(shape, dtype, blocks.device).copy_(values.view(shape))
+    return result(dtype, shape).copy_(values.view(shape))
 
 
 def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:

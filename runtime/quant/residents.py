@@ -74,6 +74,14 @@ def expansion_bytes(modules: Iterable[nn.Module]) -> int:
     return 2 * max((m.in_features * m.out_features * 4 for m in modules if isinstance(m, nn.Linear)), default=0)
 
 
+def device_expansion_bytes(modules: Iterable[nn.Module], device: torch.device) -> int:
+    """The bytes of the largest weight these residents expand at a call on `device` (`QuantFormat.linear`), in
+    their compute dtype: what a tree's reused expansion buffer there holds (`Fetcher.expansion`)."""
+    return max((m.out_features * m.in_features * m.__dict__[protocol.COMPUTE_DTYPE].itemsize for m in modules
+                if (handler := protocol.quant_handler(m)) is not None and handler.expands_at_call
+                and not handler.computes_directly(m.__dict__, device)), default=0)
+
+
 def resident_class(cls: type[nn.Module], format_name: str) -> type[nn.Module]:
     original = protocol.original_class(cls)
     handler = FORMATS[format_name]

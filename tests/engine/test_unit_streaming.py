@@ -8,6 +8,7 @@ import copy
 import itertools
 import threading
 
+import gguf
 import pytest
 import torch
 from recording_device import RecordingOps
@@ -15,11 +16,14 @@ from torch import nn
 
 import streamwise
 from streamwise.runtime.convert import applied_state
-from streamwise.runtime.engine import file_tier
+from streamwise.runtime.engine import file_tier, protocol
 from streamwise.runtime.engine.stream.streamer import UnitStreamer
 from streamwise.runtime.hosts import standalone
+from streamwise.runtime.quant import gguf_dequant
+from streamwise.runtime.sizes import human
 
 from helpers import make_policy, stream_rule, tiny_qwen2
+from llama_cpp_files import float_model, train_tokenizer_parts, write_llama_cpp_gguf
 
 
 @pytest.fixture
@@ -291,3 +295,43 @@ def test_staging_a_copy_may_still_read_is_never_read_into_again(ops, tmp_path, m
     assert all(torch.equal(now, then) for _, now, then in staged)  # none written since its copy
     assert streamer.retiring and any(address in held for address, _, _ in staged)
     assert len(staged) < len(copied)  # with its arenas held, the tier read into memory of its own
+
+
+def test_quantized_weights_expand_into_one_reused_buffer_counted_in_the_budget(ops, tmp_path, monkeypatch):
+    """GGUF weights expanded at a call on the device (float32 arithmetic here: no kernel reads them in place) are
+    written into the tree's one expansion buffer, made with the ring and counted in the budget, resident and
+    streamed layers alike, with the resident model's numbers; a forward asking gradients expands into memory of its
+    own (autograd keeps the weight). Fails when the expansion takes memory of its own (`expansion` -> None: tried)."""
+    tokens, _, eos = parts = train_tokenizer_parts()
+    path = tmp_path / "tiny.Q8_0.gguf"
+    write_llama_cpp_gguf(float_model("llama", len(tokens), eos), path, "llama", gguf.GGMLQuantizationType.Q8_0, parts)
+    resident = streamwise.load_pretrained(path, "auto", arithmetic="float32")[0]
+    model = streamwise.load_pretrained(path, "auto", arithmetic="float32")[0]
+    residents = [m for m in model.modules() if protocol.is_resident(m)]
+    largest = max(m.out_features * m.in_features * 4 for m in residents)  # float32: the file's compute dtype
+    total = streamwise.offload(copy.deepcopy(model), "decoder-llm", device="cpu", budget=0).streamed_bytes
+    budget = total + largest * 9 // 10  # less the ring and the buffer: some layers resident (the embedding too)
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=budget)
+    streamer = applied_state(model).tree.fetcher
+    assert report.expansion_bytes == largest == streamer.expansion_buffer.numel()
+    assert f"quantized weights expand into one {human(largest)} buffer" in str(report)
+    on_device = [m for m in residents if not m.comfy_cast_weights]
+    assert 0 < len(on_device) < len(residents)  # resident layers and streamed ones
+    assert report.resident_bytes + UnitStreamer.ring_bytes(streamer.units) + largest <= report.budget
+    into = []
+    dequantize = gguf_dequant.dequantize
+    monkeypatch.setattr(gguf_dequant, "dequantize",
+                        lambda *args, out=None: into.append(out) or dequantize(*args, out=out))
+    ids = torch.tensor([[eos, 5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        got = model(ids).logits
+    buffer = streamer.expansion_buffer.data_ptr()
+    assert len(into) == len(residents) and all(out is not None and out.data_ptr() == buffer for out in into)
+    into.clear()
+    with torch.enable_grad():
+        model.model.embed_tokens.weight.requires_grad_(True)
+        model(ids).logits.sum().backward()
+    assert into and all(out is None for out in into)
+    monkeypatch.setattr(gguf_dequant, "dequantize", dequantize)
+    with torch.no_grad():
+        assert torch.equal(got, resident(ids).logits)

@@ -385,3 +385,18 @@ def test_table_and_tq_kernels_trace_without_graph_breaks(qtype):
     blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
     explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
     assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.F16, Q.BF16], ids=by_name["ids"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_expansion_given_room_is_written_there_with_the_same_bits(qtype, dtype):
+    """`out`: bytes a caller reuses (a tree's expansion buffer), larger than the weight; stored floats read as their
+    own dtype stay a view of the blocks."""
+    raw = torch.from_numpy(random_bytes(qtype, (4, 256)))
+    room = torch.full((4 * 256 * 4 + 100,), 0xAB, dtype=torch.uint8)
+    result = dequantize(raw, qtype, (4, 256), dtype, out=room)
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32  # NaN payloads and signs count
+    assert torch.equal(result.view(bits), dequantize(raw, qtype, (4, 256), dtype).view(bits))
+    viewed = STORED_FLOATS.get(qtype) == dtype
+    assert (result.data_ptr() == room.data_ptr()) != viewed
+    assert room[result.nbytes:].eq(0xAB).all()  # nothing past the weight written

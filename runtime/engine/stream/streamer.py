@@ -104,8 +104,11 @@ class UnitStreamer(TorchFetcher):
     SLOTS = 2
     """The ring's slots: prefetch depth 1 (a unit computes while the next is copied)."""
 
-    def __init__(self, ops: DeviceOps, device: torch.device, units: Sequence[Unit], slots: int = SLOTS) -> None:
+    def __init__(self, ops: DeviceOps, device: torch.device, units: Sequence[Unit], slots: int = SLOTS,
+                 expansion: int = 0) -> None:
         self.ops, self.device, self.units = ops, device, tuple(units)
+        self.expansion_buffer = ops.buffer(expansion) if expansion else None
+        """The tree's reused expansion buffer on the device (`expansion`): made once, with the ring."""
         self.unit_of = {id(owner): unit for unit in self.units for owner in unit.owners}
         self.unit_of_block = {id(unit.block): unit for unit in self.units if unit.block is not None}
         size = max((unit.nbytes for unit in self.units), default=0)
@@ -138,6 +141,10 @@ class UnitStreamer(TorchFetcher):
         return super().fetch_raw(module, names, device) if views is None else [views.get(name) for name in names]
 
     fetch_parameters = fetch_raw  # a generic container's parameters and those it claims: views of the same slot
+
+    def expansion(self, nbytes, device):
+        buffer = self.expansion_buffer
+        return None if buffer is None or device != self.device or nbytes > buffer.numel() else buffer[:nbytes]
 
     @contextmanager
     def around_block(self, block: nn.Module) -> Iterator[None]:
@@ -252,16 +259,17 @@ class UnitStreamer(TorchFetcher):
 
 
 def fetcher_for(journal: Journal, ops: DeviceOps | None, device: torch.device, host_tier: list[nn.Module],
-                units: Sequence[Unit], *, pinned: bool) -> tuple[TorchFetcher, int]:
+                units: Sequence[Unit], *, pinned: bool, expansion: int = 0) -> tuple[TorchFetcher, int]:
     """The fetcher a host places a tree with, and the bytes of its host tier pinned: where `ops` stream `units` to
     `device`, a unit streamer over the host tier packed unit by unit (`arena.pack`, `pinned` for asynchronous
-    copies); else plain torch copies, asynchronous from pinned pieces where `pinned`."""
+    copies), with a reused expansion buffer of `expansion` bytes; else plain torch copies, asynchronous from pinned
+    pieces where `pinned`."""
     streams = ops is not None and bool(units)
     in_units = {id(owner) for unit in units for owner in unit.owners}
     groups = [unit.owners for unit in units] + [[owner] for owner in host_tier if id(owner) not in in_units]
     pinned_bytes = arena.pack(journal, groups, pinned=pinned) if pinned or streams else 0
     if streams:
-        return UnitStreamer(ops, device, units), pinned_bytes
+        return UnitStreamer(ops, device, units, expansion=expansion), pinned_bytes
     fetcher = TorchFetcher()
     fetcher.non_blocking = pinned
     return fetcher, pinned_bytes

@@ -97,3 +97,6 @@ class ComfyFetcher:
 
     def around_block(self, block: nn.Module):
         return nullcontext()  # core fetches inline, inside the graph
+
+    def expansion(self, nbytes: int, device: torch.device) -> None:
+        return None  # core's memory accounting sizes what a forward allocates: expansions stay its allocations
