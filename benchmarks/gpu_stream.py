@@ -1,31 +1,36 @@
-"""Each streaming configuration against its physical floor on a GPU: T >= max(T_compute, W / B_h2d).
+"""Each streaming configuration against its physical floor on a GPU: T >= max(T_compute, W / B_h2d, W_file / B_file).
 
-A Qwen2-style decoder (bf16) runs resident (T_compute, the same mode) and under `offload` with part of its weights
-streamed; W is the bytes streamed per forward, B_h2d one pinned copy of W bytes timed in the same run. Configurations
-in priority order, each written to `--out` as soon as it is measured (a cut-off run keeps what it measured):
-{bf16, INT8} x {eager, compiled} from host memory, then bf16 from the file tier. Each records the forward time, the
-floor and the ratio (goal <= 1.15), peak device bytes, how much the process's anonymous memory grew while placing
-(beside the host tier's bytes: packing it holds one piece more at most), whether the logits equal the resident
-run's, and whether one forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the
+A Qwen2-style decoder (bf16) runs resident (T_compute, the same weights and mode) and placed with three quarters of
+its weights streamed; W is the bytes streamed per forward, B_h2d one pinned copy of W bytes timed in the same run,
+W_file the bytes read from the file tier per forward and B_file the file read by as many threads as the tier's
+readers into pinned memory (warm page cache). Configurations (`CONFIGURATIONS`, in priority order, each written to
+`--out` as soon as it is measured: a cut-off run keeps what it measured): weights bf16 (blocks as units; `-leaves`:
+every streamed leaf its own unit), INT8, and GGUF Q8_0 and Q4_K written from the same decoder by Streamwise's
+writer; eager or compiled; host memory or half of the streamed bytes left in the file; placed by `offload` or by
+`dispatch` (accelerate's hooks, the `"cpu"` entry streamed). Each records the forward time, the floor and the ratio
+(goal <= 1.15), peak device bytes, how much the process's anonymous memory grew while placing (beside the host tier's
+bytes: packing it holds one piece more at most), whether the logits equal the resident run's (and by how much they
+differ), and whether one forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the
 host). Last (`decode`), the same decoder generating token by token with the streamed part computed on the host
 where its costs say so (`host_compute=True`), beside the same part streamed: ms per token, the blocks that may
 compute on the host, the measured costs, and whether both decode the same tokens (the host's kernels round
-differently from the GPU's).
+differently from the GPU's). Under ComfyUI core: `gpu_comfy.py`.
 
     python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
     python benchmarks/gpu_stream.py --dry-run      # on a CPU: the recording fake device, a tiny model, end to end
 
-`--quick` runs the first two configurations (on a GPU at 8 layers at most: minutes). Fixtures are made on the
-spot (no network).
-"""
+`--quick` runs the first `QUICK` configurations (on a GPU at 8 layers at most: minutes). Fixtures are made on the
+spot (no network)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,20 +39,35 @@ from gpu_check import decoder, decoder_options, timed  # this folder's: the GPU 
 from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise
+from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
+from streamwise.runtime.engine.file_reads import FileTier
 from streamwise.runtime.engine.stream.on_host import StreamCosts
-from streamwise.runtime.hosts import standalone
+from streamwise.runtime.hosts import dispatch, standalone
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGURATIONS = (("bf16", "eager", "host"), ("int8", "eager", "host"), ("bf16", "compiled", "host"),
-                  ("int8", "compiled", "host"), ("bf16", "eager", "file"))
+CONFIGURATIONS = (  # (weights, mode, tier, host) in priority order; `--quick` runs the first QUICK
+    ("bf16", "eager", "host", "standalone"), ("q8_0", "eager", "host", "standalone"),
+    ("int8", "eager", "host", "standalone"), ("bf16", "compiled", "host", "standalone"),
+    ("q8_0", "compiled", "host", "standalone"), ("q4_k", "eager", "host", "standalone"),
+    ("int8", "compiled", "host", "standalone"), ("bf16", "eager", "file", "standalone"),
+    ("q8_0", "eager", "file", "standalone"), ("bf16-leaves", "eager", "host", "standalone"),
+    ("bf16", "eager", "host", "dispatch"), ("q8_0", "eager", "host", "dispatch"),
+)
+QUICK = 3
 STREAMED_SHARE = 0.75
+GGUF = {"q8_0": "Q8_0", "q4_k": "Q4_K"}
+"""The GGUF weights: the decoder written by Streamwise's writer in that type, every Linear a resident."""
 
 
 def policy(weights: str, mode: str):
     chosen = streamwise.load_policy("decoder-llm")
-    if weights == "int8":
-        rule = {"id": "q", "format": "int8", "select": {"class": "Linear"}}
-        chosen = chosen.model_copy(update={"quant": type(chosen.quant).model_validate({"rule": [rule]})})
+    quant = {"int8": {"id": "q", "format": "int8", "select": {"class": "Linear"}},
+             **{name: {"id": "q", "format": "gguf", "gguf_type": kind, "select": {"class": "Linear"}}
+                for name, kind in GGUF.items()}}.get(weights)
+    if quant is not None:
+        chosen = chosen.model_copy(update={"quant": type(chosen.quant).model_validate({"rule": [quant]})})
+    if weights.endswith("-leaves"):  # no blocks: every streamed leaf its own unit, as before the engine
+        chosen = chosen.model_copy(update={"compile": chosen.compile.model_copy(update={"blocks": None})})
     if mode == "compiled":
         chosen = chosen.model_copy(update={"compile": chosen.compile.model_copy(update={"enabled": True})})
     return chosen
@@ -71,54 +91,82 @@ def link_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
     return best
 
 
-def configuration(weights: str, mode: str, tier: str, host: torch.nn.Module, ids: torch.Tensor,
-                  repeats: int) -> dict:
+def file_seconds(path: Path, nbytes: int, device: torch.device) -> float:
+    """`nbytes` of `path` read into host memory (pinned where the device is CUDA) by the file tier's reader threads,
+    warm page cache, timed (the best of three)."""
+    readers = FileTier.READERS
+    target = torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=device.type == "cuda").numpy()
+    share = -(-nbytes // readers)
+    best = float("inf")
+    with open(path, "rb") as handle, ThreadPoolExecutor(readers) as pool:
+        for _ in range(3):  # the file's first `nbytes` (no more than the file tier's share of it), a range a thread
+            start = time.perf_counter()
+            list(pool.map(lambda i: os.preadv(handle.fileno(), [target[i * share:(i + 1) * share]], i * share),
+                          range(readers)))
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def configuration(weights: str, mode: str, tier: str, host_kind: str, host: torch.nn.Module, ids: torch.Tensor,
+                  repeats: int, folder: Path) -> dict:
     device = ids.device
     chosen = policy(weights, mode)
-    with tempfile.TemporaryDirectory() as folder:
-        if tier == "file":  # the resident run loads the same folder (a load keeps rotary tables in float32)
-            host.save_pretrained(folder)
+    source = folder / "model.safetensors"
+    if weights in GGUF:
+        source = folder / f"model-{GGUF[weights]}.gguf"
+        if not source.exists():
+            quantize_to_gguf(folder / "model.safetensors", source, chosen, host)
 
-        def fresh(max_memory=None) -> torch.nn.Module:
-            if tier == "file":
-                return streamwise.load_pretrained(folder, chosen, progress=False, max_memory=max_memory)[0]
-            return copy.deepcopy(host)
+    def fresh(max_memory=None) -> torch.nn.Module:
+        if tier == "file" or weights in GGUF:  # the resident run loads the same file (a load keeps rotary tables
+            return streamwise.load_pretrained(source, chosen, progress=False, max_memory=max_memory)[0]  # float32)
+        return copy.deepcopy(host)
 
-        resident = fresh()
-        streamwise.offload(resident, chosen, device=device, budget=None)
-        expected, compute = timed(resident, ids, repeats)
-        total = sum(p.nbytes for p in resident.parameters())
-        del resident
-        model = fresh({"cpu": int(total * (1 - STREAMED_SHARE / 2))})  # half of what streams left in the file
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        sampler = Sampler()
-        before, _ = sampler.peak["RssAnon"], sampler.start()
-        report = streamwise.offload(model, chosen, device=device, budget=int(total * (1 - STREAMED_SHARE)))
-        placing_grew = sampler.stop()["RssAnon"] - before
-        logits, seconds = timed(model, ids, repeats)
-        link = link_seconds(report.streamed_bytes, device)
-        floor = max(compute, link)
-        no_host_wait = None
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                with torch.inference_mode():
-                    model(ids)
-                no_host_wait = True
-            except RuntimeError:
-                no_host_wait = False
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return {
-            "ms": seconds * 1e3, "resident_ms": compute * 1e3, "link_ms": link * 1e3, "floor_ms": floor * 1e3,
-            "ratio": seconds / floor, "streamed_bytes": report.streamed_bytes, "file_bytes": report.file_bytes,
-            "report": str(report), "identical_to_resident": bool(torch.equal(logits, expected)),
-            "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            "no_host_wait": no_host_wait, "host_tier_bytes": report.streamed_bytes - report.file_bytes,
-            "placing_anon_grew_bytes": placing_grew, "pinned_bytes": report.pinned_bytes,
-        }
+    resident = fresh()
+    streamwise.offload(resident, chosen, device=device, budget=None)
+    expected, compute = timed(resident, ids, repeats)
+    total = sum(p.nbytes for p in resident.parameters())
+    del resident
+    model = fresh({"cpu": int(total * (1 - STREAMED_SHARE / 2))} if tier == "file" else None)  # half in the file
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    budget = int(total * (1 - STREAMED_SHARE))
+    sampler = Sampler()
+    before, _ = sampler.peak["RssAnon"], sampler.start()
+    if host_kind == "dispatch":
+        room = {"cpu": 2 * total}  # the rest in host memory, whatever dispatch counts beside the weights
+        placed = streamwise.dispatch(model, chosen, max_memory={device.index or 0: budget, **room}
+                                     if device.type == "cuda" else room)
+        report, streamed, in_file, pinned = str(placed), placed.bytes.get("cpu", 0), 0, None
+    else:
+        placed = streamwise.offload(model, chosen, device=device, budget=budget)
+        report, streamed, in_file, pinned = str(placed), placed.streamed_bytes, placed.file_bytes, placed.pinned_bytes
+    placing_grew = sampler.stop()["RssAnon"] - before
+    logits, seconds = timed(model, ids, repeats)
+    link = link_seconds(streamed, device)
+    read = file_seconds(source, in_file, device) if in_file else 0.0
+    floor = max(compute, link, read)
+    no_host_wait = None
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():
+                model(ids)
+            no_host_wait = True
+        except RuntimeError:
+            no_host_wait = False
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return {
+        "ms": seconds * 1e3, "resident_ms": compute * 1e3, "link_ms": link * 1e3, "file_ms": read * 1e3,
+        "floor_ms": floor * 1e3, "ratio": seconds / floor, "streamed_bytes": streamed, "file_bytes": in_file,
+        "report": report, "identical_to_resident": bool(torch.equal(logits, expected)),
+        "max_abs_difference": float((logits.float() - expected.float()).abs().max()),
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "no_host_wait": no_host_wait, "host_tier_bytes": streamed - in_file,
+        "placing_anon_grew_bytes": placing_grew, "pinned_bytes": pinned,
+    }
 
 
 def decode(host: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
@@ -157,7 +205,7 @@ def main() -> None:
         sys.path.insert(0, str(REPO / "tests"))
         from recording_device import RecordingOps
 
-        standalone.device_ops = lambda device: RecordingOps()
+        standalone.device_ops = dispatch.device_ops = lambda device: RecordingOps()
         device, layers, hidden, repeats = torch.device("cpu"), 2, 256, 1
     else:
         if not torch.cuda.is_available():
@@ -169,9 +217,12 @@ def main() -> None:
                      "model": {"layers": layers, "hidden": hidden, "tokens": args.tokens}}
     host = decoder(layers, hidden, torch.bfloat16)
     ids = torch.randint(0, 32000, (1, args.tokens), device=device)
-    for weights, mode, tier in CONFIGURATIONS[:2] if args.quick else CONFIGURATIONS:
-        section(results, f"{weights}-{mode}-{tier}", configuration, weights, mode, tier, host, ids, repeats)
-        emit(results, args.out)  # after each: a run cut off keeps what it measured
+    with tempfile.TemporaryDirectory() as folder:
+        host.save_pretrained(folder)  # the file tier's and the GGUF files' source
+        for weights, mode, tier, host_kind in CONFIGURATIONS[:QUICK] if args.quick else CONFIGURATIONS:
+            section(results, f"{weights}-{mode}-{tier}-{host_kind}", configuration, weights, mode, tier, host_kind,
+                    host, ids, repeats, Path(folder))
+            emit(results, args.out)  # after each: a run cut off keeps what it measured
     section(results, "decode", decode, host, ids[:, :16], 4 if args.dry_run else 32)
     emit(results, args.out)
 
