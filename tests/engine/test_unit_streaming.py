@@ -15,6 +15,7 @@ from recording_device import RecordingOps
 from torch import nn
 
 import streamwise
+from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.convert import applied_state
 from streamwise.runtime.engine import file_tier, protocol
 from streamwise.runtime.engine.stream.streamer import UnitStreamer
@@ -335,3 +336,32 @@ def test_quantized_weights_expand_into_one_reused_buffer_counted_in_the_budget(o
     monkeypatch.setattr(gguf_dequant, "dequantize", dequantize)
     with torch.no_grad():
         assert torch.equal(got, resident(ids).logits)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q8_0", "Q4_K"])
+def test_gguf_residents_stream_by_blocks_in_their_blocks_and_compute_what_they_compute_resident(ops, tmp_path,
+                                                                                                gguf_type):
+    """A GGUF file Streamwise wrote (every Linear in `gguf_type`), loaded and streamed at budget 0: each decoder
+    layer's raw blocks are one unit, one copy per unit per forward, and the logits are those of the same file loaded
+    resident."""
+    torch.manual_seed(0)
+    source = tiny_qwen2(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    source.save_pretrained(tmp_path)
+    rule = {"id": "q", "format": "gguf", "gguf_type": gguf_type, "select": {"class": "Linear"}}
+    writing = streamwise.load_policy("decoder-llm").model_copy(
+        update={"quant": make_policy(quant={"rule": [rule]}).quant})
+    path = tmp_path / f"model-{gguf_type}.gguf"
+    quantize_to_gguf(tmp_path / "model.safetensors", path, writing, source)
+    resident = streamwise.load_pretrained(path, "decoder-llm", progress=False)[0]
+    model = streamwise.load_pretrained(path, "decoder-llm", progress=False)[0]
+    assert model.model.layers[0].mlp.up_proj.gguf_qtype == gguf.GGMLQuantizationType[gguf_type]
+    streamer = _streamed(model, "decoder-llm", ops)
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        expected = resident(ids).logits
+        assert torch.equal(model(ids).logits, expected)
+        settled = len(ops.log)
+        assert torch.equal(model(ids).logits, expected)
+    paths = {id(m): p for p, m in model.named_modules()}
+    assert sum(paths[id(u.leaves[0])].startswith("model.layers.") for u in streamer.units) == 2
+    assert sum(entry[0] == "copy" for entry in ops.log[settled:]) == len(streamer.units)
