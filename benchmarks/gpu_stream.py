@@ -10,11 +10,12 @@ writer; eager or compiled; host memory or half of the streamed bytes left in the
 `dispatch` (accelerate's hooks, the `"cpu"` entry streamed). Each records the forward time, the floor and the ratio
 (goal <= 1.15), peak device bytes, how much the process's anonymous memory grew while placing (beside the host tier's
 bytes: packing it holds one piece more at most), whether the logits equal the resident run's (and by how much they
-differ), and whether one forward runs under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the
-host). Last (`decode`), the same decoder generating token by token with the streamed part computed on the host
-where its costs say so (`host_compute=True`), beside the same part streamed: ms per token, the blocks that may
-compute on the host, the measured costs, and whether both decode the same tokens (the host's kernels round
-differently from the GPU's). Under ComfyUI core: `gpu_comfy.py`.
+differ), the engine's own timing of its first forward (`engine.stream.measure`), and whether one forward runs
+under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the host). Last (`decode`), the same decoder
+generating token by token with the streamed part computed on the host where its costs say so (`host_compute=True`),
+beside the same part streamed: ms per token, the blocks that may compute on the host, the measured costs, and
+whether both decode the same tokens (the host's kernels round differently from the GPU's). Under ComfyUI core:
+`gpu_comfy.py`.
 
     python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
     python benchmarks/gpu_stream.py --dry-run      # on a CPU: the recording fake device, a tiny model, end to end
@@ -40,6 +41,7 @@ from report import emit, section  # this folder's: every GPU benchmark hands ove
 
 import streamwise
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
+from streamwise.runtime.convert import applied_state
 from streamwise.runtime.engine.file_reads import FileTier
 from streamwise.runtime.engine.stream.on_host import StreamCosts
 from streamwise.runtime.hosts import dispatch, standalone
@@ -144,6 +146,7 @@ def configuration(weights: str, mode: str, tier: str, host_kind: str, host: torc
         report, streamed, in_file, pinned = str(placed), placed.streamed_bytes, placed.file_bytes, placed.pinned_bytes
     placing_grew = sampler.stop()["RssAnon"] - before
     logits, seconds = timed(model, ids, repeats)
+    first = getattr(applied_state(model).tree.fetcher, "measured", None)  # the engine's own view of its forward
     link = link_seconds(streamed, device)
     read = file_seconds(source, in_file, device) if in_file else 0.0
     floor = max(compute, link, read)
@@ -166,6 +169,8 @@ def configuration(weights: str, mode: str, tier: str, host_kind: str, host: torc
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "no_host_wait": no_host_wait, "host_tier_bytes": streamed - in_file,
         "placing_anon_grew_bytes": placing_grew, "pinned_bytes": pinned,
+        "first_forward": None if first is None else {"compute_ms": first.compute * 1e3, "copies_ms": first.copies * 1e3,
+                                                     "waited_ms": first.waited * 1e3, "ratio": first.ratio},
     }
 
 

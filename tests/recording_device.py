@@ -8,6 +8,7 @@ before which compute, which event each stream waited for, and what was made when
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 from torch import Tensor
@@ -18,6 +19,7 @@ class Event:
 
     def __init__(self) -> None:
         self.number = next(self.numbers)
+        self.time: float | None = None  # a timer's: when it was last recorded (the CPU's clock: copies run at once)
 
     def __repr__(self) -> str:
         return f"Event({self.number})"
@@ -39,14 +41,25 @@ class RecordingOps:
         self.log.append(("event", event))
         return event
 
+    def timer(self) -> Event:
+        timer = Event()
+        self.log.append(("timer", timer))
+        return timer
+
+    def seconds(self, start: Event, end: Event) -> float:
+        self.log.append(("seconds", start, end))
+        return end.time - start.time
+
     def copy(self, destination: Tensor, source: Tensor) -> None:
         destination.copy_(source)
         self.log.append(("copy", self.slot_of(destination), source.data_ptr(), source.nbytes))
 
     def copied(self, event: Event) -> None:
+        event.time = time.perf_counter()
         self.log.append(("copied", event))
 
     def computed(self, event: Event) -> None:
+        event.time = time.perf_counter()
         self.log.append(("computed", event))
 
     def copy_after(self, event: Event) -> None:

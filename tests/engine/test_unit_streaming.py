@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import threading
 
 import gguf
@@ -18,6 +19,7 @@ import streamwise
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.convert import applied_state
 from streamwise.runtime.engine import file_tier, protocol
+from streamwise.runtime.engine.stream.measure import ForwardTimes
 from streamwise.runtime.engine.stream.streamer import UnitStreamer
 from streamwise.runtime.hosts import standalone
 from streamwise.runtime.quant import gguf_dequant
@@ -365,3 +367,40 @@ def test_gguf_residents_stream_by_blocks_in_their_blocks_and_compute_what_they_c
     paths = {id(m): p for p, m in model.named_modules()}
     assert sum(paths[id(u.leaves[0])].startswith("model.layers.") for u in streamer.units) == 2
     assert sum(entry[0] == "copy" for entry in ops.log[settled:]) == len(streamer.units)
+
+
+def test_the_first_forward_is_timed_against_its_floor_and_no_later_one(ops, caplog):
+    """Timers made when placing (four a unit) are recorded in the first forward only: around each unit's copy on the
+    copy stream and around the compute stream's wait for it. Its figures are read at a later unit's entry once the
+    timers are done (asked, never waited for: no synchronisation), logged and kept. Fails when every forward records
+    its timers (tried: `recording` never cleared)."""
+    torch.manual_seed(0)
+    model = tiny_qwen2(num_hidden_layers=4)
+    streamer = _streamed(model, "decoder-llm", ops)
+    timers = {id(entry[1]) for entry in ops.log if entry[0] == "timer"}
+    assert len(timers) == 4 * len(streamer.units)
+    ids = torch.randint(0, 128, (1, 6))
+    with caplog.at_level(logging.INFO, logger="streamwise.offload"), torch.no_grad():
+        model(ids)
+        assert streamer.measured is None  # read after the forward, at the next unit entered
+        first = len(ops.log)
+        model(ids)
+        second = len(ops.log)
+        model(ids)
+    measured = streamer.measured
+    assert measured is not None and measured.units == len(streamer.units)
+    assert measured.compute > 0 and measured.copies > 0 and measured.waited >= 0
+    assert f"offload: {measured}" in caplog.text and "its floor max(compute, copies)" in caplog.text
+    later = ops.log[first:]
+    assert not [entry for entry in later if entry[0] in ("copied", "computed") and id(entry[1]) in timers]
+    assert ("synchronize",) not in later
+    assert any(entry[0] == "seconds" for entry in ops.log[first:second])
+    assert not any(entry[0] == "seconds" for entry in ops.log[second:])
+
+
+def test_a_forward_is_judged_against_the_longer_of_its_compute_and_its_copies():
+    copies_bound = ForwardTimes(units=8, compute=0.010, copies=0.020, waited=0.012)
+    assert copies_bound.floor == 0.020 and copies_bound.ratio == pytest.approx(1.1)
+    assert "1.10x its floor" in str(copies_bound) and "set by the copies" in str(copies_bound)
+    hidden = ForwardTimes(units=8, compute=0.030, copies=0.020, waited=0.0)
+    assert hidden.ratio == 1.0 and "set by the compute" in str(hidden)

@@ -1,11 +1,11 @@
 """The device operations the streamer issues, behind one small seam.
 
-Everything the streamer asks of a device is here: a buffer and events made when a tree is placed (never per
-forward), an asynchronous copy on the copy stream, events recorded on either stream, and either stream waiting for
-one. Nothing synchronises the host, but for measuring a cost (`synchronize`: placing, and the forwards a report
-names as measuring). `CudaOps` implements it with torch's CUDA calls; a test implements it with CPU
-tensors and a log of every call (`tests/recording_device.py`), which is how the schedule is checked on a CPU.
-"""
+Everything the streamer asks of a device is here: a buffer, events and timers made when a tree is placed (never per
+forward), an asynchronous copy on the copy stream, events recorded on either stream, either stream waiting for one,
+and the device time between two timers (`measure`). Nothing synchronises the host, but for measuring a cost
+(`synchronize`: placing, and a block's first computation on the host, `on_host`). `CudaOps` implements it with
+torch's CUDA calls; a test implements it with CPU tensors and a log of every call (`tests/recording_device.py`),
+which is how the schedule is checked on a CPU."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ class DeviceOps(Protocol):
 
     def event(self) -> object:
         """An event, made when placing and recorded again at every use."""
+        ...
+
+    def timer(self) -> object:
+        """An event that keeps the device's time when it completes (`seconds`), made when placing."""
+        ...
+
+    def seconds(self, start: object, end: object) -> float:
+        """Seconds of device time from `start` to `end`, both recorded and done (`finished`): never waits."""
         ...
 
     def copy(self, destination: Tensor, source: Tensor) -> None:
@@ -66,6 +74,12 @@ class CudaOps:
 
     def event(self) -> object:
         return torch.cuda.Event()
+
+    def timer(self) -> object:
+        return torch.cuda.Event(enable_timing=True)
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3
 
     def copy(self, destination: Tensor, source: Tensor) -> None:
         with torch.cuda.stream(self.stream):

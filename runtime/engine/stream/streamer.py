@@ -29,6 +29,7 @@ from ..tree import TorchFetcher
 from . import arena
 from .arena import padded
 from .device import DeviceOps
+from .measure import FirstForward, ForwardTimes
 
 
 class Unit:
@@ -124,6 +125,10 @@ class UnitStreamer(TorchFetcher):
         """File-tier staging copied into a slot written again since: held until that copy's event is done."""
         self.staging = any(unit.in_file for unit in self.units)
         """Whether some unit is copied from the file tier's staging, which `_release_staging` lets go."""
+        self.timing: FirstForward | None = FirstForward(ops, self.units) if self.units else None
+        """The first forward's timers, until its figures are read (`measure`)."""
+        self.measured: ForwardTimes | None = None
+        """The first streamed forward against its floor, once read."""
 
     @staticmethod
     def ring_bytes(units: Sequence[Unit], slots: int = SLOTS) -> int:
@@ -177,7 +182,9 @@ class UnitStreamer(TorchFetcher):
 
     def _enter(self, unit: Unit) -> None:
         """Make `unit` the one computing: its copy waited for (made now if absent or stale), the next copies begun."""
-        ops = self.ops
+        ops, timing = self.ops, self.timing
+        if timing is not None and (measured := timing.entering(unit)) is not None:
+            self.measured, self.timing, timing = measured, None, None
         if self.staging:
             self._release_staging()
         if self.current is not None:
@@ -186,7 +193,11 @@ class UnitStreamer(TorchFetcher):
         slot = self._holding(unit)
         if slot is None or slot.stamp != unit.stamp():
             slot = self._load(unit, slot)
+        if timing is not None:
+            timing.waiting(unit)
         ops.compute_after(slot.copied)
+        if timing is not None:
+            timing.waited(unit)
         self.current = slot
         following = unit
         for _ in range(len(self.slots) - 1):
@@ -243,11 +254,15 @@ class UnitStreamer(TorchFetcher):
         if at > slot.buffer.numel():  # a weight replaced by a larger one since placing (a resized embedding)
             raise RuntimeError(f"the streamed weights of `{unit.name}` grew to {at} bytes since they were placed, "
                                f"past the {slot.buffer.numel()} of a ring slot: offload the model again")
+        if self.timing is not None:
+            self.timing.copying(unit)
         if host is not None:
             ops.copy(slot.buffer[: host.numel()], host)
         else:
             for tensor, offset in zip(tensors, offsets, strict=True):
                 ops.copy(slot.buffer[offset:offset + tensor.nbytes], _bytes(tensor))
+        if self.timing is not None:
+            self.timing.copied_unit(unit)
         ops.copied(slot.copied)
         views: dict[int, dict[str, Tensor]] = {id(owner): {} for owner in unit.owners}
         for holders, tensor, offset in zip(unit.holders, tensors, offsets, strict=True):
