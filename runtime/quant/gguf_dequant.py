@@ -18,7 +18,8 @@ thousand scales across its threads, and each split is a hand-off between them, w
 scheduler slice (milliseconds) while another process holds a core and libgomp's waiting threads
 spin. The output is a fresh buffer on huge pages where the platform has them (see `huge_pages`).
 On the CPU the twelve common types expand in one pass instead where numba is installed (`gguf_fused_cpu`), with
-the same bits.
+the same bits; on CUDA the legacy 32-value types (Q4_0 to Q8_0) in one Triton kernel each where Triton is installed
+(`gguf_triton`), writing the compute dtype where it goes, with the same bits (NaNs by place).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...errors import Error
 from ..registry import Registry
-from . import huge_pages, numba_kernels
+from . import gguf_triton, huge_pages, numba_kernels
 
 QType = gguf.GGMLQuantizationType
 
@@ -104,6 +105,10 @@ def dequantize(
     if kernel is None:
         stored = _reinterpret(blocks, STORED_FLOATS[qtype]).reshape(shape)
         return stored if stored.dtype == dtype else result(dtype, shape).copy_(stored)
+    if _fused_gpu(qtype, blocks):  # one kernel writing the compute dtype where it goes
+        values = result(dtype, (n_blocks, block_size))
+        if gguf_triton.dequantize(qtype, blocks, values):
+            return values.view(shape)
     # float32 is computed where the result goes; another dtype from float32 of its own (the torch kernels' design)
     values = (result(torch.float32, (n_blocks, block_size)) if dtype == torch.float32
               else huge_pages.empty((n_blocks, block_size), torch.float32, blocks.device))
@@ -125,6 +130,13 @@ def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
         return None
     fused = numba_kernels.fused_dequant()
     return fused if fused is not None and qtype in fused.TYPES else None
+
+
+def _fused_gpu(qtype: QType, blocks: Tensor) -> bool:
+    """Whether `gguf_triton` expands these blocks: on CUDA (never on a CPU, where Triton would run as its
+    interpreter), outside a compiled graph and any other tracer, for the types it has, with Triton installed."""
+    return (blocks.is_cuda and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and qtype in gguf_triton.types())
 
 
 def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,111 @@
+"""The Triton kernels of `gguf_triton`, one per GGML type (imported only where Triton is available, and only once
+asked for: Triton reads `TRITON_INTERPRET` as a kernel is defined). Each program expands `BLOCKS` blocks of 32
+values; the byte layouts are gguf's (`gguf.quants`), the arithmetic the torch kernels' (`gguf_dequant`)."""
+
+from __future__ import annotations
+
+import gguf
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def half(blocks, base, offset, mask):
+    """The little-endian float16 at byte `offset` of each block, widened to float32."""
+    low = tl.load(blocks + base + offset, mask=mask, other=0).to(tl.uint16)
+    high = tl.load(blocks + base + offset + 1, mask=mask, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def nibbles(blocks, base, offset, mask):
+    """The 32 four-bit values of 16 bytes at `offset`: low nibbles first (values 0-15), then high ones."""
+    j = tl.arange(0, 32)
+    packed = tl.load(blocks + base[:, None] + offset + (j % 16)[None, :], mask=mask[:, None], other=0)
+    return ((packed >> (4 * (j // 16))[None, :]) & 0x0F).to(tl.int32)
+
+
+@triton.jit
+def fifth_bits(blocks, base, offset, mask):
+    """Bit 4 of each of 32 values: bit i of the little-endian u32 at `offset`, for value i."""
+    j = tl.arange(0, 32)
+    byte = tl.load(blocks + base[:, None] + offset + (j // 8)[None, :], mask=mask[:, None], other=0)
+    return (((byte >> (j % 8)[None, :]) & 1) << 4).to(tl.int32)
+
+
+@triton.jit
+def store(out, first, values, mask):
+    """Float32 `values` into 32 values a block of `out`, rounded to its dtype to nearest, ties to even."""
+    j = tl.arange(0, 32)
+    if out.dtype.element_ty == tl.bfloat16:
+        rounded = bfloat16(values)
+    else:
+        rounded = values.to(out.dtype.element_ty)
+    tl.store(out + first[:, None] * 32 + j[None, :], rounded, mask=mask[:, None])
+
+
+@triton.jit
+def bfloat16(values):
+    """Float32 to bfloat16 rounded to nearest, ties to even, from the bits (as the GPU converts; Triton's
+    interpreter truncates), a NaN as the canonical one."""
+    bits = values.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+    rounded = tl.where(values != values, 0x7FC0, rounded).to(tl.uint16)
+    return rounded.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def q8_0(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """34 bytes: d (f16), 32 int8 quants; value = d * q."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    j = tl.arange(0, 32)
+    q = tl.load(blocks + base[:, None] + 2 + j[None, :], mask=mask[:, None], other=0).to(tl.int8, bitcast=True)
+    store(out, first.to(tl.int64), q.to(tl.float32) * half(blocks, base, 0, mask)[:, None], mask)
+
+
+@triton.jit
+def q4_0(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """18 bytes: d (f16), 16 bytes of nibbles; value = d * (q - 8)."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    q = (nibbles(blocks, base, 2, mask) - 8).to(tl.float32)
+    store(out, first.to(tl.int64), q * half(blocks, base, 0, mask)[:, None], mask)
+
+
+@triton.jit
+def q4_1(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """20 bytes: d (f16), m (f16), 16 bytes of nibbles; value = m + d * q."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    q = nibbles(blocks, base, 4, mask).to(tl.float32)
+    scaled = q * half(blocks, base, 0, mask)[:, None]
+    store(out, first.to(tl.int64), half(blocks, base, 2, mask)[:, None] + scaled, mask)
+
+
+@triton.jit
+def q5_0(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """22 bytes: d (f16), qh (u32: bit 4 of value i at bit i), 16 bytes of low nibbles; value = d * (q - 16)."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    q = (nibbles(blocks, base, 6, mask) + fifth_bits(blocks, base, 2, mask) - 16).to(tl.float32)
+    store(out, first.to(tl.int64), q * half(blocks, base, 0, mask)[:, None], mask)
+
+
+@triton.jit
+def q5_1(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """24 bytes: d (f16), m (f16), qh (u32), 16 bytes of low nibbles; value = m + d * q."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    q = (nibbles(blocks, base, 8, mask) + fifth_bits(blocks, base, 4, mask)).to(tl.float32)
+    scaled = q * half(blocks, base, 0, mask)[:, None]
+    store(out, first.to(tl.int64), half(blocks, base, 2, mask)[:, None] + scaled, mask)
+
+
+Q = gguf.GGMLQuantizationType
+KERNELS = {Q.Q8_0: q8_0, Q.Q4_0: q4_0, Q.Q4_1: q4_1, Q.Q5_0: q5_0, Q.Q5_1: q5_1}

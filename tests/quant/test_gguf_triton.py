@@ -1,0 +1,114 @@
+"""The Triton kernels of `gguf_triton` against the torch kernels (bit-exact with gguf's numpy reference): float32
+with the same bits, bfloat16 and float16 their round to nearest even, NaNs by place, on random blocks whose first
+scales are NaN, infinities, subnormals and signed zeros. On a CPU the kernels run in Triton's interpreter, in a
+process of their own (`TRITON_INTERPRET` is read as a kernel is defined); where CUDA is present, also compiled, in a
+process without it. Plants tried: Q5_0's high bits read one byte late, Q4_1's offset added to the quants before the
+scale's product (each fails its type)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamwise.runtime.quant import gguf_dequant, gguf_triton
+
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+CHECK = r"""
+import json, sys
+import numpy as np
+import torch
+from gguf_blocks import random_bytes
+from streamwise.runtime.quant import gguf_triton
+from streamwise.runtime.quant.gguf_dequant import QType, dequantize
+
+device, names, dtypes = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+results = {}
+for name in names:
+    qtype = QType[name]
+    # 160 blocks (more than one program, a partial last one): finite scales, then the special ones first
+    raw = torch.from_numpy(np.concatenate([random_bytes(qtype, (5, 512)), random_bytes(qtype, (5, 512), 1, False)]))
+    blocks = raw.view(160, -1).to(device)
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        out = torch.empty(160, 32, dtype=dtype, device=device)
+        ran = gguf_triton.dequantize(qtype, blocks, out)
+        expected = dequantize(raw, qtype, (10, 512), dtype).view(160, 32)
+        got, nan = out.cpu(), expected.isnan()
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        results[f"{name}-{dtype_name}"] = {
+            "ran": ran, "nan_places": bool(torch.equal(got.isnan(), nan)),
+            "same_bits": bool(torch.equal(got.masked_fill(nan, 0).view(bits), expected.masked_fill(nan, 0).view(bits))),
+            "nans": int(nan.sum()),
+        }
+print(json.dumps(results))
+"""
+
+
+def _checked(device: str, environment: dict) -> dict:
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", CHECK, device, ",".join(TYPES), ",".join(DTYPES)],
+                          capture_output=True, text=True, timeout=600, cwd=tests, env=environment)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    import os
+
+    return _checked("cpu", {**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", TYPES)
+def test_each_kernel_writes_the_torch_kernels_bits_in_the_interpreter(interpreted, name, dtype):
+    result = interpreted[f"{name}-{dtype}"]
+    assert result["ran"] and result["nan_places"] and result["same_bits"], result
+    assert result["nans"] > 0, result  # the special scales reached the output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need CUDA: the interpreter checks "
+                    "the same kernels above")
+def test_each_kernel_compiled_writes_the_torch_kernels_bits_on_cuda():
+    import os
+
+    results = _checked("cuda", {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"})
+    failed = {key: result for key, result in results.items()
+              if not (result["ran"] and result["nan_places"] and result["same_bits"])}
+    assert not failed, failed
+
+
+def test_a_cpu_never_takes_the_triton_kernels(monkeypatch):
+    """Even with Triton installed: there it would run as its interpreter."""
+    taken = []
+    monkeypatch.setattr(gguf_triton, "dequantize", lambda *args: taken.append(args) or False)
+    raw = torch.zeros(34 * 8, dtype=torch.uint8)
+    gguf_dequant.dequantize(raw, gguf_dequant.QType.Q8_0, (8, 32))
+    assert taken == [] and gguf_triton.available()  # Triton is in the test extra: installed, and still not taken
+    assert {gguf_dequant.QType[name] for name in TYPES} <= gguf_triton.types()
+
+
+def test_a_type_without_a_kernel_or_a_failing_kernel_leaves_the_torch_kernels(monkeypatch, caplog):
+    """The caller expands with the torch kernels: a type no kernel here has, or a kernel that raises (said once)."""
+    out = torch.empty(8, 256)
+    assert not gguf_triton.dequantize(gguf_dequant.QType.Q6_K, torch.zeros(8, 210, dtype=torch.uint8), out)
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no driver")
+            return launch
+
+    monkeypatch.setitem(gguf_triton._kernels(), int(gguf_dequant.QType.Q8_0), Failing())
+    monkeypatch.setattr(gguf_triton, "_failures", set())
+    blocks = torch.zeros(8, 34, dtype=torch.uint8)
+    for _ in range(2):
+        assert not gguf_triton.dequantize(gguf_dequant.QType.Q8_0, blocks, torch.empty(8, 32))
+    assert caplog.text.count("failed (no driver)") == 1
