@@ -25,10 +25,6 @@ _log = logging.getLogger("streamwise.quant")
 MINIMUM = (3, 0)
 """The oldest Triton these kernels are written for (`triton.language` as torch 2.4's CUDA wheels ship it)."""
 
-BLOCKS_PER_PROGRAM = 64
-"""GGML blocks a program expands: 2,048 values of the 32-value types, a few KB of blocks read at once."""
-
-
 @functools.cache
 def available() -> bool:
     """Whether Triton (at least `MINIMUM`) is importable here; where it is not, the torch kernels expand on the GPU,
@@ -50,13 +46,14 @@ def dequantize(qtype: int, blocks: Tensor, out: Tensor) -> bool:
     """Expand `blocks` ((n_blocks, type_size) uint8) into `out` ((n_blocks, values) of the compute dtype, contiguous,
     on the blocks' device) where a kernel here has the type; False where none has it, or it failed (said once, and
     the caller expands with the torch kernels)."""
-    kernel = _kernels().get(int(qtype))
-    if kernel is None:
+    found = _kernels().get(int(qtype))
+    if found is None:
         return False
+    kernel, per_program = found
     n_blocks = blocks.shape[0]
-    grid = (-(-n_blocks // BLOCKS_PER_PROGRAM),)
     try:
-        kernel[grid](blocks, out, n_blocks, blocks.shape[1], BLOCKS=BLOCKS_PER_PROGRAM, enable_fp_fusion=False)
+        kernel[(-(-n_blocks // per_program),)](blocks, out, n_blocks, blocks.shape[1], BLOCKS=per_program,
+                                               enable_fp_fusion=False)
     except Exception as exc:  # a compiler or driver Triton cannot serve: the torch kernels always can
         _failed(int(qtype), exc)
         return False

@@ -1,6 +1,7 @@
 """The Triton kernels of `gguf_triton`, one per GGML type (imported only where Triton is available, and only once
-asked for: Triton reads `TRITON_INTERPRET` as a kernel is defined). Each program expands `BLOCKS` blocks of 32
-values; the byte layouts are gguf's (`gguf.quants`), the arithmetic the torch kernels' (`gguf_dequant`)."""
+asked for: Triton reads `TRITON_INTERPRET` as a kernel is defined). Each program expands `BLOCKS` blocks; the
+byte layouts are gguf's (`gguf.quants`), the arithmetic the torch kernels' (`gguf_dequant`), operation for
+operation."""
 
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ def fifth_bits(blocks, base, offset, mask):
 
 
 @triton.jit
-def store(out, first, values, mask):
-    """Float32 `values` into 32 values a block of `out`, rounded to its dtype to nearest, ties to even."""
-    j = tl.arange(0, 32)
+def store(out, first, values, mask, VALUES: tl.constexpr = 32):
+    """Float32 `values` into `VALUES` values a block of `out`, rounded to its dtype to nearest, ties to even."""
+    j = tl.arange(0, VALUES)
     if out.dtype.element_ty == tl.bfloat16:
         rounded = bfloat16(values)
     else:
         rounded = values.to(out.dtype.element_ty)
-    tl.store(out + first[:, None] * 32 + j[None, :], rounded, mask=mask[:, None])
+    tl.store(out + first[:, None] * VALUES + j[None, :], rounded, mask=mask[:, None])
 
 
 @triton.jit
@@ -107,5 +108,54 @@ def q5_1(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
     store(out, first.to(tl.int64), half(blocks, base, 2, mask)[:, None] + scaled, mask)
 
 
+
+@triton.jit
+def q4_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins for eight 32-value sub-blocks (bytes 0-3 / 4-7:
+    scales / mins 0-3 in their low 6 bits, the top 2 bits of 4-7 in their high 2; bytes 8-11: the low 4 bits of
+    scales 4-7, low nibble, and of mins 4-7, high nibble), 128 bytes of nibbles (each 32 bytes: 64 values, low
+    nibbles first); value = -(dmin * min) + q * (d * scale)."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    v = tl.arange(0, 256)
+    sub = v // 32
+    k = (sub % 4)[None, :]
+    at = base[:, None] + 4
+    low, mins, mixed = (tl.load(blocks + at + k, mask=mask[:, None], other=0),
+                        tl.load(blocks + at + 4 + k, mask=mask[:, None], other=0),
+                        tl.load(blocks + at + 8 + k, mask=mask[:, None], other=0))
+    upper = (sub >= 4)[None, :]
+    scale = tl.where(upper, (mixed & 0x0F) | ((low >> 2) & 0x30), low & 0x3F).to(tl.float32)
+    least = tl.where(upper, (mixed >> 4) | ((mins >> 2) & 0x30), mins & 0x3F).to(tl.float32)
+    packed = tl.load(blocks + base[:, None] + 16 + (32 * (sub // 2) + v % 32)[None, :], mask=mask[:, None], other=0)
+    q = ((packed >> (4 * (sub % 2))[None, :]) & 0x0F).to(tl.float32)
+    d, dmin = half(blocks, base, 0, mask)[:, None], half(blocks, base, 2, mask)[:, None]
+    store(out, first.to(tl.int64), -dmin * least + q * (d * scale), mask, 256)
+
+
+@triton.jit
+def q6_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """210 bytes: ql (128), qh (64), 16 int8 scales, d (f16). Per 128-value half: nibble j of ql byte i (64 bytes)
+    is value 64 * j + i, 2-bit field j of qh byte i (32 bytes) the top 2 bits of value 32 * j + i; a scale per 16
+    values; value = (d * scale) * (q - 32)."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    v = tl.arange(0, 256)
+    within = v % 128
+    ql = tl.load(blocks + base[:, None] + (64 * (v // 128) + within % 64)[None, :], mask=mask[:, None], other=0)
+    qh = tl.load(blocks + base[:, None] + 128 + (32 * (v // 128) + within % 32)[None, :], mask=mask[:, None], other=0)
+    low = (ql >> (4 * (within // 64))[None, :]) & 0x0F
+    high = (qh >> (2 * (within // 32))[None, :]) & 0x03
+    q = ((low | (high << 4)).to(tl.int32) - 32).to(tl.float32)
+    scale = tl.load(blocks + base[:, None] + 192 + (v // 16)[None, :], mask=mask[:, None], other=0)
+    scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
+    store(out, first.to(tl.int64), q * (half(blocks, base, 208, mask)[:, None] * scale), mask, 256)
+
+
 Q = gguf.GGMLQuantizationType
-KERNELS = {Q.Q8_0: q8_0, Q.Q4_0: q4_0, Q.Q4_1: q4_1, Q.Q5_0: q5_0, Q.Q5_1: q5_1}
+KERNELS = {Q.Q8_0: (q8_0, 64), Q.Q4_0: (q4_0, 64), Q.Q4_1: (q4_1, 64), Q.Q5_0: (q5_0, 64), Q.Q5_1: (q5_1, 64),
+           Q.Q4_K: (q4_k, 8), Q.Q6_K: (q6_k, 8)}
+"""Each type's kernel and the GGML blocks a program expands: 2,048 values of the 32-value types (a few KB of blocks
+read at once), as many of the 256-value K-quants."""

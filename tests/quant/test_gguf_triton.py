@@ -3,7 +3,7 @@ with the same bits, bfloat16 and float16 their round to nearest even, NaNs by pl
 scales are NaN, infinities, subnormals and signed zeros. On a CPU the kernels run in Triton's interpreter, in a
 process of their own (`TRITON_INTERPRET` is read as a kernel is defined); where CUDA is present, also compiled, in a
 process without it. Plants tried: Q5_0's high bits read one byte late, Q4_1's offset added to the quants before the
-scale's product (each fails its type)."""
+scale's product, Q6_K's top bits shifted by 3, Q4_K's upper mins masked to 5 bits (each fails its type)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from streamwise.runtime.quant import gguf_dequant, gguf_triton
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CHECK = r"""
@@ -25,6 +25,7 @@ import json, sys
 import numpy as np
 import torch
 from gguf_blocks import random_bytes
+from gguf import GGML_QUANT_SIZES
 from streamwise.runtime.quant import gguf_triton
 from streamwise.runtime.quant.gguf_dequant import QType, dequantize
 
@@ -32,14 +33,16 @@ device, names, dtypes = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split("
 results = {}
 for name in names:
     qtype = QType[name]
-    # 160 blocks (more than one program, a partial last one): finite scales, then the special ones first
-    raw = torch.from_numpy(np.concatenate([random_bytes(qtype, (5, 512)), random_bytes(qtype, (5, 512), 1, False)]))
-    blocks = raw.view(160, -1).to(device)
+    # finite scales, then the special ones first: 160 or 20 blocks, more than one program, a partial last one
+    rows = (5, 2560) if name.endswith("_K") else (5, 512)
+    raw = torch.from_numpy(np.concatenate([random_bytes(qtype, rows), random_bytes(qtype, rows, 1, False)]))
+    values, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.view(-1, type_size).to(device)
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        out = torch.empty(160, 32, dtype=dtype, device=device)
+        out = torch.empty(blocks.shape[0], values, dtype=dtype, device=device)
         ran = gguf_triton.dequantize(qtype, blocks, out)
-        expected = dequantize(raw, qtype, (10, 512), dtype).view(160, 32)
+        expected = dequantize(raw, qtype, (10, rows[1]), dtype).view(-1, values)
         got, nan = out.cpu(), expected.isnan()
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         results[f"{name}-{dtype_name}"] = {
@@ -98,7 +101,7 @@ def test_a_cpu_never_takes_the_triton_kernels(monkeypatch):
 def test_a_type_without_a_kernel_or_a_failing_kernel_leaves_the_torch_kernels(monkeypatch, caplog):
     """The caller expands with the torch kernels: a type no kernel here has, or a kernel that raises (said once)."""
     out = torch.empty(8, 256)
-    assert not gguf_triton.dequantize(gguf_dequant.QType.Q6_K, torch.zeros(8, 210, dtype=torch.uint8), out)
+    assert not gguf_triton.dequantize(gguf_dequant.QType.Q2_K, torch.zeros(8, 84, dtype=torch.uint8), out)
 
     class Failing:
         def __getitem__(self, grid):
@@ -106,7 +109,7 @@ def test_a_type_without_a_kernel_or_a_failing_kernel_leaves_the_torch_kernels(mo
                 raise RuntimeError("no driver")
             return launch
 
-    monkeypatch.setitem(gguf_triton._kernels(), int(gguf_dequant.QType.Q8_0), Failing())
+    monkeypatch.setitem(gguf_triton._kernels(), int(gguf_dequant.QType.Q8_0), (Failing(), 64))
     monkeypatch.setattr(gguf_triton, "_failures", set())
     blocks = torch.zeros(8, 34, dtype=torch.uint8)
     for _ in range(2):
