@@ -18,7 +18,8 @@ view everywhere, has none), and never slower on more threads than on one.
 
 `--device cuda` times the same kernels on a GPU instead (where ComfyUI-GGUF's users dequantize): blocks and outputs
 on the device, each call synchronized, the reference run on the CPU only to check bits; allocators and thread
-counts do not apply there.
+counts do not apply there. For the types with a Triton kernel (`gguf_triton`) `streamwise` is that kernel, beside
+the torch kernels alone, each also writing bfloat16 (a GPU's compute dtype, where Triton writes it directly).
 
 ComfyUI-GGUF's `dequant.py` is imported from the path given (its column is skipped without one;
 nothing is fetched); its commit is read from its checkout or given. Run:
@@ -94,7 +95,7 @@ def measure(args) -> None:
     import numpy as np
     import torch
 
-    from streamwise.runtime.quant import gguf_dequant, huge_pages, numba_kernels
+    from streamwise.runtime.quant import gguf_dequant, gguf_triton, huge_pages, numba_kernels
     from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, dequantize
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -129,6 +130,17 @@ def measure(args) -> None:
 
         return run
 
+    def without_triton(fn):
+        """`fn` with the Triton kernels out of the way (CUDA): the torch kernels' time beside them."""
+        def run():
+            types, gguf_triton.types = gguf_triton.types, frozenset
+            try:
+                return fn()
+            finally:
+                gguf_triton.types = types
+
+        return run
+
     def bit_exact(ours, reference, qtype) -> bool:
         expected = torch.from_numpy(np.ascontiguousarray(reference))
         # torch's own float16 widening quiets signalling NaNs, and a GPU's arithmetic returns one canonical NaN:
@@ -157,6 +169,10 @@ def measure(args) -> None:
                 fns["comfyui"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32)
             if gguf_dequant._fused_cpu(qtype, blocks) is not None:
                 fns["torch kernels"] = torch_kernels(fns["streamwise"])
+            if gguf_dequant._fused_gpu(qtype, blocks):  # Triton's: bf16 written directly, as a GPU computes
+                fns["torch kernels"] = without_triton(fns["streamwise"])
+                fns["streamwise bf16"] = functools.partial(dequantize, blocks, qtype, shape, torch.bfloat16)
+                fns["torch kernels bf16"] = without_triton(fns["streamwise bf16"])
             if threads > 1 and device.type == "cpu":
                 fns["1 thread"] = on_one_thread(fns["streamwise"])
             same = bit_exact(dequantize(blocks, qtype, shape).cpu(), gguf.quants.dequantize(raw, qtype), qtype)
@@ -232,6 +248,13 @@ def report(rows: list[dict], peer: str | None, header: str) -> str:
                     cells.append(f"{row['comfyui'] / row['floor']:.1f}x" if "comfyui" in row else "-")
             lines.append("| " + " | ".join([*cells, str(row["bit_exact"])]) + " |")
         lines.append("")
+        halves = [row for row in config if "streamwise bf16" in row]
+        if halves:  # the Triton kernels writing a GPU's compute dtype, against the torch kernels' float32 and cast
+            lines += ["| type | scales | streamwise bf16 | torch kernels bf16 | x |", "|---|---|---|---|---|"]
+            lines += [f"| {row['type']} | {row['scales']} | {ms(row['streamwise bf16'])} | "
+                      f"{ms(row['torch kernels bf16'])} | {row['torch kernels bf16'] / row['streamwise bf16']:.1f}x |"
+                      for row in halves]
+            lines.append("")
         for peer_name, goal in QTYPE_GOALS.items():
             timed = [row for row in config if peer_name in row and not row["view"]]
             if not timed:
