@@ -18,7 +18,7 @@ thousand scales across its threads, and each split is a hand-off between them, w
 scheduler slice (milliseconds) while another process holds a core and libgomp's waiting threads
 spin. The output is a fresh buffer on huge pages where the platform has them (see `huge_pages`).
 On the CPU the twelve common types expand in one pass instead where numba is installed (`gguf_fused_cpu`), with
-the same bits; on CUDA Q4_0 to Q8_0, Q4_K and Q6_K in one Triton kernel each where Triton is installed
+the same bits; on CUDA the legacy types and the K-quants in one Triton kernel each where Triton is installed
 (`gguf_triton`), writing the compute dtype where it goes, with the same bits (NaNs by place).
 """
 

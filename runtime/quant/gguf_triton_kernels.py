@@ -110,16 +110,12 @@ def q5_1(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def q4_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
-    """144 bytes: d, dmin (f16), 12 bytes of 6-bit scales and mins for eight 32-value sub-blocks (bytes 0-3 / 4-7:
-    scales / mins 0-3 in their low 6 bits, the top 2 bits of 4-7 in their high 2; bytes 8-11: the low 4 bits of
-    scales 4-7, low nibble, and of mins 4-7, high nibble), 128 bytes of nibbles (each 32 bytes: 64 values, low
-    nibbles first); value = -(dmin * min) + q * (d * scale)."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
-    v = tl.arange(0, 256)
-    sub = v // 32
+def k4_affine(blocks, base, mask, q):
+    """The values of a Q4_K/Q5_K block from its quants `q` (BLOCKS, 256): -(dmin * min) + q * (d * scale), with
+    eight 6-bit scales and mins, one a 32-value sub-block, in the 12 bytes at byte 4 (bytes 0-3 / 4-7: scales /
+    mins 0-3 in their low 6 bits, the top 2 bits of 4-7 in their high 2; bytes 8-11: the low 4 bits of scales 4-7,
+    low nibble, and of mins 4-7, high nibble)."""
+    sub = tl.arange(0, 256) // 32
     k = (sub % 4)[None, :]
     at = base[:, None] + 4
     low, mins, mixed = (tl.load(blocks + at + k, mask=mask[:, None], other=0),
@@ -128,10 +124,86 @@ def q4_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
     upper = (sub >= 4)[None, :]
     scale = tl.where(upper, (mixed & 0x0F) | ((low >> 2) & 0x30), low & 0x3F).to(tl.float32)
     least = tl.where(upper, (mixed >> 4) | ((mins >> 2) & 0x30), mins & 0x3F).to(tl.float32)
-    packed = tl.load(blocks + base[:, None] + 16 + (32 * (sub // 2) + v % 32)[None, :], mask=mask[:, None], other=0)
-    q = ((packed >> (4 * (sub % 2))[None, :]) & 0x0F).to(tl.float32)
     d, dmin = half(blocks, base, 0, mask)[:, None], half(blocks, base, 2, mask)[:, None]
-    store(out, first.to(tl.int64), -dmin * least + q * (d * scale), mask, 256)
+    return -dmin * least + q.to(tl.float32) * (d * scale)
+
+
+@triton.jit
+def k4_nibbles(blocks, base, mask, offset):
+    """The 256 four-bit quants of a Q4_K/Q5_K block from the 128 bytes at `offset`: each 32 bytes hold 64 values,
+    low nibbles first."""
+    v = tl.arange(0, 256)
+    sub = v // 32
+    packed = tl.load(blocks + base[:, None] + offset + (32 * (sub // 2) + v % 32)[None, :], mask=mask[:, None],
+                     other=0)
+    return ((packed >> (4 * (sub % 2))[None, :]) & 0x0F).to(tl.int32)
+
+
+@triton.jit
+def q4_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """144 bytes: d, dmin (f16), 12 scale bytes (`k4_affine`), 128 bytes of nibbles (`k4_nibbles`)."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    store(out, first.to(tl.int64), k4_affine(blocks, base, mask, k4_nibbles(blocks, base, mask, 16)), mask, 256)
+
+
+@triton.jit
+def q5_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """176 bytes: d, dmin (f16), 12 scale bytes, qh (32: bit j of byte i is bit 4 of value 32 * j + i), 128 bytes
+    of nibbles laid out as in Q4_K."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    v = tl.arange(0, 256)
+    qh = tl.load(blocks + base[:, None] + 16 + (v % 32)[None, :], mask=mask[:, None], other=0)
+    q = k4_nibbles(blocks, base, mask, 48) + (((qh >> (v // 32)[None, :]) & 1) << 4).to(tl.int32)
+    store(out, first.to(tl.int64), k4_affine(blocks, base, mask, q), mask, 256)
+
+
+@triton.jit
+def two_bits(blocks, base, mask, offset):
+    """The 256 two-bit quants at `offset` (64 bytes): each 32-byte half holds 128 values, 2-bit field j of byte i
+    being value 32 * j + i."""
+    v = tl.arange(0, 256)
+    packed = tl.load(blocks + base[:, None] + offset + (32 * (v // 128) + v % 32)[None, :], mask=mask[:, None],
+                     other=0)
+    return ((packed >> (2 * ((v % 128) // 32))[None, :]) & 0x03).to(tl.int32)
+
+
+@triton.jit
+def q2_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """84 bytes: 16 scale bytes (a 16-value group's: low nibble scale, high nibble min), 64 bytes of 2-bit quants,
+    d, dmin (f16); value = -(dmin * min) + q * (d * scale)."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    v = tl.arange(0, 256)
+    scales = tl.load(blocks + base[:, None] + (v // 16)[None, :], mask=mask[:, None], other=0)
+    d, dmin = half(blocks, base, 80, mask)[:, None], half(blocks, base, 82, mask)[:, None]
+    q = two_bits(blocks, base, mask, 16).to(tl.float32)
+    store(out, first.to(tl.int64), -dmin * (scales >> 4).to(tl.float32) + q * (d * (scales & 0x0F).to(tl.float32)),
+          mask, 256)
+
+
+@triton.jit
+def q3_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+    """110 bytes: hmask (32: bit j of byte i belongs to value 32 * j + i; a clear bit subtracts 4), 2-bit quants
+    (64, as in Q2_K), 12 scale bytes (sixteen 6-bit scales less 32: the low 4 bits in the nibbles of bytes 0-7, low
+    nibbles first, the top 2 in the 2-bit fields of bytes 8-11, field j of byte i being scale 4 * j + i), d (f16);
+    value = (d * scale) * q."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    base = first.to(tl.int64) * type_size
+    v = tl.arange(0, 256)
+    hmask = tl.load(blocks + base[:, None] + (v % 32)[None, :], mask=mask[:, None], other=0)
+    q = two_bits(blocks, base, mask, 32) + 4 * ((hmask >> (v // 32)[None, :]) & 1).to(tl.int32) - 4
+    group = v // 16
+    low = tl.load(blocks + base[:, None] + 96 + (group % 8)[None, :], mask=mask[:, None], other=0)
+    high = tl.load(blocks + base[:, None] + 104 + (group % 4)[None, :], mask=mask[:, None], other=0)
+    scale = (((low >> (4 * (group // 8))[None, :]) & 0x0F) | (((high >> (2 * (group // 4))[None, :]) & 0x03) << 4))
+    scale = (scale.to(tl.int32) - 32).to(tl.float32)
+    store(out, first.to(tl.int64), q.to(tl.float32) * (half(blocks, base, 108, mask)[:, None] * scale), mask, 256)
 
 
 @triton.jit
@@ -156,6 +228,6 @@ def q6_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
 
 Q = gguf.GGMLQuantizationType
 KERNELS = {Q.Q8_0: (q8_0, 64), Q.Q4_0: (q4_0, 64), Q.Q4_1: (q4_1, 64), Q.Q5_0: (q5_0, 64), Q.Q5_1: (q5_1, 64),
-           Q.Q4_K: (q4_k, 8), Q.Q6_K: (q6_k, 8)}
+           Q.Q2_K: (q2_k, 8), Q.Q3_K: (q3_k, 8), Q.Q4_K: (q4_k, 8), Q.Q5_K: (q5_k, 8), Q.Q6_K: (q6_k, 8)}
 """Each type's kernel and the GGML blocks a program expands: 2,048 values of the 32-value types (a few KB of blocks
 read at once), as many of the 256-value K-quants."""

@@ -3,7 +3,8 @@ with the same bits, bfloat16 and float16 their round to nearest even, NaNs by pl
 scales are NaN, infinities, subnormals and signed zeros. On a CPU the kernels run in Triton's interpreter, in a
 process of their own (`TRITON_INTERPRET` is read as a kernel is defined); where CUDA is present, also compiled, in a
 process without it. Plants tried: Q5_0's high bits read one byte late, Q4_1's offset added to the quants before the
-scale's product, Q6_K's top bits shifted by 3, Q4_K's upper mins masked to 5 bits (each fails its type)."""
+scale's product, Q6_K's top bits shifted by 3, Q4_K's upper mins masked to 5 bits, Q3_K's scales' top bits all read
+from one byte, Q5_K's fifth bits from the wrong bit (each fails its type)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from streamwise.runtime.quant import gguf_dequant, gguf_triton
 
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CHECK = r"""
@@ -101,7 +102,7 @@ def test_a_cpu_never_takes_the_triton_kernels(monkeypatch):
 def test_a_type_without_a_kernel_or_a_failing_kernel_leaves_the_torch_kernels(monkeypatch, caplog):
     """The caller expands with the torch kernels: a type no kernel here has, or a kernel that raises (said once)."""
     out = torch.empty(8, 256)
-    assert not gguf_triton.dequantize(gguf_dequant.QType.Q2_K, torch.zeros(8, 84, dtype=torch.uint8), out)
+    assert not gguf_triton.dequantize(gguf_dequant.QType.IQ4_XS, torch.zeros(8, 136, dtype=torch.uint8), out)
 
     class Failing:
         def __getitem__(self, grid):
