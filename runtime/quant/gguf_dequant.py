@@ -132,6 +132,15 @@ def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
     return fused if fused is not None and qtype in fused.TYPES else None
 
 
+def gpu_matmul(rows: Tensor, blocks: Tensor, qtype: QType, out_features: int) -> Tensor | None:
+    """`rows` (a few, on CUDA) times the weight these blocks hold, transposed, in float32, from the blocks directly
+    (`gguf_triton.matmul`: decode expands no weight); None where that kernel does not serve (more rows, another
+    device or type, a tracer): the caller expands the weight instead."""
+    if not (_fused_gpu(qtype, blocks) and rows.is_cuda and rows.shape[0] <= gguf_triton.MATMUL_ROWS):
+        return None
+    return gguf_triton.matmul(rows, blocks, qtype, out_features)
+
+
 def _fused_gpu(qtype: QType, blocks: Tensor) -> bool:
     """Whether `gguf_triton` expands these blocks: on CUDA (never on a CPU, where Triton would run as its
     interpreter), outside a compiled graph and any other tracer, for the types it has, with Triton installed."""

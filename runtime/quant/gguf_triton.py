@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
 from torch import Tensor
 
 _log = logging.getLogger("streamwise.quant")
@@ -42,45 +43,69 @@ def available() -> bool:
     return True
 
 
+MATMUL_ROWS = 8
+"""The most input rows `matmul` takes (token-by-token decode, a few sequences): more expand once into the buffer
+and take the vendor's matmul, whose tiles beat recomputing the expansion for every row tile."""
+
+
 def dequantize(qtype: int, blocks: Tensor, out: Tensor) -> bool:
     """Expand `blocks` ((n_blocks, type_size) uint8) into `out` ((n_blocks, values) of the compute dtype, contiguous,
     on the blocks' device) where a kernel here has the type; False where none has it, or it failed (said once, and
     the caller expands with the torch kernels)."""
-    found = _kernels().get(int(qtype))
-    if found is None:
+    kernels = _kernels()
+    size = kernels.VALUES.get(int(qtype)) if kernels is not None else None
+    if size is None:
         return False
-    kernel, per_program = found
-    n_blocks = blocks.shape[0]
-    try:
-        kernel[(-(-n_blocks // per_program),)](blocks, out, n_blocks, blocks.shape[1], BLOCKS=per_program,
-                                               enable_fp_fusion=False)
-    except Exception as exc:  # a compiler or driver Triton cannot serve: the torch kernels always can
-        _failed(int(qtype), exc)
-        return False
-    return True
+    n_blocks, per_program = blocks.shape[0], 2048 // size
+    return _launched(qtype, kernels.dequantize, (-(-n_blocks // per_program),), blocks, out, n_blocks,
+                     blocks.shape[1], QTYPE=int(qtype), VALUES=size, BLOCKS=per_program)
+
+
+def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int) -> Tensor | None:
+    """x (rows, in_features; at most `MATMUL_ROWS` rows, any float dtype) times the weight whose GGML blocks are
+    `blocks` (its bytes, out_features rows), transposed: float32 (rows, out_features), every product summed in
+    float32 and no weight expanded to memory; None where no kernel here has the type or it failed (said once)."""
+    kernels = _kernels()
+    size = kernels.VALUES.get(int(qtype)) if kernels is not None else None
+    if size is None or x.shape[0] > MATMUL_ROWS:
+        return None
+    rows, k_blocks = x.shape[0], x.shape[1] // size
+    out = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
+    features = 32 if size == 32 else 8
+    launched = _launched(qtype, kernels.matmul, (-(-out_features // features),), x.contiguous(), blocks, out, rows,
+                         out_features, k_blocks, blocks.numel() // (out_features * k_blocks), QTYPE=int(qtype),
+                         VALUES=size, ROWS=max(1, 1 << (rows - 1).bit_length()), FEATURES=features)
+    return out if launched else None
 
 
 def types() -> frozenset[int]:
     """The GGML types a kernel here expands (none where Triton is not available)."""
-    return frozenset(_kernels())
+    kernels = _kernels()
+    return frozenset(kernels.VALUES) if kernels is not None else frozenset()
+
+
+def _launched(qtype: int, kernel, grid: tuple[int], *args, **constants) -> bool:
+    """Whether `kernel` ran: contraction off (the reference's roundings), and a failure said once per type."""
+    try:
+        kernel[grid](*args, **constants, enable_fp_fusion=False)
+    except Exception as exc:  # a compiler or driver Triton cannot serve: the torch kernels always can
+        if int(qtype) not in _failures:
+            _failures.add(int(qtype))
+            _log.warning("the Triton kernel of GGML type %d failed (%s); that type computes with torch's kernels",
+                         int(qtype), exc)
+        return False
+    return True
 
 
 _failures: set[int] = set()
 
 
-def _failed(qtype: int, exc: Exception) -> None:
-    if qtype not in _failures:
-        _failures.add(qtype)
-        _log.warning("the Triton kernel of GGML type %d failed (%s); that type expands with torch's kernels", qtype,
-                     exc)
-
-
 @functools.cache
-def _kernels() -> dict[int, object]:
-    """The kernel of each type, by GGML type number: imported at the first call (Triton imported then, as
-    `TRITON_INTERPRET` is read when a kernel is defined)."""
+def _kernels():
+    """The kernels' module (`gguf_triton_kernels`), imported at the first call (Triton imported then, as
+    `TRITON_INTERPRET` is read when a kernel is defined); None where Triton is not available."""
     if not available():
-        return {}
+        return None
     from . import gguf_triton_kernels
 
-    return gguf_triton_kernels.KERNELS
+    return gguf_triton_kernels

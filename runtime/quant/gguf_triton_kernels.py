@@ -56,56 +56,41 @@ def bfloat16(values):
 
 
 @triton.jit
-def q8_0(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q8_0_values(blocks, base, mask):
     """34 bytes: d (f16), 32 int8 quants; value = d * q."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     j = tl.arange(0, 32)
     q = tl.load(blocks + base[:, None] + 2 + j[None, :], mask=mask[:, None], other=0).to(tl.int8, bitcast=True)
-    store(out, first.to(tl.int64), q.to(tl.float32) * half(blocks, base, 0, mask)[:, None], mask)
+    return q.to(tl.float32) * half(blocks, base, 0, mask)[:, None]
 
 
 @triton.jit
-def q4_0(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q4_0_values(blocks, base, mask):
     """18 bytes: d (f16), 16 bytes of nibbles; value = d * (q - 8)."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     q = (nibbles(blocks, base, 2, mask) - 8).to(tl.float32)
-    store(out, first.to(tl.int64), q * half(blocks, base, 0, mask)[:, None], mask)
+    return q * half(blocks, base, 0, mask)[:, None]
 
 
 @triton.jit
-def q4_1(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q4_1_values(blocks, base, mask):
     """20 bytes: d (f16), m (f16), 16 bytes of nibbles; value = m + d * q."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     q = nibbles(blocks, base, 4, mask).to(tl.float32)
     scaled = q * half(blocks, base, 0, mask)[:, None]
-    store(out, first.to(tl.int64), half(blocks, base, 2, mask)[:, None] + scaled, mask)
+    return half(blocks, base, 2, mask)[:, None] + scaled
 
 
 @triton.jit
-def q5_0(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q5_0_values(blocks, base, mask):
     """22 bytes: d (f16), qh (u32: bit 4 of value i at bit i), 16 bytes of low nibbles; value = d * (q - 16)."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     q = (nibbles(blocks, base, 6, mask) + fifth_bits(blocks, base, 2, mask) - 16).to(tl.float32)
-    store(out, first.to(tl.int64), q * half(blocks, base, 0, mask)[:, None], mask)
+    return q * half(blocks, base, 0, mask)[:, None]
 
 
 @triton.jit
-def q5_1(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q5_1_values(blocks, base, mask):
     """24 bytes: d (f16), m (f16), qh (u32), 16 bytes of low nibbles; value = m + d * q."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     q = (nibbles(blocks, base, 8, mask) + fifth_bits(blocks, base, 4, mask)).to(tl.float32)
     scaled = q * half(blocks, base, 0, mask)[:, None]
-    store(out, first.to(tl.int64), half(blocks, base, 2, mask)[:, None] + scaled, mask)
+    return half(blocks, base, 2, mask)[:, None] + scaled
 
 
 
@@ -140,25 +125,19 @@ def k4_nibbles(blocks, base, mask, offset):
 
 
 @triton.jit
-def q4_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q4_k_values(blocks, base, mask):
     """144 bytes: d, dmin (f16), 12 scale bytes (`k4_affine`), 128 bytes of nibbles (`k4_nibbles`)."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
-    store(out, first.to(tl.int64), k4_affine(blocks, base, mask, k4_nibbles(blocks, base, mask, 16)), mask, 256)
+    return k4_affine(blocks, base, mask, k4_nibbles(blocks, base, mask, 16))
 
 
 @triton.jit
-def q5_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q5_k_values(blocks, base, mask):
     """176 bytes: d, dmin (f16), 12 scale bytes, qh (32: bit j of byte i is bit 4 of value 32 * j + i), 128 bytes
     of nibbles laid out as in Q4_K."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     v = tl.arange(0, 256)
     qh = tl.load(blocks + base[:, None] + 16 + (v % 32)[None, :], mask=mask[:, None], other=0)
     q = k4_nibbles(blocks, base, mask, 48) + (((qh >> (v // 32)[None, :]) & 1) << 4).to(tl.int32)
-    store(out, first.to(tl.int64), k4_affine(blocks, base, mask, q), mask, 256)
+    return k4_affine(blocks, base, mask, q)
 
 
 @triton.jit
@@ -172,29 +151,22 @@ def two_bits(blocks, base, mask, offset):
 
 
 @triton.jit
-def q2_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q2_k_values(blocks, base, mask):
     """84 bytes: 16 scale bytes (a 16-value group's: low nibble scale, high nibble min), 64 bytes of 2-bit quants,
     d, dmin (f16); value = -(dmin * min) + q * (d * scale)."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     v = tl.arange(0, 256)
     scales = tl.load(blocks + base[:, None] + (v // 16)[None, :], mask=mask[:, None], other=0)
     d, dmin = half(blocks, base, 80, mask)[:, None], half(blocks, base, 82, mask)[:, None]
     q = two_bits(blocks, base, mask, 16).to(tl.float32)
-    store(out, first.to(tl.int64), -dmin * (scales >> 4).to(tl.float32) + q * (d * (scales & 0x0F).to(tl.float32)),
-          mask, 256)
+    return -dmin * (scales >> 4).to(tl.float32) + q * (d * (scales & 0x0F).to(tl.float32))
 
 
 @triton.jit
-def q3_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q3_k_values(blocks, base, mask):
     """110 bytes: hmask (32: bit j of byte i belongs to value 32 * j + i; a clear bit subtracts 4), 2-bit quants
     (64, as in Q2_K), 12 scale bytes (sixteen 6-bit scales less 32: the low 4 bits in the nibbles of bytes 0-7, low
     nibbles first, the top 2 in the 2-bit fields of bytes 8-11, field j of byte i being scale 4 * j + i), d (f16);
     value = (d * scale) * q."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     v = tl.arange(0, 256)
     hmask = tl.load(blocks + base[:, None] + (v % 32)[None, :], mask=mask[:, None], other=0)
     q = two_bits(blocks, base, mask, 32) + 4 * ((hmask >> (v // 32)[None, :]) & 1).to(tl.int32) - 4
@@ -203,17 +175,14 @@ def q3_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
     high = tl.load(blocks + base[:, None] + 104 + (group % 4)[None, :], mask=mask[:, None], other=0)
     scale = (((low >> (4 * (group // 8))[None, :]) & 0x0F) | (((high >> (2 * (group // 4))[None, :]) & 0x03) << 4))
     scale = (scale.to(tl.int32) - 32).to(tl.float32)
-    store(out, first.to(tl.int64), q.to(tl.float32) * (half(blocks, base, 108, mask)[:, None] * scale), mask, 256)
+    return q.to(tl.float32) * (half(blocks, base, 108, mask)[:, None] * scale)
 
 
 @triton.jit
-def q6_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
+def q6_k_values(blocks, base, mask):
     """210 bytes: ql (128), qh (64), 16 int8 scales, d (f16). Per 128-value half: nibble j of ql byte i (64 bytes)
     is value 64 * j + i, 2-bit field j of qh byte i (32 bytes) the top 2 bits of value 32 * j + i; a scale per 16
     values; value = (d * scale) * (q - 32)."""
-    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    mask = first < n_blocks
-    base = first.to(tl.int64) * type_size
     v = tl.arange(0, 256)
     within = v % 128
     ql = tl.load(blocks + base[:, None] + (64 * (v // 128) + within % 64)[None, :], mask=mask[:, None], other=0)
@@ -223,11 +192,64 @@ def q6_k(blocks, out, n_blocks, type_size, BLOCKS: tl.constexpr):
     q = ((low | (high << 4)).to(tl.int32) - 32).to(tl.float32)
     scale = tl.load(blocks + base[:, None] + 192 + (v // 16)[None, :], mask=mask[:, None], other=0)
     scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
-    store(out, first.to(tl.int64), q * (half(blocks, base, 208, mask)[:, None] * scale), mask, 256)
+    return q * (half(blocks, base, 208, mask)[:, None] * scale)
+
 
 
 Q = gguf.GGMLQuantizationType
-KERNELS = {Q.Q8_0: (q8_0, 64), Q.Q4_0: (q4_0, 64), Q.Q4_1: (q4_1, 64), Q.Q5_0: (q5_0, 64), Q.Q5_1: (q5_1, 64),
-           Q.Q2_K: (q2_k, 8), Q.Q3_K: (q3_k, 8), Q.Q4_K: (q4_k, 8), Q.Q5_K: (q5_k, 8), Q.Q6_K: (q6_k, 8)}
-"""Each type's kernel and the GGML blocks a program expands: 2,048 values of the 32-value types (a few KB of blocks
-read at once), as many of the 256-value K-quants."""
+VALUES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32,
+          Q.Q2_K: 256, Q.Q3_K: 256, Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256}
+"""The types these kernels have, by GGML type, and the values of a block of each."""
+
+
+@triton.jit
+def values(blocks, base, mask, QTYPE: tl.constexpr):
+    """The float32 values (len(base), block size) of the blocks of type `QTYPE` (a GGML type number) at `base`."""
+    if QTYPE == 8:
+        return q8_0_values(blocks, base, mask)
+    elif QTYPE == 2:
+        return q4_0_values(blocks, base, mask)
+    elif QTYPE == 3:
+        return q4_1_values(blocks, base, mask)
+    elif QTYPE == 6:
+        return q5_0_values(blocks, base, mask)
+    elif QTYPE == 7:
+        return q5_1_values(blocks, base, mask)
+    elif QTYPE == 10:
+        return q2_k_values(blocks, base, mask)
+    elif QTYPE == 11:
+        return q3_k_values(blocks, base, mask)
+    elif QTYPE == 12:
+        return q4_k_values(blocks, base, mask)
+    elif QTYPE == 13:
+        return q5_k_values(blocks, base, mask)
+    else:
+        return q6_k_values(blocks, base, mask)
+
+
+@triton.jit
+def dequantize(blocks, out, n_blocks, type_size, QTYPE: tl.constexpr, VALUES: tl.constexpr, BLOCKS: tl.constexpr):
+    """`BLOCKS` blocks a program, each block's values written once into `out` in its dtype."""
+    first = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = first < n_blocks
+    store(out, first.to(tl.int64), values(blocks, first.to(tl.int64) * type_size, mask, QTYPE), mask, VALUES)
+
+
+@triton.jit
+def matmul(x, blocks, out, rows, out_features, k_blocks, type_size, QTYPE: tl.constexpr, VALUES: tl.constexpr,
+           ROWS: tl.constexpr, FEATURES: tl.constexpr):
+    """out (rows, out_features) float32 = x (rows, k_blocks * VALUES) · Wᵀ, W's rows GGML blocks (out_features,
+    k_blocks): a program computes `FEATURES` output features of every row (`ROWS`, a power of two, at least
+    `rows`), a block of each at a time expanded in registers, never written, the products summed in float32."""
+    n = tl.program_id(0) * FEATURES + tl.arange(0, FEATURES)
+    n_mask = n < out_features
+    r = tl.arange(0, ROWS)
+    r_mask = r < rows
+    j = tl.arange(0, VALUES)
+    in_features = k_blocks * VALUES
+    total = tl.zeros((ROWS, FEATURES), dtype=tl.float32)
+    for kb in range(0, k_blocks):
+        weights = values(blocks, (n.to(tl.int64) * k_blocks + kb) * type_size, n_mask, QTYPE)
+        inputs = tl.load(x + r[:, None] * in_features + kb * VALUES + j[None, :], mask=r_mask[:, None], other=0.0)
+        total += tl.sum(inputs.to(tl.float32)[:, None, :] * weights[None, :, :], axis=2)
+    tl.store(out + r[:, None] * out_features + n[None, :], total, mask=r_mask[:, None] & n_mask[None, :])
