@@ -196,9 +196,56 @@ def q6_k_values(blocks, base, mask):
 
 
 
+def _bytes_word(values) -> tl.constexpr:
+    """Eight small signed integers as the bytes of one int64, lowest first: a table a kernel reads by shifts."""
+    word = sum((int(value) & 0xFF) << (8 * i) for i, value in enumerate(values))
+    return tl.constexpr(word - (1 << 64) if word >= 1 << 63 else word)
+
+
+IQ4_LOW, IQ4_HIGH = _bytes_word(gguf.quants.IQ4_NL.kvalues[:8]), _bytes_word(gguf.quants.IQ4_NL.kvalues[8:])
+MXFP4_LOW, MXFP4_HIGH = _bytes_word(gguf.quants.MXFP4.kvalues[:8]), _bytes_word(gguf.quants.MXFP4.kvalues[8:])
+
+
+@triton.jit
+def table16(q, LOW: tl.constexpr, HIGH: tl.constexpr):
+    """The float32 value of each index 0-15 of `q` in a table of 16 signed bytes held as two int64 words."""
+    word = tl.where(q < 8, tl.full(q.shape, LOW, tl.int64), tl.full(q.shape, HIGH, tl.int64))
+    return ((word >> (8 * (q % 8)).to(tl.int64)) & 0xFF).to(tl.int8).to(tl.float32)
+
+
+@triton.jit
+def iq4_nl_values(blocks, base, mask):
+    """18 bytes: d (f16), 16 bytes whose nibbles (low ones values 0-15) index IQ4_NL's table; value = table * d."""
+    return table16(nibbles(blocks, base, 2, mask), IQ4_LOW, IQ4_HIGH) * half(blocks, base, 0, mask)[:, None]
+
+
+@triton.jit
+def iq4_xs_values(blocks, base, mask):
+    """136 bytes: d (f16), a u16 of 2-bit scale tops, 4 bytes of 4-bit scale bottoms (a 32-value group's), then 128
+    bytes laid out as eight IQ4_NL blocks without d; value = table * (d * (scale - 32))."""
+    v = tl.arange(0, 256)
+    group = v // 32
+    low = tl.load(blocks + base[:, None] + 4 + (group // 2)[None, :], mask=mask[:, None], other=0)
+    high = tl.load(blocks + base[:, None] + 2 + (group // 4)[None, :], mask=mask[:, None], other=0)
+    scale = ((low >> (4 * (group % 2))[None, :]) & 0x0F) | (((high >> (2 * (group % 4))[None, :]) & 0x03) << 4)
+    scale = (scale.to(tl.int32) - 32).to(tl.float32)
+    packed = tl.load(blocks + base[:, None] + 8 + (16 * group + v % 16)[None, :], mask=mask[:, None], other=0)
+    q = ((packed >> (4 * ((v % 32) // 16))[None, :]) & 0x0F).to(tl.int32)
+    return table16(q, IQ4_LOW, IQ4_HIGH) * (half(blocks, base, 0, mask)[:, None] * scale)
+
+
+@triton.jit
+def mxfp4_values(blocks, base, mask):
+    """17 bytes: an E8M0 exponent e, 16 bytes of E2M1 nibbles (doubled, as ggml keeps them), low then high;
+    value = table * 2^(e - 128) (a float32 subnormal for e < 2)."""
+    e = tl.load(blocks + base, mask=mask, other=0).to(tl.int32)
+    bits = tl.where(e < 2, (e + 1) << 21, (e - 1) << 23)
+    return table16(nibbles(blocks, base, 1, mask), MXFP4_LOW, MXFP4_HIGH) * bits.to(tl.float32, bitcast=True)[:, None]
+
+
 Q = gguf.GGMLQuantizationType
-VALUES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32,
-          Q.Q2_K: 256, Q.Q3_K: 256, Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256}
+VALUES = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.IQ4_NL: 32, Q.MXFP4: 32,
+          Q.Q2_K: 256, Q.Q3_K: 256, Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.IQ4_XS: 256}
 """The types these kernels have, by GGML type, and the values of a block of each."""
 
 
@@ -223,8 +270,14 @@ def values(blocks, base, mask, QTYPE: tl.constexpr):
         return q4_k_values(blocks, base, mask)
     elif QTYPE == 13:
         return q5_k_values(blocks, base, mask)
-    else:
+    elif QTYPE == 14:
         return q6_k_values(blocks, base, mask)
+    elif QTYPE == 20:
+        return iq4_nl_values(blocks, base, mask)
+    elif QTYPE == 23:
+        return iq4_xs_values(blocks, base, mask)
+    else:
+        return mxfp4_values(blocks, base, mask)
 
 
 @triton.jit
