@@ -94,6 +94,10 @@ def dequantize(
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     kernel = DEQUANTIZERS.get(qtype)
 
+    if out is None and blocks.is_cuda and torch.compiler.is_compiling() and qtype in gguf_triton.types():
+        cols = shape[-1] if shape else 1  # a compiled graph calls the Triton kernel as an operator
+        return torch.ops.streamwise.gguf_expand(blocks, int(qtype), math.prod(shape) // cols, cols, dtype).view(shape)
+
     def result(dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
         if out is None:
             return huge_pages.empty(shape, dtype, blocks.device)

@@ -99,6 +99,24 @@ def _launched(qtype: int, kernel, grid: tuple[int], *args, **constants) -> bool:
 
 _failures: set[int] = set()
 
+_LIBRARY = torch.library.Library("streamwise", "FRAGMENT")
+_LIBRARY.define("gguf_expand(Tensor blocks, int qtype, int rows, int cols, ScalarType dtype) -> Tensor")
+"""The expansion as an operator, which a compiled graph calls opaquely (its meta says the output's shape: no graph
+break) where tracing would put the torch kernels' ops in the graph: on CUDA the Triton kernel runs inside it.
+Defined with `Library`, as the CPU kernels' operators are (`cpu_matmul`)."""
+
+
+@torch.library.impl(_LIBRARY, "gguf_expand", "CompositeExplicitAutograd")
+def _expand(blocks: Tensor, qtype: int, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+    from .gguf_dequant import QType, dequantize
+
+    return dequantize(blocks, QType(qtype), (rows, cols), dtype)
+
+
+@torch.library.impl(_LIBRARY, "gguf_expand", "Meta")  # also what fake tensors (compile's tracing) run
+def _expand_meta(blocks: Tensor, qtype: int, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+    return blocks.new_empty((rows, cols), dtype=dtype)
+
 
 @functools.cache
 def _kernels():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_blocks import random_bytes
 
 from streamwise.runtime.quant import gguf_dequant, gguf_triton
 
@@ -144,3 +145,20 @@ def test_a_type_without_a_kernel_or_a_failing_kernel_leaves_the_torch_kernels(mo
     for _ in range(2):
         assert not gguf_triton.dequantize(gguf_dequant.QType.Q8_0, blocks, torch.empty(8, 32))
     assert caplog.text.count("failed (no driver)") == 1
+
+
+def test_the_expansion_is_an_operator_a_compiled_graph_calls_without_a_break():
+    """`streamwise::gguf_expand`: its meta gives the output's shape and dtype, so a graph calls it opaquely (on CUDA
+    the Triton kernel runs inside it; here the CPU kernels), the same numbers as eager, torch's operator checks pass."""
+    raw = torch.from_numpy(random_bytes(gguf_dequant.QType.Q4_K, (4, 512)))
+
+    def expand(blocks):
+        return torch.ops.streamwise.gguf_expand(blocks, int(gguf_dequant.QType.Q4_K), 4, 512, torch.bfloat16)
+
+    explained = torch._dynamo.explain(expand)(raw)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    compiled = torch.compile(expand, fullgraph=True, backend="aot_eager")
+    expected = gguf_dequant.dequantize(raw, gguf_dequant.QType.Q4_K, (4, 512), torch.bfloat16)
+    assert torch.equal(compiled(raw).view(torch.int16), expected.view(torch.int16))
+    torch.library.opcheck(torch.ops.streamwise.gguf_expand.default, (raw, int(gguf_dequant.QType.Q4_K), 4, 512,
+                                                                     torch.bfloat16))
