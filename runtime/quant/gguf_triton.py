@@ -10,38 +10,17 @@ output their float32 result rounded to nearest even; NaNs match by place (a GPU 
 
 Chosen by `gguf_dequant.dequantize` on CUDA only: on a CPU Triton runs as its interpreter, which is for the tests
 (`TRITON_INTERPRET=1`: the same kernels, checked against the torch kernels in `tests/quant/test_gguf_triton.py`).
-A missing or failing Triton leaves the torch kernels, said once (`available`).
+A missing or failing Triton leaves the torch kernels, said once (`triton_support`).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch import Tensor
 
-_log = logging.getLogger("streamwise.quant")
-
-MINIMUM = (3, 0)
-"""The oldest Triton these kernels are written for (`triton.language` as torch 2.4's CUDA wheels ship it)."""
-
-@functools.cache
-def available() -> bool:
-    """Whether Triton (at least `MINIMUM`) is importable here; where it is not, the torch kernels expand on the GPU,
-    and the log says so once."""
-    try:
-        import triton
-    except ImportError:
-        _log.info("Triton is not installed: GGUF weights expand on the GPU with torch's kernels (slower)")
-        return False
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    if version < MINIMUM:
-        _log.warning("Triton %s is older than %s: GGUF weights expand on the GPU with torch's kernels",
-                     triton.__version__, ".".join(map(str, MINIMUM)))
-        return False
-    return True
-
+from .triton_support import available, launched
 
 MATMUL_ROWS = 8
 """The most input rows `matmul` takes (token-by-token decode, a few sequences): more expand once into the buffer
@@ -57,7 +36,7 @@ def dequantize(qtype: int, blocks: Tensor, out: Tensor) -> bool:
     if size is None:
         return False
     n_blocks, per_program = blocks.shape[0], 2048 // size
-    return _launched(qtype, kernels.dequantize, (-(-n_blocks // per_program),), blocks, out, n_blocks,
+    return launched(f"dequantize {qtype!r}", kernels.dequantize, (-(-n_blocks // per_program),), blocks, out, n_blocks,
                      blocks.shape[1], QTYPE=int(qtype), VALUES=size, BLOCKS=per_program)
 
 
@@ -72,10 +51,10 @@ def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int) -> Tensor |
     rows, k_blocks = x.shape[0], x.shape[1] // size
     out = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
     features = 32 if size == 32 else 8
-    launched = _launched(qtype, kernels.matmul, (-(-out_features // features),), x.contiguous(), blocks, out, rows,
-                         out_features, k_blocks, blocks.numel() // (out_features * k_blocks), QTYPE=int(qtype),
-                         VALUES=size, ROWS=max(1, 1 << (rows - 1).bit_length()), FEATURES=features)
-    return out if launched else None
+    ran = launched(f"matmul {qtype!r}", kernels.matmul, (-(-out_features // features),), x.contiguous(), blocks, out,
+                   rows, out_features, k_blocks, blocks.numel() // (out_features * k_blocks), QTYPE=int(qtype),
+                   VALUES=size, ROWS=max(1, 1 << (rows - 1).bit_length()), FEATURES=features)
+    return out if ran else None
 
 
 def types() -> frozenset[int]:
@@ -83,21 +62,6 @@ def types() -> frozenset[int]:
     kernels = _kernels()
     return frozenset(kernels.VALUES) if kernels is not None else frozenset()
 
-
-def _launched(qtype: int, kernel, grid: tuple[int], *args, **constants) -> bool:
-    """Whether `kernel` ran: contraction off (the reference's roundings), and a failure said once per type."""
-    try:
-        kernel[grid](*args, **constants, enable_fp_fusion=False)
-    except Exception as exc:  # a compiler or driver Triton cannot serve: the torch kernels always can
-        if int(qtype) not in _failures:
-            _failures.add(int(qtype))
-            _log.warning("the Triton kernel of GGML type %d failed (%s); that type computes with torch's kernels",
-                         int(qtype), exc)
-        return False
-    return True
-
-
-_failures: set[int] = set()
 
 _LIBRARY = torch.library.Library("streamwise", "FRAGMENT")
 _LIBRARY.define("gguf_expand(Tensor blocks, int qtype, int rows, int cols, ScalarType dtype) -> Tensor")

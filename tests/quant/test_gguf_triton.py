@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf_blocks import random_bytes
 
-from streamwise.runtime.quant import gguf_dequant, gguf_triton
+from streamwise.runtime.quant import gguf_dequant, gguf_triton, triton_support
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,7 +124,7 @@ def test_a_cpu_never_takes_the_triton_kernels(monkeypatch):
     raw = torch.zeros(34 * 8, dtype=torch.uint8)
     gguf_dequant.dequantize(raw, gguf_dequant.QType.Q8_0, (8, 32))
     assert gguf_dequant.gpu_matmul(torch.ones(1, 32), raw, gguf_dequant.QType.Q8_0, 8) is None
-    assert taken == [] and gguf_triton.available()  # Triton is in the test extra: installed, and still not taken
+    assert taken == [] and triton_support.available()  # in the test extra: installed, and still not taken
     assert {gguf_dequant.QType[name] for name in TYPES} <= gguf_triton.types()
 
 
@@ -140,7 +140,7 @@ def test_a_type_without_a_kernel_or_a_failing_kernel_leaves_the_torch_kernels(mo
             return launch
 
     monkeypatch.setattr(gguf_triton._kernels(), "dequantize", Failing())
-    monkeypatch.setattr(gguf_triton, "_failures", set())
+    monkeypatch.setattr(triton_support, "_failures", set())
     blocks = torch.zeros(8, 34, dtype=torch.uint8)
     for _ in range(2):
         assert not gguf_triton.dequantize(gguf_dequant.QType.Q8_0, blocks, torch.empty(8, 32))
