@@ -1,7 +1,7 @@
 """INT8 weights: symmetric, one fp32 scale per output row, optionally ConvRot-rotated.
 
-The matmul takes the fastest exact-enough path the device offers: W8A8 through `torch._int_mm`
-where its shape rules hold (CUDA: more than 16 rows, K and N multiples of 8), W8A16 through
+The matmul takes the fastest exact-enough path the device offers: W8A8 where its shape rules hold (CUDA: more than
+16 rows, K and N multiples of 8), in two Triton kernels (`w8a8_triton`) or else through `torch._int_mm`, W8A16 through
 `torch._weight_int8pack_mm` on the CPU (bf16 activations, int8 weights), and dequantize-then-
 matmul anywhere else (also on the CPU when in_features is not a multiple of 16, where torch's
 packed kernel crashes), the weight dequantized in float32 before it takes the activations' dtype.
@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..engine.tracing import plain_call
+from . import w8a8_triton
 from .convrot import rotate, unrotate
 
 QMAX = 127
@@ -85,7 +87,13 @@ _w8a16 = torch.ops.streamwise.int8_w8a16
 
 
 def _w8a8(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """Dynamic per-row activation quantization, an int8×int8→int32 GEMM, then both scales."""
+    """Dynamic per-row activation quantization, an int8×int8→int32 GEMM, then both scales: two Triton kernels where
+    Triton serves (`w8a8_triton`, the same arithmetic), else torch's eight."""
+    fused = w8a8_triton.w8a8(rows, q, scale) if plain_call(rows) else None
+    return _w8a8_torch(rows, q, scale) if fused is None else fused
+
+
+def _w8a8_torch(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=torch.finfo(torch.float32).tiny) / QMAX
     xq = torch.round(rows.float() / x_scale).clamp(-QMAX, QMAX).to(torch.int8)
     return torch._int_mm(xq, q.t()).float() * x_scale * scale.float()[None, :]
