@@ -14,8 +14,10 @@ differ), the engine's own timing of its first forward (`engine.stream.measure`),
 under `torch.cuda.set_sync_debug_mode("error")` (no call that waits on the host). Last (`decode`), the same decoder
 generating token by token with the streamed part computed on the host where its costs say so (`host_compute=True`),
 beside the same part streamed: ms per token, the blocks that may compute on the host, the measured costs, and
-whether both decode the same tokens (the host's kernels round differently from the GPU's). Under ComfyUI core:
-`gpu_comfy.py`.
+whether both decode the same tokens (the host's kernels round differently from the GPU's). Before it
+(`decode-q8_0`, `decode-q4_k`), the GGUF decoder streamed whole decoding token by token (a GGUF layer called with a
+few rows multiplies its blocks directly, `gguf_triton.matmul`): ms per token against the link's time for its
+quantized bytes (goal <= 1.15x), its tokens against the same file resident. Under ComfyUI core: `gpu_comfy.py`.
 
     python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
     python benchmarks/gpu_stream.py --dry-run      # on a CPU: the recording fake device, a tiny model, end to end
@@ -113,11 +115,7 @@ def configuration(weights: str, mode: str, tier: str, host_kind: str, host: torc
                   repeats: int, folder: Path) -> dict:
     device = ids.device
     chosen = policy(weights, mode)
-    source = folder / "model.safetensors"
-    if weights in GGUF:
-        source = folder / f"model-{GGUF[weights]}.gguf"
-        if not source.exists():
-            quantize_to_gguf(folder / "model.safetensors", source, chosen, host)
+    source = gguf_file(weights, folder, host) if weights in GGUF else folder / "model.safetensors"
 
     def fresh(max_memory=None) -> torch.nn.Module:
         if tier == "file" or weights in GGUF:  # the resident run loads the same file (a load keeps rotary tables
@@ -174,6 +172,46 @@ def configuration(weights: str, mode: str, tier: str, host_kind: str, host: torc
     }
 
 
+def gguf_file(weights: str, folder: Path, host: torch.nn.Module) -> Path:
+    """The decoder saved in `folder` written as GGUF in `weights`' type by Streamwise's writer (once)."""
+    path = folder / f"model-{GGUF[weights]}.gguf"
+    if not path.exists():
+        quantize_to_gguf(folder / "model.safetensors", path, policy(weights, "eager"), host)
+    return path
+
+
+def quantized_decode(weights: str, host: torch.nn.Module, ids: torch.Tensor, steps: int, folder: Path) -> dict:
+    """Token-by-token decode of the GGUF decoder streamed whole (budget 0): ms per token against its floor, the
+    quantized bytes over the link (B_h2d one pinned copy of them), and the tokens against the same file resident."""
+    device, chosen = ids.device, policy(weights, "eager")
+    path = gguf_file(weights, folder, host)
+    greedy = dict(do_sample=False, pad_token_id=0)
+
+    def tokens_and_seconds(model: torch.nn.Module) -> tuple[torch.Tensor, float]:
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=2, **greedy)  # warm: the first forwards (measuring, compiling)
+            seconds = []
+            for count in (1, steps):  # decode alone: the difference of two runs sharing the prompt
+                synchronize(device)
+                start = time.perf_counter()
+                tokens = model.generate(ids, max_new_tokens=count, min_new_tokens=count, **greedy)
+                synchronize(device)
+                seconds.append(time.perf_counter() - start)
+        return tokens, (seconds[1] - seconds[0]) / (steps - 1)
+
+    resident = streamwise.load_pretrained(path, chosen, progress=False)[0]
+    streamwise.offload(resident, chosen, device=device, budget=None)
+    expected, resident_seconds = tokens_and_seconds(resident)
+    del resident
+    model = streamwise.load_pretrained(path, chosen, progress=False)[0]
+    report = streamwise.offload(model, chosen, device=device, budget=0)
+    got, seconds = tokens_and_seconds(model)
+    link = link_seconds(report.streamed_bytes, device)
+    return {"ms_per_token": seconds * 1e3, "resident_ms_per_token": resident_seconds * 1e3, "link_ms": link * 1e3,
+            "ratio_to_link": seconds / link, "streamed_bytes": report.streamed_bytes, "report": str(report),
+            "same_tokens_as_resident": bool(torch.equal(got, expected))}
+
+
 def decode(host: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
     """ms per decoded token with the streamed part computed on the host where cheaper, and with it streamed."""
     device, figures, tokens = ids.device, {}, {}
@@ -228,6 +266,10 @@ def main() -> None:
             section(results, f"{weights}-{mode}-{tier}-{host_kind}", configuration, weights, mode, tier, host_kind,
                     host, ids, repeats, Path(folder))
             emit(results, args.out)  # after each: a run cut off keeps what it measured
+        steps = 4 if args.dry_run else 64
+        for weights in () if args.quick else GGUF:  # decode at the link's speed: the quantized bytes, no expansion
+            section(results, f"decode-{weights}", quantized_decode, weights, host, ids[:, :16], steps, Path(folder))
+            emit(results, args.out)
     section(results, "decode", decode, host, ids[:, :16], 4 if args.dry_run else 32)
     emit(results, args.out)
 
