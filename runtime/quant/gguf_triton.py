@@ -36,8 +36,9 @@ def dequantize(qtype: int, blocks: Tensor, out: Tensor) -> bool:
     if size is None:
         return False
     n_blocks, per_program = blocks.shape[0], 2048 // size
-    return launched(f"dequantize {qtype!r}", kernels.dequantize, (-(-n_blocks // per_program),), blocks, out, n_blocks,
-                     blocks.shape[1], QTYPE=int(qtype), VALUES=size, BLOCKS=per_program)
+    grid = (-(-n_blocks // per_program),)
+    return launched(f"dequantize {kernels.Q(int(qtype)).name}", kernels.dequantize, grid, blocks, out, n_blocks,
+                    blocks.shape[1], QTYPE=int(qtype), VALUES=size, BLOCKS=per_program)
 
 
 def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int) -> Tensor | None:
@@ -51,8 +52,9 @@ def matmul(x: Tensor, blocks: Tensor, qtype: int, out_features: int) -> Tensor |
     rows, k_blocks = x.shape[0], x.shape[1] // size
     out = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
     features = 32 if size == 32 else 8
-    ran = launched(f"matmul {qtype!r}", kernels.matmul, (-(-out_features // features),), x.contiguous(), blocks, out,
-                   rows, out_features, k_blocks, blocks.numel() // (out_features * k_blocks), QTYPE=int(qtype),
+    grid = (-(-out_features // features),)
+    ran = launched(f"matmul {kernels.Q(int(qtype)).name}", kernels.matmul, grid, x.contiguous(), blocks, out, rows,
+                   out_features, k_blocks, blocks.numel() // (out_features * k_blocks), QTYPE=int(qtype),
                    VALUES=size, ROWS=max(1, 1 << (rows - 1).bit_length()), FEATURES=features)
     return out if ran else None
 
