@@ -18,15 +18,19 @@ view everywhere, has none), and never slower on more threads than on one.
 
 `--device cuda` times the same kernels on a GPU instead (where ComfyUI-GGUF's users dequantize): blocks and outputs
 on the device, each call synchronized, the reference run on the CPU only to check bits; allocators and thread
-counts do not apply there. For the types with a Triton kernel (`gguf_triton`) `streamwise` is that kernel, beside
-the torch kernels alone, each also writing bfloat16 (a GPU's compute dtype, where Triton writes it directly).
+counts do not apply there. The weights are `GPU_SHAPES` (4096x4096, a 7-8B MLP and a Flux MLP both ways) unless
+`--shapes` says; beside each, a device-to-device copy of as many bytes as the expansion reads and writes, so each
+expansion's rate reads as a share of the memory's. For the types with a Triton kernel (`gguf_triton`) `streamwise`
+is that kernel, beside the torch kernels alone, each also writing bfloat16 (a GPU's compute dtype, where Triton
+writes it directly). `--quick`: Q8_0, Q4_K and Q6_K at one shape. `--dry-run`: that path on the CPU, the Triton
+kernels in their interpreter at a small shape (a GPU run cannot fail on what the first minutes would find).
 
 ComfyUI-GGUF's `dequant.py` is imported from the path given (its column is skipped without one;
 nothing is fetched); its commit is read from its checkout or given. Run:
 
     python benchmarks/bench_dequant.py --comfyui-dequant /tmp/ComfyUI-GGUF/dequant.py
         [--out benchmarks/results/dequant-DATE] [--allocators thp plain] [--threads 1 2] [--types Q4_K IQ4_XS]
-        [--device cuda] [--count-ops]
+        [--device cuda [--quick] [--shapes 4096x4096 ...]] [--dry-run] [--count-ops]
 
 `--count-ops` prints the ops each side runs per call instead, counted on `meta` tensors.
 """
@@ -37,6 +41,7 @@ import argparse
 import datetime
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -143,43 +148,65 @@ def measure(args) -> None:
 
     def bit_exact(ours, reference, qtype) -> bool:
         expected = torch.from_numpy(np.ascontiguousarray(reference))
-        # torch's own float16 widening quiets signalling NaNs, and a GPU's arithmetic returns one canonical NaN:
-        # there NaNs compare by place
-        if qtype == qtype_of.F16 or device.type != "cpu":
+        # torch's own float16 widening quiets signalling NaNs, and a GPU's arithmetic returns one canonical NaN (as
+        # the Triton kernels do in a dry run's interpreter): there NaNs compare by place
+        if qtype == qtype_of.F16 or device.type != "cpu" or args.dry_run:
             nan = expected.isnan()
             if not torch.equal(ours.isnan(), nan):
                 return False
             ours, expected = ours.masked_fill(nan, 0), expected.masked_fill(nan, 0)
         return torch.equal(ours.view(torch.int32), expected.view(torch.int32))
 
+    if args.dry_run:  # the GPU's choice on the CPU: the Triton kernels, run by their interpreter
+        gguf_dequant._fused_gpu = lambda qtype, blocks: qtype in gguf_triton.types()
     comfyui = load_comfyui(args.comfyui_dequant)
-    shape = (args.rows, args.cols)
     types = [qtype_of[name] for name in args.types] if args.types else [*STORED_FLOATS, *DEQUANTIZERS]
-    for qtype in types:
-        for finite in (True, False):
-            raw = random_bytes(qtype, shape, seed=0, finite=finite)
-            blocks = torch.from_numpy(raw).to(device)
-            fns = {  # the floor in the same rounds: the machine's state moves it
-                "floor": lambda: torch.empty(shape, device=device).fill_(0),
-                "streamwise": functools.partial(dequantize, blocks, qtype, shape),
-            }
-            if device.type == "cpu":
-                fns["numpy"] = functools.partial(gguf.quants.dequantize, raw, qtype)
-            if comfyui is not None and qtype in comfyui.dequantize_functions:
-                fns["comfyui"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32)
-            if gguf_dequant._fused_cpu(qtype, blocks) is not None:
-                fns["torch kernels"] = torch_kernels(fns["streamwise"])
-            if gguf_dequant._fused_gpu(qtype, blocks):  # Triton's: bf16 written directly, as a GPU computes
-                fns["torch kernels"] = without_triton(fns["streamwise"])
-                fns["streamwise bf16"] = functools.partial(dequantize, blocks, qtype, shape, torch.bfloat16)
-                fns["torch kernels bf16"] = without_triton(fns["streamwise bf16"])
-            if threads > 1 and device.type == "cpu":
-                fns["1 thread"] = on_one_thread(fns["streamwise"])
-            same = bit_exact(dequantize(blocks, qtype, shape).cpu(), gguf.quants.dequantize(raw, qtype), qtype)
-            seconds = median_seconds(fns, args.runs, args.warmup, synchronize)
-            print(json.dumps({"device": device.type, "allocator": args.allocator, "threads": threads,
-                              "type": qtype.name, "scales": "finite" if finite else "random", "bit_exact": same,
-                              "view": qtype == qtype_of.F32, **seconds}), flush=True)
+    for shape, qtype, finite in itertools.product(shapes(args), types, (True, False)):
+        raw = random_bytes(qtype, shape, seed=0, finite=finite)
+        blocks = torch.from_numpy(raw).to(device)
+        moved = raw.nbytes + 4 * math.prod(shape)  # the blocks read, float32 written
+        source, target = (torch.empty(moved // 2, dtype=torch.uint8, device=device) for _ in range(2))
+        fns = {  # the floor in the same rounds: the machine's state moves it
+            "floor": lambda shape=shape: torch.empty(shape, device=device).fill_(0),
+            "streamwise": functools.partial(dequantize, blocks, qtype, shape),
+        }
+        if device.type != "cpu" or args.dry_run:  # as many bytes read and written: the memory's rate, to compare
+            fns["copy"] = functools.partial(target.copy_, source)
+        if device.type == "cpu":
+            fns["numpy"] = functools.partial(gguf.quants.dequantize, raw, qtype)
+        if comfyui is not None and qtype in comfyui.dequantize_functions:
+            fns["comfyui"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32)
+        if gguf_dequant._fused_cpu(qtype, blocks) is not None:
+            fns["torch kernels"] = torch_kernels(fns["streamwise"])
+        if gguf_dequant._fused_gpu(qtype, blocks):  # Triton's: bf16 written directly, as a GPU computes
+            fns["torch kernels"] = without_triton(fns["streamwise"])
+            fns["streamwise bf16"] = functools.partial(dequantize, blocks, qtype, shape, torch.bfloat16)
+            fns["torch kernels bf16"] = without_triton(fns["streamwise bf16"])
+        if threads > 1 and device.type == "cpu":
+            fns["1 thread"] = on_one_thread(fns["streamwise"])
+        same = bit_exact(dequantize(blocks, qtype, shape).cpu(), gguf.quants.dequantize(raw, qtype), qtype)
+        seconds = median_seconds(fns, args.runs, args.warmup, synchronize)
+        print(json.dumps({"device": device.type, "allocator": args.allocator, "threads": threads,
+                          "type": qtype.name, "shape": "x".join(map(str, shape)),
+                          "scales": "finite" if finite else "random", "bit_exact": same,
+                          "view": qtype == qtype_of.F32, **seconds}), flush=True)
+
+
+GPU_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (12288, 3072), (3072, 12288))
+"""A GPU run's weights: 4096x4096, a 7-8B model's MLP both ways, a Flux MLP both ways."""
+QUICK_TYPES = ("Q8_0", "Q4_K", "Q6_K")
+
+
+def shapes(args) -> list[tuple[int, int]]:
+    """The weights' shapes: `--shapes`, else a GPU run's (`GPU_SHAPES`; `--quick`: the first), else `--rows` x
+    `--cols`; a dry run's a small one."""
+    if args.dry_run:
+        return [(64, 512)]
+    if args.shapes:
+        return [tuple(int(side) for side in shape.split("x")) for shape in args.shapes]
+    if args.device != "cpu":
+        return list(GPU_SHAPES[:1] if args.quick else GPU_SHAPES)
+    return [(args.rows, args.cols)]
 
 
 def count_ops(args) -> str:
@@ -238,7 +265,8 @@ def report(rows: list[dict], peer: str | None, header: str) -> str:
                   "| type | scales | output alone | streamwise | torch kernels | x | numpy | x | comfyui | x | ceiling "
                   "| 1 thread | x | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in config:
-            cells = [row["type"], row["scales"], ms(row["floor"]), ms(row["streamwise"])]
+            cells = [f"{row['type']} {row.get('shape', '')}".strip(), row["scales"], ms(row["floor"]),
+                     ms(row["streamwise"])]
             for peer_name in ("torch kernels", "numpy", "comfyui", "1 thread"):
                 if peer_name in row:
                     cells += [ms(row[peer_name]), f"{row[peer_name] / row['streamwise']:.1f}x"]
@@ -250,10 +278,11 @@ def report(rows: list[dict], peer: str | None, header: str) -> str:
         lines.append("")
         halves = [row for row in config if "streamwise bf16" in row]
         if halves:  # the Triton kernels writing a GPU's compute dtype, against the torch kernels' float32 and cast
-            lines += ["| type | scales | streamwise bf16 | torch kernels bf16 | x |", "|---|---|---|---|---|"]
-            lines += [f"| {row['type']} | {row['scales']} | {ms(row['streamwise bf16'])} | "
-                      f"{ms(row['torch kernels bf16'])} | {row['torch kernels bf16'] / row['streamwise bf16']:.1f}x |"
-                      for row in halves]
+            lines += ["| type | scales | streamwise bf16 | torch kernels bf16 | x | float32 at the copy's rate |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {row['type']} {row.get('shape', '')} | {row['scales']} | {ms(row['streamwise bf16'])} | "
+                      f"{ms(row['torch kernels bf16'])} | {row['torch kernels bf16'] / row['streamwise bf16']:.1f}x | "
+                      f"{row['copy'] / row['streamwise']:.0%} |" for row in halves]
             lines.append("")
         for peer_name, goal in QTYPE_GOALS.items():
             timed = [row for row in config if peer_name in row and not row["view"]]
@@ -293,9 +322,17 @@ def main() -> None:
                         default=sorted({1, os.cpu_count() or 1}), help="torch thread counts (numpy runs on one)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the kernels timed on a GPU")
     parser.add_argument("--count-ops", action="store_true", help="the ops per call of each side instead of times")
+    parser.add_argument("--shapes", nargs="+", metavar="ROWSxCOLS", help="weights' shapes (a GPU run: GPU_SHAPES)")
+    parser.add_argument("--quick", action="store_true", help=f"types {', '.join(QUICK_TYPES)}, one shape, 3 runs")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the GPU run's path on the CPU: the Triton kernels in their interpreter, small weights")
     parser.add_argument("--out", metavar="STEM", help="write STEM.jsonl and STEM.md")
     parser.add_argument("--allocator", help=argparse.SUPPRESS)  # set in the process measuring one configuration
     args = parser.parse_args()
+    if args.quick or args.dry_run:
+        args.types, args.runs = args.types or list(QUICK_TYPES), min(args.runs, 3)
+    if args.dry_run:
+        args.device, args.allocators, args.threads, args.warmup = "cpu", ["plain"], [1], 0
     if args.allocator:
         return measure(args)
     forwarded = sys.argv[1:]
@@ -314,7 +351,7 @@ def main() -> None:
         for threads in args.threads if on_cpu else [1]:
             command = [sys.executable, __file__, *forwarded, "--allocator", allocator, "--threads", str(threads)]
             env = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
-            env.update(ALLOCATORS[allocator])
+            env.update(ALLOCATORS[allocator], **({"TRITON_INTERPRET": "1"} if args.dry_run else {}))
             output = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
             rows += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
             print(f"{allocator}, {threads} thread(s): {len(rows)} rows so far", file=sys.stderr, flush=True)
@@ -322,7 +359,8 @@ def main() -> None:
     import torch
 
     machine = f"{os.cpu_count()} CPUs" if on_cpu else torch.cuda.get_device_name(args.device)
-    header = (f"# Dequantization, {args.rows}x{args.cols} -> float32, median of {args.runs} interleaved runs\n\n"
+    sizes = ", ".join("x".join(map(str, shape)) for shape in shapes(args))
+    header = (f"# Dequantization, {sizes} -> float32, median of {args.runs} interleaved runs\n\n"
               f"{datetime.date.today()}, {machine}, torch {torch.__version__}, "
               f"`python benchmarks/bench_dequant.py {' '.join(forwarded)}`")
     text = report(rows, peer, header)
