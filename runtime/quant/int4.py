@@ -1,7 +1,8 @@
 """ConvRot INT4 weights: rotated like ConvRot INT8, symmetric 4-bit values packed two per byte,
 one fp32 scale per row and group of `scale_group` input channels.
 
-Compute is W4A16 (unpack, dequantize, matmul on rotated activations), enough on the CPU. These residents are not
+Compute is W4A16 (unpack, dequantize, matmul on rotated activations), enough on the CPU; on CUDA the rotated weight
+is expanded in one Triton kernel where Triton serves (`int4_triton`). These residents are not
 compile-safe: torch has no fake kernels for their packing, so the compile engine refuses them.
 """
 
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..engine.tracing import plain_call
+from . import int4_triton
 from .convrot import rotate, unrotate
 
 QMAX = 7
@@ -39,8 +42,13 @@ def dequantize_int4(packed: Tensor, scale: Tensor, group_size: int, dtype: torch
 
 
 def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, bias: Tensor | None, group_size: int) -> Tensor:
-    """x·Wᵀ as rotate(x)·W_rotᵀ: rotating the activations costs rows·in·group, unrotating the weight out·in·group."""
-    weight = _rotated_weight(packed, scale, group_size).to(x.dtype)
+    """x·Wᵀ as rotate(x)·W_rotᵀ: rotating the activations costs rows·in·group, unrotating the weight out·in·group.
+    On CUDA the rotated weight is expanded in one Triton kernel where Triton serves (`int4_triton`, the same bits)."""
+    weight = None
+    if packed.is_cuda and plain_call(x):
+        weight = int4_triton.rotated_weight(packed, scale, scale_group_for(group_size), x.dtype)
+    if weight is None:
+        weight = _rotated_weight(packed, scale, group_size).to(x.dtype)
     return F.linear(rotate(x, group_size), weight, None if bias is None else bias.to(x.dtype))
 
 

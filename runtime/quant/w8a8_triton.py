@@ -6,7 +6,7 @@ The arithmetic is `int8._w8a8`'s, operation for operation: the row scale max(|x|
 smallest normal), x / scale rounded to nearest even and clamped to +-127, the exact integer products, then
 (sum * row scale) * weight scale in float32, so the output is the torch path's bit for bit where the sums agree
 (integers: always). Chosen by `int8.int8_linear` on CUDA only (`triton_support`); the tests run the kernels in
-Triton's interpreter on the CPU (`tests/quant/test_w8a8_triton.py`).
+Triton's interpreter on the CPU (`tests/quant/test_integer_triton.py`).
 """
 
 from __future__ import annotations
