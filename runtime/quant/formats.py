@@ -186,8 +186,9 @@ class GGUF(QuantFormat):
         if not self.computes_directly(module.__dict__, x.device, blocks.device):
             from . import gguf_dequant
 
-            qtype = gguf_dequant.QType(module.gguf_qtype)
-            out = gguf_dequant.gpu_matmul(rows, blocks, qtype, module.out_features) if plain_call(x) else None
+            out = None
+            if rows.is_cuda and plain_call(x):  # a few rows multiply the blocks directly (decode)
+                out = gguf_dequant.gpu_matmul(rows, blocks, gguf_dequant.QType(module.gguf_qtype), module.out_features)
             return super().linear(module, x, stored, bias) if out is None else _with_bias(out, x, bias)
         if plain_call(x):  # native code: the operator's dispatch costs about 0.1 ms, a decode step one per Linear
             out = numba_kernels.matmul().matmul(rows, blocks, module.gguf_qtype, module.out_features)

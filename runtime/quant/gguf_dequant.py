@@ -140,7 +140,7 @@ def gpu_matmul(rows: Tensor, blocks: Tensor, qtype: QType, out_features: int) ->
     """`rows` (a few, on CUDA) times the weight these blocks hold, transposed, in float32, from the blocks directly
     (`gguf_triton.matmul`: decode expands no weight); None where that kernel does not serve (more rows, another
     device or type, a tracer): the caller expands the weight instead."""
-    if not (_fused_gpu(qtype, blocks) and rows.is_cuda and rows.shape[0] <= gguf_triton.MATMUL_ROWS):
+    if rows.shape[0] > gguf_triton.MATMUL_ROWS or not _fused_gpu(qtype, blocks):
         return None
     return gguf_triton.matmul(rows, blocks, qtype, out_features)
 

@@ -38,11 +38,17 @@ def fifth_bits(blocks, base, offset, mask):
 def store(out, first, values, mask, VALUES: tl.constexpr = 32):
     """Float32 `values` into `VALUES` values a block of `out`, rounded to its dtype to nearest, ties to even."""
     j = tl.arange(0, VALUES)
+    tl.store(out + first[:, None] * VALUES + j[None, :], cast(values, out), mask=mask[:, None])
+
+
+@triton.jit
+def cast(values, out):
+    """Float32 `values` in the dtype `out` points to, rounded to nearest, ties to even."""
     if out.dtype.element_ty == tl.bfloat16:
         rounded = bfloat16(values)
     else:
         rounded = values.to(out.dtype.element_ty)
-    tl.store(out + first[:, None] * VALUES + j[None, :], rounded, mask=mask[:, None])
+    return rounded
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gguf_triton_kernels import bfloat16
+from .gguf_triton_kernels import cast
 
 BLOCK = 1024
 """Values of one output row a program writes."""
@@ -21,9 +21,4 @@ def rotated_weight(packed, scales, out, in_features, group, BLOCK: tl.constexpr)
     byte = tl.load(packed + row * (in_features // 2) + j // 2, mask=inside, other=0)
     q = ((byte >> (4 * (j % 2))) & 0x0F).to(tl.int32) - 8
     scale = tl.load(scales + row * (in_features // group) + j // group, mask=inside, other=0.0)
-    values = q.to(tl.float32) * scale
-    if out.dtype.element_ty == tl.bfloat16:
-        rounded = bfloat16(values)
-    else:
-        rounded = values.to(out.dtype.element_ty)
-    tl.store(out + row * in_features + j, rounded, mask=inside)
+    tl.store(out + row * in_features + j, cast(q.to(tl.float32) * scale, out), mask=inside)

@@ -61,6 +61,7 @@ class FirstForward:
         self.ops = ops
         self.timers = {id(unit): [ops.timer() for _ in range(4)] for unit in units}
         self.entered: list[Unit] = []
+        self.seen: set[int] = set()  # the entered units, by id
         self.copied: set[int] = set()
         self.recording = False
         """Between the first unit entered and the first entered again: the first forward."""
@@ -69,7 +70,7 @@ class FirstForward:
         """Called as `unit` is entered: the figures, once the first forward is over and its timers are done."""
         if not self.recording and not self.entered:
             self.recording = True
-        elif self.recording and any(entered is unit for entered in self.entered):
+        elif self.recording and id(unit) in self.seen:
             self.recording = False  # the forward wrapped around: the next one is not measured
         if self.recording or not self.ops.finished(self.timers[id(self.entered[-1])][3]):
             return None
@@ -92,6 +93,7 @@ class FirstForward:
         if self.recording:
             self.ops.computed(self.timers[id(unit)][3])
             self.entered.append(unit)
+            self.seen.add(id(unit))
 
     def _records_copy(self, unit: Unit) -> bool:
         return self.recording and id(unit) not in self.copied
