@@ -13,3 +13,9 @@ def plain_call(x: Tensor) -> bool:
     dispatch mode) records it, and no gradient is asked of it. Else only operators torch knows serve."""
     return not (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
                 or (x.requires_grad and torch.is_grad_enabled()))
+
+
+def compiled_call(x: Tensor) -> bool:
+    """Whether a computation on `x` is being traced into a compiled graph and no gradient is asked of it: where an
+    operator of ours with a meta (no autograd) runs inside the graph as the eager call's kernel would."""
+    return torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled())

@@ -187,7 +187,7 @@ class GGUF(QuantFormat):
             from . import gguf_dequant
 
             out = None
-            if rows.is_cuda and plain_call(x):  # a few rows multiply the blocks directly (decode)
+            if rows.is_cuda:  # a few rows multiply the blocks directly (decode)
                 out = gguf_dequant.gpu_matmul(rows, blocks, gguf_dequant.QType(module.gguf_qtype), module.out_features)
             return super().linear(module, x, stored, bias) if out is None else _with_bias(out, x, bias)
         if plain_call(x):  # native code: the operator's dispatch costs about 0.1 ms, a decode step one per Linear

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...errors import Error
+from ..engine.tracing import compiled_call, plain_call
 from ..registry import Registry
 from . import gguf_triton, huge_pages, numba_kernels
 
@@ -138,11 +139,15 @@ def _fused_cpu(qtype: QType, blocks: Tensor) -> ModuleType | None:
 
 def gpu_matmul(rows: Tensor, blocks: Tensor, qtype: QType, out_features: int) -> Tensor | None:
     """`rows` (a few, on CUDA) times the weight these blocks hold, transposed, in float32, from the blocks directly
-    (`gguf_triton.matmul`: decode expands no weight); None where that kernel does not serve (more rows, another
-    device or type, a tracer): the caller expands the weight instead."""
-    if rows.shape[0] > gguf_triton.MATMUL_ROWS or not _fused_gpu(qtype, blocks):
+    (`gguf_triton.matmul`: decode expands no weight; in a compiled graph as its operator); None where that kernel
+    does not serve (more rows, another device or type, a gradient or another tracer): the caller expands instead."""
+    if rows.shape[0] > gguf_triton.MATMUL_ROWS or not blocks.is_cuda or qtype not in gguf_triton.types():
         return None
-    return gguf_triton.matmul(rows, blocks, qtype, out_features)
+    if plain_call(rows):
+        return gguf_triton.matmul(rows, blocks, qtype, out_features)
+    if compiled_call(rows):
+        return torch.ops.streamwise.gguf_decode(rows, blocks, int(qtype), out_features)
+    return None
 
 
 def _fused_gpu(qtype: QType, blocks: Tensor) -> bool:

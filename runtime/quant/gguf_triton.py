@@ -84,6 +84,26 @@ def _expand_meta(blocks: Tensor, qtype: int, rows: int, cols: int, dtype: torch.
     return blocks.new_empty((rows, cols), dtype=dtype)
 
 
+_LIBRARY.define("gguf_decode(Tensor rows, Tensor blocks, int qtype, int out_features) -> Tensor")
+"""`matmul` as an operator, so that a compiled graph's decode step multiplies by the blocks too (its meta gives the
+output's shape: no graph break); where the kernel does not serve, it expands the weight and multiplies in float32."""
+
+
+@torch.library.impl(_LIBRARY, "gguf_decode", "CompositeExplicitAutograd")
+def _decode(rows: Tensor, blocks: Tensor, qtype: int, out_features: int) -> Tensor:
+    out = matmul(rows, blocks, qtype, out_features)
+    if out is not None:
+        return out
+    from .gguf_dequant import QType, dequantize
+
+    return torch.nn.functional.linear(rows.float(), dequantize(blocks, QType(qtype), (out_features, rows.shape[1])))
+
+
+@torch.library.impl(_LIBRARY, "gguf_decode", "Meta")
+def _decode_meta(rows: Tensor, blocks: Tensor, qtype: int, out_features: int) -> Tensor:
+    return rows.new_empty((rows.shape[0], out_features), dtype=torch.float32)
+
+
 @functools.cache
 def _kernels():
     """The kernels' module (`gguf_triton_kernels`), imported at the first call (Triton imported then, as

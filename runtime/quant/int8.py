@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..engine.tracing import plain_call
+from ..engine.tracing import compiled_call, plain_call
 from . import w8a8_triton
 from .convrot import rotate, unrotate
 
@@ -88,9 +88,30 @@ _w8a16 = torch.ops.streamwise.int8_w8a16
 
 def _w8a8(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """Dynamic per-row activation quantization, an int8×int8→int32 GEMM, then both scales: two Triton kernels where
-    Triton serves (`w8a8_triton`, the same arithmetic), else torch's eight."""
+    Triton serves (`w8a8_triton`, the same arithmetic; in a compiled graph as their operator), else torch's eight."""
+    if compiled_call(rows) and w8a8_triton.available():
+        return _w8a8_operator(rows, q, scale)
     fused = w8a8_triton.w8a8(rows, q, scale) if plain_call(rows) else None
     return _w8a8_torch(rows, q, scale) if fused is None else fused
+
+
+_LIBRARY.define("int8_w8a8(Tensor rows, Tensor q, Tensor scale) -> Tensor")
+"""The two Triton kernels as one operator, which a compiled graph calls opaquely (its meta gives the output's shape:
+no graph break) where tracing would put torch's eight kernels in the graph."""
+
+
+@torch.library.impl(_LIBRARY, "int8_w8a8", "CompositeExplicitAutograd")
+def _w8a8_kernels(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    fused = w8a8_triton.w8a8(rows, q, scale)
+    return _w8a8_torch(rows, q, scale) if fused is None else fused
+
+
+@torch.library.impl(_LIBRARY, "int8_w8a8", "Meta")
+def _w8a8_meta(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    return rows.new_empty((rows.shape[0], q.shape[0]), dtype=torch.float32)
+
+
+_w8a8_operator = torch.ops.streamwise.int8_w8a8
 
 
 def _w8a8_torch(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:

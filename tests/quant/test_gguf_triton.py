@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from gguf_blocks import random_bytes
 from gguf import GGML_QUANT_SIZES
-from streamwise.runtime.quant import gguf_triton
+from streamwise.runtime.quant import gguf_dequant, gguf_triton
 from streamwise.runtime.quant.gguf_dequant import QType, dequantize
 
 device, names, dtypes = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
@@ -68,6 +68,27 @@ for name in names:  # decode: a few rows against finite blocks, 40 output featur
             error = float((got.cpu() - expected).norm() / expected.norm()) if got is not None else None
             results[f"matmul-{name}-{rows}-{dtype_name}"] = {"ran": got is not None, "error": error,
                                                              "dtype": str(got.dtype) if got is not None else None}
+for name in ("Q8_0", "Q4_K"):  # decode in a compiled graph: the kernel as an operator (on CUDA reached by the route)
+    qtype = QType[name]
+    raw = torch.from_numpy(random_bytes(qtype, (40, 512))).to(device)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    targets = []
+
+    def backend(graph, inputs):
+        targets.extend(str(node.target) for node in graph.graph.nodes)
+        return graph.forward
+
+    if device == "cuda":
+        decode = lambda x, raw: gguf_dequant.gpu_matmul(x, raw, qtype, 40)
+    else:
+        decode = lambda x, raw: torch.ops.streamwise.gguf_decode(x, raw, int(qtype), 40)
+    torch._dynamo.reset()
+    got = torch.compile(decode, fullgraph=True, backend=backend)(x, raw)
+    expected = torch.nn.functional.linear(x.float(), dequantize(raw, qtype, (40, 512)))
+    results[f"compiled-{name}"] = {"operator": any("gguf_decode" in target for target in targets),
+                                   "error": float((got - expected).norm() / expected.norm()), "dtype": str(got.dtype)}
+    if device == "cpu":  # torch's operator checks: the meta's shape and dtype against the kernel's
+        torch.library.opcheck(torch.ops.streamwise.gguf_decode.default, (x, raw, int(qtype), 40))
 print(json.dumps(results))
 """
 
@@ -105,14 +126,23 @@ def test_decode_multiplies_by_the_blocks_without_expanding_them_in_the_interpret
         assert result["ran"] and result["dtype"] == "torch.float32" and result["error"] <= 1e-5, (rows, result)
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_a_compiled_graph_decodes_through_the_kernels_operator(interpreted, name):
+    """`streamwise::gguf_decode` in a graph traced whole (fullgraph), the decode kernel inside it (here in the
+    interpreter; on CUDA reached through the GGUF layers' route, `gpu_matmul`), within the eager kernel's bound."""
+    result = interpreted[f"compiled-{name}"]
+    assert result["operator"] and result["dtype"] == "torch.float32" and result["error"] <= 1e-5, result
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need CUDA: the interpreter checks "
                     "the same kernels above")
 def test_each_kernel_compiled_writes_the_torch_kernels_bits_on_cuda():
     import os
 
     results = _checked("cuda", {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"})
-    failed = {key: result for key, result in results.items() if not result["ran"] or (
-        result["error"] > 1e-5 if key.startswith("matmul-") else not (result["nan_places"] and result["same_bits"]))}
+    failed = {key: result for key, result in results.items() if not result.get("ran", result.get("operator")) or (
+        result["error"] > 1e-5 if key.startswith(("matmul-", "compiled-"))
+        else not (result["nan_places"] and result["same_bits"]))}
     assert not failed, failed
 
 

@@ -33,6 +33,18 @@ for name in ("float32", "bfloat16", "float16"):
     got, expected = w8a8_triton.w8a8(rows, q, scale), int8._w8a8_torch(rows, q, scale)
     results[name] = {"ran": got is not None, "same_bits": got is not None and bool(torch.equal(got, expected)),
                      "dtype": str(got.dtype) if got is not None else None}
+targets = []  # W8A8 in a compiled graph: the two kernels as one operator, the same bits
+
+
+def backend(graph, inputs):
+    targets.extend(str(node.target) for node in graph.graph.nodes)
+    return graph.forward
+
+
+got = torch.compile(int8._w8a8, fullgraph=True, backend=backend)(rows, q, scale)
+results["compiled"] = {"operator": any("int8_w8a8" in target for target in targets),
+                       "same_bits": bool(torch.equal(got, int8._w8a8_torch(rows, q, scale)))}
+torch.library.opcheck(torch.ops.streamwise.int8_w8a8.default, (rows, q, scale))  # the meta against the kernels
 from streamwise.runtime.quant import int4, int4_triton
 weight = torch.randn(48, 256, generator=generator)
 for group_size in (16, 256):  # scale groups of 16 (the rotation's), and of 64
@@ -65,3 +77,8 @@ def test_w8a8_in_two_kernels_gives_the_torch_paths_bits(interpreted, dtype):
 @pytest.mark.parametrize("group_size", [16, 256])
 def test_convrot_int4_expands_in_one_kernel_with_the_torch_paths_bits(interpreted, group_size, dtype):
     assert interpreted[f"int4-{group_size}-{dtype}"] == {"ran": True, "same_bits": True}
+
+
+def test_a_compiled_graph_runs_w8a8_as_the_kernels_operator(interpreted):
+    """`streamwise::int8_w8a8` in a graph traced whole (fullgraph): the two kernels inside it, their bits."""
+    assert interpreted["compiled"] == {"operator": True, "same_bits": True}, interpreted["compiled"]
