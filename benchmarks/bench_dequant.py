@@ -25,10 +25,12 @@ is that kernel, beside the torch kernels alone, each also writing bfloat16 (a GP
 writes it directly). `--quick`: Q8_0, Q4_K and Q6_K at one shape. `--dry-run`: that path on the CPU, the Triton
 kernels in their interpreter at a small shape (a GPU run cannot fail on what the first minutes would find).
 
-ComfyUI-GGUF's `dequant.py` is imported from the path given (its column is skipped without one;
-nothing is fetched); its commit is read from its checkout or given. Run:
+ComfyUI-GGUF's `dequant.py` is one of the benchmark's inputs (`peers/comfyui_gguf_dequant.py`, Apache-2.0, at the
+commit `PEER_COMMIT` names: a GPU machine without network still has it), timed on the same blocks, writing float32
+and, on a GPU, bfloat16 too (its `dequant_dtype="target"`); another copy of it is imported from the path given, its
+commit read from its checkout or given. Run:
 
-    python benchmarks/bench_dequant.py --comfyui-dequant /tmp/ComfyUI-GGUF/dequant.py
+    python benchmarks/bench_dequant.py [--comfyui-dequant /tmp/ComfyUI-GGUF/dequant.py]
         [--out benchmarks/results/dequant-DATE] [--allocators thp plain] [--threads 1 2] [--types Q4_K IQ4_XS]
         [--device cuda [--quick] [--shapes 4096x4096 ...]] [--dry-run] [--count-ops]
 
@@ -53,11 +55,19 @@ import warnings
 from pathlib import Path
 
 QTYPE_GOALS = {"numpy": 1.0, "comfyui": 3.0, "1 thread": 1.0}
+GPU_GOALS = {"comfyui": 2.0, "comfyui bf16": 2.0}
+COPY_RATE_GOAL = 0.5
+"""On a GPU: at least 2x ComfyUI-GGUF on the types it has, and each expansion at half a device copy's rate or more."""
 ALLOCATORS = {"thp": {"THP_MEM_ALLOC_ENABLE": "1"}, "plain": {}}
 
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:7.1f}ms" if seconds >= 1e-3 else f"{seconds * 1e6:7.1f}us"
+
+
+PEER = Path(__file__).with_name("peers") / "comfyui_gguf_dequant.py"
+PEER_COMMIT = "795e45156ece99afbc3efef911e63fcb46e6a20d 2025-12-18"
+"""city96/ComfyUI-GGUF's commit whose `dequant.py` is `PEER`, byte for byte (its latest change: int64 indices)."""
 
 
 def load_comfyui(path: str | None):
@@ -71,9 +81,11 @@ def load_comfyui(path: str | None):
 
 
 def peer_version(path: str | None, given: str | None) -> str | None:
-    """The commit of the checkout holding `path`, or `given`."""
+    """The commit of the checkout holding `path`, or `given`; `PEER_COMMIT` for `PEER`."""
     if given or path is None:
         return given
+    if Path(path).resolve() == PEER.resolve():
+        return PEER_COMMIT
     found = subprocess.run(["git", "-C", str(Path(path).parent), "log", "-1", "--format=%H %cs"],
                            capture_output=True, text=True)
     return found.stdout.strip() or None
@@ -176,6 +188,8 @@ def measure(args) -> None:
             fns["numpy"] = functools.partial(gguf.quants.dequantize, raw, qtype)
         if comfyui is not None and qtype in comfyui.dequantize_functions:
             fns["comfyui"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.float32)
+            if device.type != "cpu" or args.dry_run:
+                fns["comfyui bf16"] = functools.partial(comfyui.dequantize, blocks, qtype, shape, dtype=torch.bfloat16)
         if gguf_dequant._fused_cpu(qtype, blocks) is not None:
             fns["torch kernels"] = torch_kernels(fns["streamwise"])
         if gguf_dequant._fused_gpu(qtype, blocks):  # Triton's: bf16 written directly, as a GPU computes
@@ -278,20 +292,28 @@ def report(rows: list[dict], peer: str | None, header: str) -> str:
         lines.append("")
         halves = [row for row in config if "streamwise bf16" in row]
         if halves:  # the Triton kernels writing a GPU's compute dtype, against the torch kernels' float32 and cast
-            lines += ["| type | scales | streamwise bf16 | torch kernels bf16 | x | float32 at the copy's rate |",
-                      "|---|---|---|---|---|---|"]
+            lines += ["| type | scales | streamwise bf16 | torch kernels bf16 | x | comfyui bf16 | x "
+                      "| float32 at the copy's rate |", "|---|---|---|---|---|---|---|---|"]
             lines += [f"| {row['type']} {row.get('shape', '')} | {row['scales']} | {ms(row['streamwise bf16'])} | "
                       f"{ms(row['torch kernels bf16'])} | {row['torch kernels bf16'] / row['streamwise bf16']:.1f}x | "
-                      f"{row['copy'] / row['streamwise']:.0%} |" for row in halves]
+                      + (f"{ms(row['comfyui bf16'])} | {row['comfyui bf16'] / row['streamwise bf16']:.1f}x | "
+                         if "comfyui bf16" in row else "- | - | ")
+                      + f"{row['copy'] / row['streamwise']:.0%} |" for row in halves]
             lines.append("")
-        for peer_name, goal in QTYPE_GOALS.items():
+            slowest = min(halves, key=lambda row: row["copy"] / row["streamwise"])
+            rate = slowest["copy"] / slowest["streamwise"]
+            lines.append(f"- slowest float32 expansion at the copy's rate: {rate:.0%} ({slowest['type']} "
+                         f"{slowest.get('shape', '')}; goal >= {COPY_RATE_GOAL:.0%}): "
+                         + ("met" if rate >= COPY_RATE_GOAL else "NOT met"))
+        for peer_name, goal in (GPU_GOALS if device != "cpu" else QTYPE_GOALS).items():
             timed = [row for row in config if peer_name in row and not row["view"]]
             if not timed:
                 continue
-            worst = min(timed, key=lambda row: row[peer_name] / row["streamwise"])
-            ratio = worst[peer_name] / worst["streamwise"]
+            ours = "streamwise bf16" if peer_name.endswith("bf16") else "streamwise"
+            worst = min(timed, key=lambda row, ours=ours: row[peer_name] / row[ours])
+            ratio = worst[peer_name] / worst[ours]
             verdict = "met" if ratio >= goal else "NOT met"
-            if peer_name == "comfyui":
+            if peer_name == "comfyui" and device == "cpu":
                 reachable = [row for row in timed if row["comfyui"] / row["floor"] >= goal]
                 short = [f"{row['type']} {row['scales']}" for row in reachable
                          if row["comfyui"] / row["streamwise"] < goal]
@@ -314,7 +336,8 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--comfyui-dequant", metavar="PATH", help="ComfyUI-GGUF's dequant.py")
+    parser.add_argument("--comfyui-dequant", metavar="PATH", default=str(PEER),
+                        help="ComfyUI-GGUF's dequant.py (default: the copy among the inputs)")
     parser.add_argument("--comfyui-version", help="its commit, where PATH is not in its git checkout")
     parser.add_argument("--types", nargs="+", metavar="TYPE", help="a subset of the types, by GGML name")
     parser.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS))

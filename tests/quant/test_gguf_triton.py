@@ -196,9 +196,11 @@ def test_the_expansion_is_an_operator_a_compiled_graph_calls_without_a_break():
 
 def test_the_dequant_benchmark_runs_its_gpu_path_on_the_cpu():
     """`benchmarks/bench_dequant.py --dry-run`: the Triton kernels chosen as on a GPU, in their interpreter, timed
-    beside the torch kernels and a copy, every output checked: a GPU run cannot fail on a typo."""
+    beside the torch kernels, a copy and ComfyUI-GGUF's `dequant.py` (among the benchmark's inputs), every output
+    checked: a GPU run cannot fail on a typo."""
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
     done = subprocess.run([sys.executable, "bench_dequant.py", "--dry-run", "--types", "Q8_0", "Q4_K"], cwd=benchmarks,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "float32 at the copy's rate" in done.stdout and "4 of 4 bit-exact" in done.stdout, done.stdout[-2000:]
+    assert "ComfyUI-GGUF: 795e451" in done.stdout and "comfyui bf16" in done.stdout, done.stdout[-2000:]  # its input
