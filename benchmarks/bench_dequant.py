@@ -136,27 +136,26 @@ def measure(args) -> None:
 
         return run
 
-    def torch_kernels(fn):
-        """`fn` with the fused CPU kernels out of the way: the torch kernels' time beside them."""
+    def swapped(fn, owner, name: str, value):
+        """`fn` run with `owner.name` set to `value`, restored after."""
         def run():
-            fused, numba_kernels.fused_dequant = numba_kernels.fused_dequant, lambda: None
+            before = getattr(owner, name)
+            setattr(owner, name, value)
             try:
                 return fn()
             finally:
-                numba_kernels.fused_dequant = fused
+                setattr(owner, name, before)
 
         return run
 
-    def without_triton(fn):
-        """`fn` with the Triton kernels out of the way (CUDA): the torch kernels' time beside them."""
-        def run():
-            types, gguf_triton.types = gguf_triton.types, frozenset
-            try:
-                return fn()
-            finally:
-                gguf_triton.types = types
+    def torch_kernels(fn):  # the fused CPU kernels out of the way: the torch kernels' time beside them
+        return swapped(fn, numba_kernels, "fused_dequant", lambda: None)
 
-        return run
+    def without_triton(fn):  # the Triton kernels out of the way (CUDA): the torch kernels' time beside them
+        return swapped(fn, gguf_triton, "types", frozenset)
+
+    def reference_design(fn):  # the torch kernels in the reference design's steps, as off the CPU
+        return swapped(torch_kernels(fn), gguf_dequant, "torch_fields", lambda device: gguf_dequant.FIELDS)
 
     def bit_exact(ours, reference, qtype) -> bool:
         expected = torch.from_numpy(np.ascontiguousarray(reference))
@@ -196,6 +195,8 @@ def measure(args) -> None:
             fns["torch kernels"] = without_triton(fns["streamwise"])
             fns["streamwise bf16"] = functools.partial(dequantize, blocks, qtype, shape, torch.bfloat16)
             fns["torch kernels bf16"] = without_triton(fns["streamwise bf16"])
+        if device.type == "cpu" and qtype in DEQUANTIZERS:
+            fns["reference design"] = reference_design(fns["streamwise"])
         if threads > 1 and device.type == "cpu":
             fns["1 thread"] = on_one_thread(fns["streamwise"])
         same = bit_exact(dequantize(blocks, qtype, shape).cpu(), gguf.quants.dequantize(raw, qtype), qtype)
@@ -322,6 +323,12 @@ def report(rows: list[dict], peer: str | None, header: str) -> str:
                             f"{len(short)} short of it" + (f": {', '.join(short)}" if short else ""))
             lines.append(f"- worst vs {peer_name}: {ratio:.1f}x ({worst['type']} {worst['scales']}; goal >= "
                          f"{goal:.0f}x): {verdict}")
+        designs = sorted((row["reference design"] / row.get("torch kernels", row["streamwise"]), row["type"])
+                         for row in config if "reference design" in row)
+        if designs:  # what the CPU's design of the torch kernels buys over the reference's, here
+            lines.append(f"- the torch kernels' CPU design against the reference design on this CPU: "
+                         f"{designs[0][0]:.2f}x ({designs[0][1]}) to {designs[-1][0]:.2f}x ({designs[-1][1]}), "
+                         f"median {statistics.median(ratio for ratio, _ in designs):.2f}x")
         lines.append("")
     inexact = [f"{row.get('device', 'cpu')} {row['type']} {row['scales']}" for row in rows if not row["bit_exact"]]
     lines.append(f"ComfyUI-GGUF: {peer or 'not run'}. Streamwise's output against gguf's numpy reference, float32 "

@@ -49,3 +49,14 @@ def random_bytes(qtype: Q, shape: tuple[int, int], seed: int = 0, finite: bool =
     if qtype == Q.IQ1_M:
         write_iq1_m_scales(raw, rng.uniform(-2, 2, n_blocks).astype(np.float16))
     return raw.reshape(shape[0], -1)
+
+
+def as_on_a_gpu(monkeypatch, tables_as_a_devices: bool = False) -> None:
+    """The torch kernels on this CPU as they run off it: the reference design, no fused CPU kernel; with
+    `tables_as_a_devices`, every lookup table read as a device's copy (made once, outside any graph)."""
+    from streamwise.runtime.quant import gguf_dequant, gguf_tables
+
+    monkeypatch.setattr(gguf_dequant, "torch_fields", lambda device: gguf_dequant.FIELDS)
+    monkeypatch.setattr(gguf_dequant, "_fused_cpu", lambda qtype, blocks: None)
+    if tables_as_a_devices:
+        monkeypatch.setattr(gguf_tables, "table", gguf_tables.device_table)

@@ -1,11 +1,11 @@
 """Fused CPU kernels for the common GGML types, compiled by numba: one pass from blocks to float32 values.
 
-The torch kernels in `gguf_dequant` are made of whole-tensor ops, so on the CPU each one writes its quants into the
+The torch kernels (`gguf_torch_kernels`) are made of whole-tensor ops, so on the CPU each one writes its quants into the
 float output and then passes over it again to scale it (and again to add the offset): two or three passes over a
 buffer eight times the size of its blocks, where writing it once is most of the cost. These kernels decode each block
 where it lies and write each value once. numba (an optional dependency: `pip install streamwise[cpu-kernels]`)
 compiles them to machine code when this module is first imported (about 6 s, cached on disk: later processes load
-them in under half a second), so no C compiler is needed; without it `gguf_dequant` keeps its torch kernels.
+them in under half a second), so no C compiler is needed; without it `gguf_dequant` keeps the torch kernels.
 
 Every kernel computes what `gguf.quants` computes, in float32 and in the same order, so the output is bit-exact with
 it, NaN payloads included: scales are widened through numpy's own table of every half (`half`, passed in); where the

@@ -1,7 +1,7 @@
 """GGML blocks expanded on a GPU by one Triton kernel per type: the raw blocks read once, the compute dtype written
 once, straight into the caller's memory (the streaming engine's reused expansion buffer).
 
-The torch kernels (`gguf_dequant`) take 4 to 35 ops a type, each a launch and a pass over float32 intermediates; a
+The torch kernels (`gguf_torch_kernels`) take 4 to 35 ops a type, each a launch and a pass over float32 intermediates; a
 kernel here reads a block's bytes, decodes its scales and quants in registers, and writes each value once, in the
 compute dtype. Its arithmetic is the reference's, operation for operation (the float16 scales widened to float32,
 each product and sum rounded as the reference rounds it: `m + d * q`, never fused into one rounding, as the launch

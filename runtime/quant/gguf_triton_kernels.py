@@ -1,6 +1,6 @@
 """The Triton kernels of `gguf_triton`, one per GGML type (imported only where Triton is available, and only once
 asked for: Triton reads `TRITON_INTERPRET` as a kernel is defined). Each program expands `BLOCKS` blocks; the
-byte layouts are gguf's (`gguf.quants`), the arithmetic the torch kernels' (`gguf_dequant`), operation for
+byte layouts are gguf's (`gguf.quants`), the arithmetic the torch kernels' (`gguf_torch_kernels`), operation for
 operation."""
 
 from __future__ import annotations

@@ -639,14 +639,13 @@ def test_a_gguf_lookup_kernel_compiled_on_its_first_call_on_a_device_has_no_grap
     format copy them before its graph is traced, so even a first call compiled before any eager one runs with no
     break (simulated here as a GPU runs it: the kernels' off-CPU path, every table as a device's)."""
     import gguf
-    from gguf_blocks import random_bytes
+    from gguf_blocks import as_on_a_gpu, random_bytes
 
-    from streamwise.runtime.quant import gguf_dequant
+    from streamwise.runtime.quant import gguf_tables
     from streamwise.runtime.quant.residents import make_resident
 
-    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
-    monkeypatch.setattr(gguf_dequant, "_table", gguf_dequant._device_table)
-    monkeypatch.setattr(gguf_dequant, "_DEVICE_TABLES", {})  # no table copied yet
+    as_on_a_gpu(monkeypatch, tables_as_a_devices=True)
+    monkeypatch.setattr(gguf_tables, "_DEVICE_TABLES", {})  # no table copied yet
     model = Net(blocks=2)
     streamwise.apply(streamwise.resolve(POLICY, model), model)
     iq4_nl, mxfp4 = gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.MXFP4

@@ -13,7 +13,7 @@ from streamwise.runtime.registry import Registry
 @pytest.mark.parametrize("register", [
     lambda: compute_kind("linear", dtype="input")(lambda *args: None),
     lambda: quant_format("int8")(type("Again", (QuantFormat,), {"dequantize": lambda *args: None})),
-    lambda: DEQUANTIZERS.register(QType.Q8_0, lambda blocks, out: None),
+    lambda: DEQUANTIZERS.register(QType.Q8_0, lambda fields, blocks, out: None),
 ])
 def test_a_taken_name_is_refused(register):
     before = (len(COMPUTE_KINDS), len(FORMATS), len(DEQUANTIZERS))

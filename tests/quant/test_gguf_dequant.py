@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from forked import in_forked_child
-from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, random_bytes
+from gguf_blocks import FLOATS, SCALE_OFFSETS, Q, as_on_a_gpu, random_bytes
 
 import streamwise
-from streamwise.runtime.quant import gguf_dequant, numba_kernels, torch_openmp
+from streamwise.runtime.quant import gguf_dequant, gguf_tables, numba_kernels, torch_openmp
 from streamwise.runtime.quant.gguf_dequant import DEQUANTIZERS, STORED_FLOATS, UnsupportedQuantType, dequantize
 
 
@@ -153,7 +153,7 @@ def test_the_fused_kernels_split_a_large_tensor_over_torch_threads_and_leave_tor
 def test_the_fused_kernels_refuse_arrays_they_would_run_past():
     """The native task trusts its descriptor: a wrong output or stride is refused before it runs."""
     blocks = random_bytes(Q.Q8_0, (4, 256)).reshape(-1, 34)
-    half = gguf_dequant._CPU_TABLES["f16"].numpy()
+    half = gguf_tables.CPU_TABLES["f16"].numpy()
     for wrong_out in (np.empty((31, 32), np.float32), np.empty((32, 32), np.float64),
                       np.empty((32, 64), np.float32)[:, ::2]):
         with pytest.raises(ValueError, match="Q8_0 dequant needs C-contiguous"):
@@ -343,7 +343,7 @@ def test_cuda_kernels_compiled_by_inductor_have_no_graph_break_and_the_same_bits
 def test_the_gpu_kernels_compute_the_same_numbers_on_the_cpu(monkeypatch, qtype, finite):
     """What runs on a GPU (scales widened by torch's own conversion, integers cast inside the product), run here:
     bit-exact but for NaN payloads, which a GPU's arithmetic does not keep."""
-    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
+    as_on_a_gpu(monkeypatch)
     raw = random_bytes(qtype, (3, 512), seed=3, finite=finite)
     result = dequantize(torch.from_numpy(raw), qtype, (3, 512))
     expected = reference(raw, qtype, finite)
@@ -355,8 +355,7 @@ def test_the_gpu_kernels_compute_the_same_numbers_on_the_cpu(monkeypatch, qtype,
 def test_the_gpu_kernels_of_the_common_types_trace_without_graph_breaks(monkeypatch, qtype):
     """Off the CPU the legacy and K-quant kernels read no lookup table in a compiled graph (a device's table is made
     outside it, which breaks the graph): their fields' shifts are made in the graph."""
-    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
-    monkeypatch.setattr(gguf_dequant, "_table", gguf_dequant._device_table)  # every table as a device's
+    as_on_a_gpu(monkeypatch, tables_as_a_devices=True)
     blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
     explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
     assert explained.graph_break_count == 0, [str(r.reason).splitlines()[0] for r in explained.break_reasons]
@@ -368,8 +367,7 @@ def test_the_gpu_kernels_of_the_common_types_trace_without_graph_breaks(monkeypa
 def test_the_gpu_lookup_kernels_trace_without_graph_breaks_once_their_tables_are_on_the_device(monkeypatch, qtype):
     """A device's lookup tables are copied there outside any graph, once; a graph traced after that reads them as
     inputs, with no break."""
-    monkeypatch.setattr(gguf_dequant, "_on_cpu", lambda tensor: False)
-    monkeypatch.setattr(gguf_dequant, "_table", gguf_dequant._device_table)  # every table as a device's
+    as_on_a_gpu(monkeypatch, tables_as_a_devices=True)
     blocks = torch.from_numpy(random_bytes(qtype, (4, 256)))
     dequantize(blocks, qtype, (4, 256))  # an eager call copies them
     explained = torch._dynamo.explain(lambda b: dequantize(b, qtype, (4, 256)))(blocks)
