@@ -1,7 +1,8 @@
 """CUDA checks for quantized residents and lazy compile (what a CPU cannot show).
 
-1. INT8 W8A8 through `torch._int_mm` (rows > 16): per-row error against float, and time against
-   a bf16 linear, for a 4096x4096 layer; ConvRot INT8 and GGUF Q8_0 residents alongside.
+1. INT8 W8A8 (rows > 16: two Triton kernels where Triton serves, else `torch._int_mm`): per-row error against
+   float, and time against a bf16 linear at 64 rows (`over_bf16`), for a 4096x4096 layer; ConvRot INT8 and GGUF
+   Q8_0 residents alongside.
 2. Lazy regional compile with inductor on CUDA: a 12-block model, eager and under the standalone
    host with streamed weights: graphs, breaks, compile seconds, speed.
 Run on a CUDA machine:
@@ -49,20 +50,20 @@ def quant_checks() -> dict:
     weight = torch.randn(4096, 4096, device=device) / 64
     x = torch.randn(64, 4096, device=device, dtype=torch.bfloat16)
     reference = (x.float() @ weight.T)
-    results = {}
+    dense = weight.bfloat16()
+    results = {"bf16_linear_ms": cuda_ms(lambda: torch.nn.functional.linear(x, dense))}
     for name, group in (("int8", None), ("convrot_int8", 256)):
         q, scale = int8_math.quantize_int8(weight, group)
         out = int8_math.int8_linear(x, q, scale, None, group)
         error = ((out.float() - reference).norm(dim=1) / reference.norm(dim=1)).max().item()
         linear = functools.partial(int8_math.int8_linear, x, q, scale, None, group)
-        results[name] = {"w8a8_per_row_error": error, "ms": cuda_ms(linear)}
+        ms = cuda_ms(linear)  # issue 56's goal: W8A8 at 64 rows no slower than bf16 (over_bf16 <= 1)
+        results[name] = {"w8a8_per_row_error": error, "ms": ms, "over_bf16": ms / results["bf16_linear_ms"]}
     blocks = gguf.quants.quantize(weight.cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)
     raw = torch.from_numpy(blocks).to(device).reshape(-1)
     results["gguf_q8_0"] = {
         "dequant_ms": cuda_ms(lambda: dequantize(raw, gguf.GGMLQuantizationType.Q8_0, (4096, 4096), torch.bfloat16)),
     }
-    dense = weight.bfloat16()
-    results["bf16_linear_ms"] = cuda_ms(lambda: torch.nn.functional.linear(x, dense))
     return results
 
 
