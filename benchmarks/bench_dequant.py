@@ -34,7 +34,8 @@ commit read from its checkout or given. Run:
         [--out benchmarks/results/dequant-DATE] [--allocators thp plain] [--threads 1 2] [--types Q4_K IQ4_XS]
         [--device cuda [--quick] [--shapes 4096x4096 ...]] [--dry-run] [--count-ops]
 
-`--count-ops` prints the ops each side runs per call instead, counted on `meta` tensors.
+`--count-ops` prints the ops each side runs per call instead, counted on `meta` tensors. With `--out`, each type's
+row is appended to STEM.jsonl as it is measured (a run cut off keeps what it measured), the report written at the end.
 """
 
 from __future__ import annotations
@@ -377,13 +378,21 @@ def main() -> None:
         return None
     rows = []
     on_cpu = args.device == "cpu"
+    appended = open(f"{args.out}.jsonl", "w") if args.out else None  # a row each, as it comes
     for allocator in args.allocators if on_cpu else ["plain"]:
         for threads in args.threads if on_cpu else [1]:
             command = [sys.executable, __file__, *forwarded, "--allocator", allocator, "--threads", str(threads)]
             env = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
             env.update(ALLOCATORS[allocator], **({"TRITON_INTERPRET": "1"} if args.dry_run else {}))
-            output = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-            rows += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+            with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) as child:
+                for line in child.stdout:  # each type's row kept as it comes: a run cut off leaves its data
+                    if line.startswith("{"):
+                        rows.append(json.loads(line))
+                        if appended is not None:
+                            appended.write(line)
+                            appended.flush()
+            if child.returncode:
+                raise subprocess.CalledProcessError(child.returncode, command)
             print(f"{allocator}, {threads} thread(s): {len(rows)} rows so far", file=sys.stderr, flush=True)
     peer = peer_version(args.comfyui_dequant, args.comfyui_version)
     import torch
@@ -396,7 +405,7 @@ def main() -> None:
     text = report(rows, peer, header)
     print(text)
     if args.out:
-        Path(f"{args.out}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        appended.close()
         Path(f"{args.out}.md").write_text(text)
 
 
