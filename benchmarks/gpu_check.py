@@ -29,9 +29,9 @@ import streamwise
 from streamwise.runtime.engine.relocating import offload_relocated
 
 
-def decoder(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+def decoder(layers: int, hidden: int, dtype: torch.dtype, intermediate: int | None = None) -> torch.nn.Module:
     config = transformers.Qwen2Config(
-        hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        hidden_size=hidden, intermediate_size=intermediate or hidden * 11 // 4, num_hidden_layers=layers,
         num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512), vocab_size=32000,
     )
     torch.manual_seed(0)
@@ -57,6 +57,7 @@ def decoder_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of a run of `decoder` (the GPU benchmarks' model), and `--out`."""
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, help="the MLP's width (default: 11/4 of --hidden)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out")

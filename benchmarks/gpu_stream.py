@@ -20,6 +20,7 @@ few rows multiplies its blocks directly, `gguf_triton.matmul`): ms per token aga
 quantized bytes (goal <= 1.15x), its tokens against the same file resident. Under ComfyUI core: `gpu_comfy.py`.
 
     python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
+    python benchmarks/gpu_stream.py --decode-only --layers 8 --hidden 4096 --intermediate 14336  # issue 56's decode
     python benchmarks/gpu_stream.py --dry-run      # on a CPU: the recording fake device, a tiny model, end to end
 
 `--quick` runs the first `QUICK` configurations (on a GPU at 8 layers at most: minutes). Fixtures are made on the
@@ -242,6 +243,8 @@ def decode(host: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
 def main() -> None:
     parser = decoder_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--decode-only", action="store_true", help="the GGUF decode sections alone (issue 56's run: "
+                        "--layers 8 --hidden 4096 --intermediate 14336)")
     parser.add_argument("--dry-run", action="store_true", help="a CPU, the recording fake device, a tiny model")
     args = parser.parse_args()
     if args.dry_run:
@@ -257,12 +260,14 @@ def main() -> None:
         layers = min(layers, 8) if args.quick else layers
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
                      "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "model": {"layers": layers, "hidden": hidden, "tokens": args.tokens}}
-    host = decoder(layers, hidden, torch.bfloat16)
+                     "model": {"layers": layers, "hidden": hidden, "intermediate": args.intermediate,
+                               "tokens": args.tokens}}
+    host = decoder(layers, hidden, torch.bfloat16, None if args.dry_run else args.intermediate)
     ids = torch.randint(0, 32000, (1, args.tokens), device=device)
     with tempfile.TemporaryDirectory() as folder:
         host.save_pretrained(folder)  # the file tier's and the GGUF files' source
-        for weights, mode, tier, host_kind in CONFIGURATIONS[:QUICK] if args.quick else CONFIGURATIONS:
+        chosen = () if args.decode_only else CONFIGURATIONS[:QUICK] if args.quick else CONFIGURATIONS
+        for weights, mode, tier, host_kind in chosen:
             section(results, f"{weights}-{mode}-{tier}-{host_kind}", configuration, weights, mode, tier, host_kind,
                     host, ids, repeats, Path(folder))
             emit(results, args.out)  # after each: a run cut off keeps what it measured
@@ -270,8 +275,9 @@ def main() -> None:
         for weights in () if args.quick else GGUF:  # decode at the link's speed: the quantized bytes, no expansion
             section(results, f"decode-{weights}", quantized_decode, weights, host, ids[:, :16], steps, Path(folder))
             emit(results, args.out)
-    section(results, "decode", decode, host, ids[:, :16], 4 if args.dry_run else 32)
-    emit(results, args.out)
+    if not args.decode_only:
+        section(results, "decode", decode, host, ids[:, :16], 4 if args.dry_run else 32)
+        emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,24 @@ def test_the_gpu_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
         assert figures[name]["identical_to_resident"] and figures[name]["streamed_bytes"] > 0, figures[name]
 
 
+def test_the_gguf_decode_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
+    """`gpu_stream.py --dry-run --decode-only` (issue 56's decode run): the Q8_0 and Q4_K decoders streamed whole
+    decode the tokens of the same files resident, each against its link time."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, "gpu_stream.py", "--dry-run", "--decode-only", "--tokens", "8", "--out",
+                           str(out)], cwd=benchmarks, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    for name in ("decode-q8_0", "decode-q4_k"):
+        assert figures[name]["same_tokens_as_resident"] and figures[name]["link_ms"] > 0, figures[name]
+
+
 def test_a_weight_grown_past_its_slot_is_refused_naming_the_unit(ops):
     torch.manual_seed(0)
     model = tiny_qwen2(num_hidden_layers=3)
