@@ -16,6 +16,7 @@ the size is the one change this cannot see.
 
 from __future__ import annotations
 
+import bisect
 import os
 import tempfile
 from collections.abc import Iterator
@@ -62,6 +63,14 @@ def _extend_windows(descriptor: int, size: int) -> bool:
         return False
 
 
+def read_at(handle, view: memoryview, offset: int) -> int:
+    """Read into `view` from byte `offset` of the open file `handle`: the bytes read (0 at the file's end). Every read
+    of a tensor's bytes goes through here (loads, the file tier, its read-ahead), so a failing read is caught in one
+    place (and can be made to fail in tests)."""
+    handle.seek(offset)
+    return handle.readinto(view)
+
+
 def _identity(status: os.stat_result) -> tuple[int, ...]:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
@@ -73,6 +82,15 @@ class CheckedFile:
         self.path = path
         self.identity = _identity(os.fstat(handle.fileno()))
         self.size = self.identity[2]
+        self._starts: list[int] = []
+        self._tensors: list[tuple[int, str]] = []  # (end, name), in the order of `_starts`
+
+    def name_tensors(self, spans: dict[str, tuple[int, int]]) -> None:
+        """Record where each tensor's bytes lie ((offset, nbytes) by name, from the header the reader checked), so a
+        failing read names the tensor it was reading."""
+        ordered = sorted((offset, offset + nbytes, name) for name, (offset, nbytes) in spans.items())
+        self._starts = [start for start, _, _ in ordered]
+        self._tensors = [(end, name) for _, end, name in ordered]
 
     def read(self, offset: int, nbytes: int) -> Tensor:
         """The `nbytes` bytes at `offset`, as a fresh uint8 tensor; a CheckpointError if the file changed."""
@@ -92,10 +110,17 @@ class CheckedFile:
                 nbytes = out.nbytes
                 if nbytes == 0:
                     continue
-                handle.seek(offset)
                 view, done = memoryview(out.view(torch.uint8).reshape(-1).numpy()), 0
                 while done < nbytes:
-                    count = handle.readinto(view[done:])
+                    try:
+                        count = read_at(handle, view[done:], offset + done)
+                    except OSError as exc:
+                        failed = self.read_failed(offset + done, nbytes - done, exc)
+                    else:
+                        failed = None
+                    if failed is not None:
+                        self._check_if_readable(descriptor)  # a file changed meanwhile is said as such
+                        raise failed
                     if not count:
                         raise self.changed(f"it ends at byte {offset + done}, inside a tensor's data")
                     done += count
@@ -188,6 +213,25 @@ class CheckedFile:
         if now[2] != self.size:
             raise self.changed(f"its size went from {self.size} to {now[2]} bytes")
         raise self.changed("it was rewritten")
+
+    def _check_if_readable(self, descriptor: int) -> None:
+        try:
+            status = os.fstat(descriptor)
+        except OSError:
+            return
+        self.check(status)
+
+    def read_failed(self, at: int, nbytes: int, error: OSError) -> CheckpointError:
+        """A read the system refused (EIO from a failing disk, a network file system gone): the file is as it was, so
+        the same read may succeed later, and the model computes the same numbers again then."""
+        index = bisect.bisect_right(self._starts, at) - 1
+        end, name = self._tensors[index] if index >= 0 else (0, "")
+        tensor = f"tensor `{name}`: " if at < end else ""
+        reason = error.strerror or str(error) or type(error).__name__
+        code = f", errno {error.errno}" if error.errno else ""
+        return CheckpointError([f"{self.path}: {tensor}reading {nbytes} bytes at byte {at} failed ({reason}{code}); "
+                                "the file did not change, the system could not read it (a failing disk, a network "
+                                "file system gone): the model computes again once its reads succeed"])
 
     def changed(self, how: str) -> CheckpointError:
         return CheckpointError([f"{self.path}: the file changed after its header was read ({how}); its tensors "

@@ -61,6 +61,7 @@ def read_gguf(path: Path) -> Checkpoint:
             header = read_header(path, handle, checked.size)
     except OSError as exc:
         raise CheckpointError([f"{path}: not a readable GGUF file ({exc})"]) from None
+    checked.name_tensors({info.name: (header.data_start + info.offset, info.nbytes) for info in header.tensors})
     tensors = {}
     for info in header.tensors:
         shape = tuple(reversed(info.dims))

@@ -198,6 +198,8 @@ def _safetensors(path: Path) -> tuple[dict[str, StoredTensor], CheckedFile]:
         raise CheckpointError([f"{path}: not a readable safetensors file ({exc})"]) from None
     entries = _safetensors_header(path, raw, size - 8 - header_size)
     data_start = 8 + header_size
+    checked.name_tensors({name: (data_start + begin, math.prod(shape) * dtype.itemsize)
+                          for name, (dtype, shape, begin) in entries.items()})
     return {name: StoredTensor(name, str(path), shape, dtype, FileRange(checked, data_start + begin, dtype, shape))
             for name, (dtype, shape, begin) in entries.items()}, checked
 
