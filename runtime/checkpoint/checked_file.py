@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -236,3 +237,24 @@ class CheckedFile:
     def changed(self, how: str) -> CheckpointError:
         return CheckpointError([f"{self.path}: the file changed after its header was read ({how}); its tensors "
                                 "would no longer be the ones checked: load it again once it is complete"])
+
+
+def file_type(path: Path) -> int | None:
+    """The `stat` file type of `path`, None where nothing is there; a path the system refuses (a name
+    too long, a NUL byte) is a CheckpointError rather than the OSError or ValueError it raises."""
+    try:
+        return stat.S_IFMT(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise CheckpointError([f"{str(path)!r}: not a usable path ({reason})"]) from None
+
+
+def check_regular(path: Path) -> None:
+    """Refuse anything but a regular file before opening it: a FIFO would block the open forever."""
+    kind = file_type(path)
+    if kind is None:
+        raise CheckpointError([f"{path}: no such file"])
+    if kind != stat.S_IFREG:
+        raise CheckpointError([f"{path}: not a regular file (a folder, pipe or device); a checkpoint must be a file"])

@@ -17,7 +17,8 @@ from dataclasses import replace
 
 from torch import nn
 
-from .readers import Checkpoint, CheckpointError, StoredTensor
+from .readers import CheckpointError
+from .stored import Checkpoint, StoredTensor
 
 
 def under_model_keys(checkpoint: Checkpoint, model: nn.Module) -> Checkpoint:

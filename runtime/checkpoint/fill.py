@@ -43,7 +43,8 @@ from ..quant.residents import expansion_bytes, make_resident
 from ..sizes import human
 from . import comfy_quant
 from .conversion import under_model_keys
-from .readers import Checkpoint, CheckpointError, FileRange, StoredTensor, open_checkpoint
+from .readers import CheckpointError, open_checkpoint
+from .stored import Checkpoint, FileRange, StoredTensor
 from .tiers import Tiers, Unit, host_budget, place, read_in
 
 _log = logging.getLogger("streamwise.load")

@@ -17,10 +17,10 @@ from torch import Tensor
 
 from ..quant.gguf_dequant import STORED_FLOATS, dequantize
 from . import limits
-from .checked_file import CheckedFile
+from .checked_file import CheckedFile, check_regular
 from .errors import CheckpointError
 from .gguf_header import Value, read_header
-from .readers import Checkpoint, FileRange, StoredTensor, check_regular
+from .stored import Checkpoint, FileRange, StoredTensor
 
 ORIGINAL_SHAPE = "comfy.gguf.orig_shape.{name}"
 """ComfyUI-GGUF's key for a tensor stored in another shape than its own (a 5-D Conv3d weight, which no GGUF holds,

@@ -32,19 +32,21 @@ from torch import nn
 
 from ...schemas import Policy
 from ...schemas.vocabulary import DEFAULT_GGUF_TYPE, GGUF_LAYOUTS, GGUF_WRITE_TYPES
-from ..build.skeleton import config_folder
+from ..builders.skeleton import config_folder
 from ..plan import plan_for
 from ..plan.selectors import CompiledSelector, walk_modules
 from ..quant import k_quants
 from ..quant.gguf_dequant import dequantize
 from . import carried_files
+from .checked_file import file_type
 from .conversion import under_model_keys
 from .gguf_reader import ORIGINAL_SHAPE
 from .limits import MAX_GGUF_DIMS
 from .llama_cpp import is_llama_cpp_file
 from .llama_cpp_layout import llama_cpp_architecture, llama_cpp_layout, llama_cpp_tensors
 from .llama_quant_mix import MIXES, fitting, llama_order, mix_types, quantized
-from .readers import CheckpointError, StoredTensor, file_type, open_checkpoint
+from .readers import CheckpointError, open_checkpoint
+from .stored import StoredTensor
 
 
 @dataclass(frozen=True)

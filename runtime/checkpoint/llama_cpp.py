@@ -31,10 +31,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..build.scoped import ContextPatch
+from ..builders.scoped import ContextPatch
 from ..quant.gguf_dequant import dequantize
 from . import carried_files
-from .readers import Checkpoint, CheckpointError, StoredTensor, open_checkpoint
+from .readers import CheckpointError, open_checkpoint
+from .stored import Checkpoint, StoredTensor
 
 _FULL_PROBE_LIMIT = 1 << 26  # a row-index probe of a whole 2-D tensor, at most this many elements
 

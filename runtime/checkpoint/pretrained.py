@@ -24,14 +24,15 @@ import torch
 from torch import nn
 
 from ...schemas import Policy
-from ..build.build_dtype import BUILD_DTYPES
-from ..build.model_spec import ModelSpecError, auto_model, refuse_remote_code
-from ..build.skeleton import built_skeleton, config_folder, model_type, skeleton
+from ..builders.build_dtype import BUILD_DTYPES
+from ..builders.model_spec import ModelSpecError, auto_model, refuse_remote_code
+from ..builders.skeleton import built_skeleton, config_folder, model_type, skeleton
 from ..convert import applied_state
 from ..plan.auto import choose_policy
 from . import carried_files, generation_defaults
 from .fill import LoadReport, load
-from .readers import Checkpoint, CheckpointError, open_checkpoint
+from .readers import CheckpointError, open_checkpoint
+from .stored import Checkpoint
 
 _log = logging.getLogger("streamwise.load")
 

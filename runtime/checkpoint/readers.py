@@ -16,22 +16,16 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from . import limits
-from .checked_file import CheckedFile
+from .checked_file import CheckedFile, check_regular, file_type
 from .errors import CheckpointError as CheckpointError  # re-exported: callers name it here
+from .stored import Checkpoint, FileRange, StoredTensor
 from .weight_files import SHARD_INDEX as SHARD_INDEX  # re-exported: callers and tests name it here
 from .weight_files import VARIANTS, NoWeights, is_shard_index, weights_file
-
-if TYPE_CHECKING:
-    from .gguf_header import Value
 
 # The safetensors library's dtypes and their sizes in bits (its `Dtype::bitsize`).
 SAFETENSORS_BITS = {
@@ -51,56 +45,6 @@ SAFETENSORS_DTYPES = {name: dtype for name, dtype in {
 MAX_HEADER = limits.MAX_SAFETENSORS_HEADER
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 _USIZE = 2**64  # the library reads sizes and offsets as 64-bit unsigned integers
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor of a checkpoint: its logical shape, storage dtype, GGUF quant type if any."""
-
-    name: str
-    file: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    read: Callable[[], Tensor] = field(repr=False, compare=False)
-    qtype: object = None  # the gguf.GGMLQuantizationType of a quantized GGUF tensor
-    note: str | None = None  # why the values are not the file's own (dequantized and transformed on the way)
-
-
-@dataclass
-class Checkpoint:
-    path: str
-    tensors: dict[str, StoredTensor]
-    kind: str  # "safetensors" or "gguf"
-    architecture: str | None = None  # a GGUF's `general.architecture` ("streamwise" for files Streamwise writes)
-    metadata: dict[str, Value] = field(default_factory=dict, repr=False)  # a GGUF's, checked
-    file: CheckedFile | None = field(default=None, repr=False, compare=False)  # a single file's reads
-    header_bytes: int = 0  # where a GGUF's tensor data starts
-
-    def header_copy(self):
-        """A context giving a path to a private copy of this single file's header (`CheckedFile.private_copy`): what
-        a reader that maps a path (transformers') is handed, so it sees what was checked and cannot crash."""
-        return self.file.private_copy(self.header_bytes)
-
-
-def file_type(path: Path) -> int | None:
-    """The `stat` file type of `path`, None where nothing is there; a path the system refuses (a name
-    too long, a NUL byte) is a CheckpointError rather than the OSError or ValueError it raises."""
-    try:
-        return stat.S_IFMT(os.stat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise CheckpointError([f"{str(path)!r}: not a usable path ({reason})"]) from None
-
-
-def check_regular(path: Path) -> None:
-    """Refuse anything but a regular file before opening it: a FIFO would block the open forever."""
-    kind = file_type(path)
-    if kind is None:
-        raise CheckpointError([f"{path}: no such file"])
-    if kind != stat.S_IFREG:
-        raise CheckpointError([f"{path}: not a regular file (a folder, pipe or device); a checkpoint must be a file"])
 
 
 def open_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Checkpoint:
@@ -338,24 +282,3 @@ def _nbytes(dtype_name: str, shape: tuple[int, ...]) -> int | str:
     if bits % 8:
         return f"{dtype_name}{list(shape)} does not fill whole bytes"
     return bits // 8
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """A tensor's bytes at `offset` in a checked file: called, they are read into memory of their own
-    (`checked_file`); as a `StoredTensor.read` that nothing transformed, it is also where the file tier reads them
-    back from (`engine.file_tier.FileSource`)."""
-
-    file: CheckedFile
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def __call__(self) -> Tensor:
-        if self.nbytes == 0:
-            return torch.empty(self.shape, dtype=self.dtype)
-        return self.file.read(self.offset, self.nbytes).view(self.dtype).reshape(self.shape)

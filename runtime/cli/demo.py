@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ...schemas import Policy, QuantRule, QuantSection, Selector
-from ..build.skeleton import skeleton
+from ..builders.skeleton import skeleton
 from ..checkpoint.fill import load
 from ..checkpoint.gguf_writer import quantize_to_gguf
 from ..hosts.standalone import offload

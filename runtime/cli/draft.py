@@ -32,7 +32,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..build.model_spec import ModelSpecError, build_model
+    from ..builders.model_spec import ModelSpecError, build_model
 
     try:
         output = Path(args.output) if args.output else None

@@ -70,7 +70,7 @@ def _report(reports: dict[str, list[Diagnostic]], args: argparse.Namespace) -> N
 
 
 def _check_against_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ..build.model_spec import ModelSpecError, build_model  # torch only from here on
+    from ..builders.model_spec import ModelSpecError, build_model  # torch only from here on
     from ..plan.auto import AUTO, select_policy
 
     try:  # a usage error, so it is found before the policy is looked at

@@ -65,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _quantize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ..build.model_spec import ModelSpecError, build_model
-    from ..build.skeleton import build_skeleton, config_folder
+    from ..builders.model_spec import ModelSpecError, build_model
+    from ..builders.skeleton import build_skeleton, config_folder
     from ..checkpoint.gguf_writer import quantize_to_gguf
     from ..checkpoint.llama_cpp import is_llama_cpp_file
     from ..checkpoint.readers import open_checkpoint

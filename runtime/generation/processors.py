@@ -33,7 +33,7 @@ def load_processor(folder: str | os.PathLike):
 def _processor(folder: str, identity: tuple):
     import transformers
 
-    from ..build.model_spec import refuse_remote_code
+    from ..builders.model_spec import refuse_remote_code
 
     for name in PROCESSOR_FILES:
         refuse_remote_code(folder, name, "AutoProcessor")

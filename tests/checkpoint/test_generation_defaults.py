@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from streamwise.runtime.build.skeleton import build_skeleton
+from streamwise.runtime.builders.skeleton import build_skeleton
 from streamwise.runtime.checkpoint import CheckpointError, load_pretrained
 from streamwise.runtime.checkpoint.generation_defaults import LLAMA_CPP_END_MARKERS
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import streamwise
-from streamwise.runtime.build.model_spec import ModelSpecError, auto_model
+from streamwise.runtime.builders.model_spec import ModelSpecError, auto_model
 from streamwise.runtime.checkpoint import limits, readers
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.checkpoint.readers import CheckpointError, open_checkpoint

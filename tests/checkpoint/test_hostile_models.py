@@ -19,8 +19,8 @@ import torch
 import transformers
 
 import streamwise
-from streamwise.runtime.build import model_spec
-from streamwise.runtime.build.model_spec import ModelSpecError
+from streamwise.runtime.builders import model_spec
+from streamwise.runtime.builders.model_spec import ModelSpecError
 from streamwise.runtime.checkpoint import CheckpointError, load_tokenizer
 from streamwise.runtime.cli import policy_validate
 from streamwise.runtime.cli import streamwise as streamwise_cli

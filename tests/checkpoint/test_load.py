@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streamwise
-from streamwise.runtime.build.model_spec import ModelSpecError
+from streamwise.runtime.builders.model_spec import ModelSpecError
 from streamwise.runtime.checkpoint import comfy_quant
 from streamwise.runtime.checkpoint.readers import CheckpointError
 from streamwise.runtime.cli.streamwise import main as streamwise_main

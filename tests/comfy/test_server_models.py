@@ -15,7 +15,7 @@ import torch
 import transformers
 from PIL import Image
 
-from streamwise.runtime.build.skeleton import build_skeleton
+from streamwise.runtime.builders.skeleton import build_skeleton
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 
 from helpers import module_from_file

@@ -14,7 +14,7 @@ import transformers
 from PIL import Image
 from safetensors.torch import save_file
 
-from streamwise.runtime.build.model_spec import ModelSpecError
+from streamwise.runtime.builders.model_spec import ModelSpecError
 from streamwise.runtime.checkpoint import load_pretrained, load_tokenizer
 from streamwise.runtime.generation import PromptError, Sampling, generate_text, load_processor, prompts
 

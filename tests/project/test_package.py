@@ -102,7 +102,7 @@ def test_wheel_carries_the_package_policies_and_schema(tmp_path):
     litter = shutil.ignore_patterns("*.egg-info", ".git", ".venv", "__pycache__", ".*_cache", ".hypothesis",
                                     ".benchmarks")
 
-    def ignored(folder: str, names: list[str]) -> set[str]:  # `build/`, `dist/` at the top; `runtime/build` is code
+    def ignored(folder: str, names: list[str]) -> set[str]:  # `build/`, `dist/` at the top only
         top = {"build", "dist"} & set(names) if Path(folder) == REPO else set()
         return set(litter(folder, names)) | top
 

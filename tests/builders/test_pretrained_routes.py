@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import streamwise
-from streamwise.runtime.build.model_spec import ModelSpecError, build_model
+from streamwise.runtime.builders.model_spec import ModelSpecError, build_model
 from streamwise.runtime.checkpoint.readers import CheckpointError
 
 from helpers import tiny_qwen2, tiny_sample, tiny_vision_language
@@ -48,7 +48,7 @@ def test_the_class_the_config_names_is_built(tmp_path, caplog, family, built):
 
 
 def test_where_the_config_names_no_class_the_task_mappings_decide(tmp_path):
-    from streamwise.runtime.build.skeleton import built_skeleton
+    from streamwise.runtime.builders.skeleton import built_skeleton
 
     saved(tmp_path / "whisper", "audio")
     edit_config(tmp_path / "whisper", architectures=None)

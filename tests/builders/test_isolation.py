@@ -10,9 +10,9 @@ import threading
 import torch
 from torch import nn
 
-from streamwise.runtime.build.skeleton import build_skeleton, skeleton
+from streamwise.runtime.builders.skeleton import build_skeleton, skeleton
 
-build_dtype = importlib.import_module("streamwise.runtime.build.build_dtype")
+build_dtype = importlib.import_module("streamwise.runtime.builders.build_dtype")
 UNPATCHED = (nn.Module.register_parameter, torch.get_default_dtype)
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import streamwise
-from streamwise.runtime.build.model_spec import ModelSpecError
-from streamwise.runtime.build.skeleton import built_skeleton
+from streamwise.runtime.builders.model_spec import ModelSpecError
+from streamwise.runtime.builders.skeleton import built_skeleton
 from streamwise.runtime.checkpoint.readers import CheckpointError
 
 from helpers import DIFFUSERS_SAMPLE, tiny_diffusers
