@@ -8,6 +8,7 @@ from comfy_api.latest import io, ui
 from ..runtime.convert import applied_state
 from ..runtime.hosts.comfyui import adopt
 from ..runtime.plan.auto import choose_policy
+from .errors import NodeInputError
 from .folders import (
     allow_stranded_input,
     chosen_policy,
@@ -50,7 +51,7 @@ class ApplyStreamwisePolicy(io.ComfyNode):
         policy = chosen_policy(policy, dirs, auto=True)
         tree = getattr(model, "model", None)
         if not isinstance(tree, torch.nn.Module):
-            raise ValueError(f"Apply Streamwise Policy converts a MODEL holding a module tree; this input is a "
+            raise NodeInputError(f"Apply Streamwise Policy converts a MODEL holding a module tree; this input is a "
                              f"{type(model).__name__}")
         choice = choose_policy(policy, tree, dirs=dirs, skip_unreadable=skip_unreadable_policies)
         adopted = adopt(model, choice.policy, allow_stranded)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..runtime.generation import MAX_SPEAKERS, TokenSteps, Voice, generate_speech
+from .errors import NodeInputError
 from .inputs import loaded_tree
 from .schema import schema
 
@@ -18,7 +19,7 @@ def voice(name: str, audio: dict | None) -> Voice | None:
         return None
     waveform = audio["waveform"]
     if waveform.ndim != 3 or waveform.shape[0] != 1:
-        raise ValueError(f"{name} holds {tuple(waveform.shape)}: give one recording, [1, channels, samples]")
+        raise NodeInputError(f"{name} holds {tuple(waveform.shape)}: give one recording, [1, channels, samples]")
     return Voice(waveform[0], int(audio["sample_rate"]))
 
 

@@ -16,6 +16,7 @@ from ..runtime.generation import (
     prompts,
     takes_images,
 )
+from .errors import NodeInputError
 from .inputs import loaded_tree, pil_images
 from .schema import schema
 
@@ -84,7 +85,7 @@ class StreamwiseGenerateText(io.ComfyNode):
         try:
             tokenizer = load_tokenizer(source)  # its folder's files, or the one a .gguf carries
         except (OSError, ValueError) as exc:
-            raise ValueError(f"no tokenizer in {source}: {exc}") from None
+            raise NodeInputError(f"no tokenizer in {source}: {exc}") from None
         images = pil_images(image)
         processor = load_processor(source) if images and takes_images(tree) else None
         given = prompts(tree, tokenizer, prompt, max_new_tokens, system=system, chat=chat, images=images,

@@ -11,6 +11,7 @@ from comfy_api.latest import io, ui
 from ..runtime.checkpoint import load_pretrained, load_tokenizer
 from ..runtime.checkpoint.discover import list_models, model_identity, resolve_model
 from ..runtime.hosts.comfyui import load_again, model_patcher
+from .errors import NodeInputError
 from .folders import (
     allow_stranded_input,
     chosen_policy,
@@ -87,7 +88,7 @@ class StreamwiseModelLoader(io.ComfyNode):
         import comfy.utils
 
         if dtype not in DTYPES:  # an API prompt may send anything (the older core does not check V3 choices)
-            raise ValueError(f"dtype `{dtype}` is not one of {', '.join(DTYPES)}")
+            raise NodeInputError(f"dtype `{dtype}` is not one of {', '.join(DTYPES)}")
         dirs = comfy_policy_dirs()
         policy = chosen_policy(policy, dirs, auto=True)
         path = resolve_model(model, model_roots())

@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, Literal, TypeVar
 
+from ..errors import Error
+
 T = TypeVar("T")
+
+
+class AlreadyRegistered(Error, ValueError):
+    """A second entry under a name a registry already holds."""
 
 
 class Registry(Generic[T]):
@@ -23,7 +29,7 @@ class Registry(Generic[T]):
     def register(self, name: Hashable, entry: T) -> T:
         if name in self._entries:
             label = getattr(name, "name", name)
-            raise ValueError(f"{self.what} `{label}` is already registered; register yours under another name")
+            raise AlreadyRegistered(f"{self.what} `{label}` is already registered; register yours under another name")
         self._entries[name] = entry
         return entry
 

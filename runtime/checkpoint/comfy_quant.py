@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..engine import protocol
+from .errors import CheckpointError
 
 SUFFIX = ".comfy_quant"
 INT8_TENSORWISE = "int8_tensorwise"
@@ -50,6 +51,6 @@ def state_dict(model: nn.Module) -> dict[str, Tensor]:
         if handler is not None and handler.name in ("int8", "convrot_int8"):
             tensors[f"{path}{SUFFIX}"] = encode(getattr(module, protocol.GROUP_SIZE))
         elif handler is not None:
-            raise ValueError(f"`{path}` is a `{handler.name}` resident, which ComfyUI's comfy_quant convention "
-                             "cannot describe")
+            raise CheckpointError([f"`{path}` is a `{handler.name}` resident, which ComfyUI's comfy_quant "
+                                   "convention cannot describe"])
     return tensors

@@ -12,6 +12,10 @@ _TENSOR = re.compile(r"(?P<where>.*?)tensor `(?P<name>[^`]*)`: (?P<what>.*)", re
 _DETAIL = re.compile(r"`[^`]*`|\d+")  # what differs between two reports of one problem: names and numbers
 
 
+class LoadOptionError(Error, ValueError):
+    """A load asked with an option no load takes (an arithmetic there is not)."""
+
+
 class CheckpointError(Error, ValueError):
     """A checkpoint cannot be read, or does not fit the model; `problems` lists every reason.
 

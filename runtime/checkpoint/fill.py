@@ -43,6 +43,7 @@ from ..quant.residents import expansion_bytes, make_resident
 from ..sizes import human
 from . import comfy_quant
 from .conversion import under_model_keys
+from .errors import LoadOptionError
 from .readers import CheckpointError, open_checkpoint
 from .stored import Checkpoint, FileRange, StoredTensor
 from .tiers import Tiers, Unit, host_budget, place, read_in
@@ -136,7 +137,7 @@ def load(
     once widened a slab of weight rows at a time, where the CPU has no half-precision kernels of its own).
     """
     if arithmetic not in ARITHMETICS:
-        raise ValueError(f"arithmetic {arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
+        raise LoadOptionError(f"arithmetic {arithmetic!r}: expected one of {', '.join(ARITHMETICS)}")
 
     def failed(exc: Exception) -> CheckpointError | None:  # the errors that say what failed pass as they are
         if isinstance(exc, (CheckpointError, ConversionError, PolicyError)):

@@ -227,8 +227,8 @@ def _folder_tokenizer(folder: Path):
 
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES) \
             and not any(folder.glob("*.tiktoken")):
-        raise ValueError(f"{folder} holds no tokenizer files (any of {', '.join(TOKENIZER_FILES)}, *.tiktoken): copy "
-                         f"the model's tokenizer files beside its weights")
+        raise CheckpointError([f"{folder} holds no tokenizer files (any of {', '.join(TOKENIZER_FILES)}, *.tiktoken): "
+                               "copy the model's tokenizer files beside its weights"])
     refuse_remote_code(folder, "tokenizer_config.json", "AutoTokenizer")
     return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 

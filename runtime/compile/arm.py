@@ -27,6 +27,7 @@ from ...schemas import CompileSettings, Policy
 from ..convert import applied_state
 from ..engine import protocol
 from ..plan.selectors import CompiledSelector, outermost
+from .errors import CompileError
 from .regions import CompileStats, Region, is_region_forward, log
 from .settings import compile_settings
 from .targets import Armed, target_for
@@ -82,7 +83,7 @@ def compile_stats(model: Any) -> CompileStats:
         return regions[0].stats
     armed = target.holder.__dict__.get(protocol.COMPILE_STATE)  # an eager model (ConvRot INT4): its reason
     if armed is None:
-        raise ValueError("this model was not armed with streamwise.lazy_compile")
+        raise CompileError("this model was not armed with streamwise.lazy_compile")
     return armed.stats
 
 

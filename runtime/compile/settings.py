@@ -16,6 +16,7 @@ from torch import nn
 from ...schemas import CompileSettings, Policy
 from ..convert import applied_state
 from ..policy.load import as_policy
+from .errors import CompileError
 
 #: `lazy_compile` keyword arguments that are not policy keys.
 _NODE_NAMES = {"dynamic_shape_tracing": "dynamic"}
@@ -31,10 +32,10 @@ def compile_settings(policy: Policy | str | None, module: nn.Module, overrides: 
     updates = {_NODE_NAMES.get(key, key): value for key, value in overrides.items()}
     unknown = sorted(set(updates) - set(CompileSettings.model_fields))
     if unknown:
-        raise TypeError(f"unknown compile setting(s): {', '.join(unknown)}")
+        raise CompileError(f"unknown compile setting(s): {', '.join(unknown)}")
     mode = updates.get("mode", base.mode)
     if mode not in _modes():
-        raise ValueError(f"compile mode `{mode}` is not one this torch accepts: {', '.join(sorted(_modes()))}")
+        raise CompileError(f"compile mode `{mode}` is not one this torch accepts: {', '.join(sorted(_modes()))}")
     fields = {**base.model_dump(by_alias=True, exclude={"blocks"}), **updates}
     settings = CompileSettings.model_validate(fields).model_copy(update={"blocks": base.blocks})
     _check_backend(settings.backend)
@@ -93,7 +94,7 @@ def _check_backend(name: str) -> None:
 
     if name not in torch._dynamo.list_backends(exclude_tags=()):
         available = ", ".join(runnable_backends())
-        raise ValueError(f"`{name}` is not a torch.compile backend here; available: {available}")
+        raise CompileError(f"`{name}` is not a torch.compile backend here; available: {available}")
     missing = _missing(name, torch)
     if missing is not None:
-        raise ValueError(f"backend `{name}` needs {missing}; available here: {', '.join(runnable_backends())}")
+        raise CompileError(f"backend `{name}` needs {missing}; available here: {', '.join(runnable_backends())}")

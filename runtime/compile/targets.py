@@ -18,6 +18,7 @@ from torch import nn
 from ...schemas import CompileSettings
 from ..engine import protocol
 from ..registry import Registry
+from .errors import CompileError
 from .regions import CompileStats, Region
 
 
@@ -81,5 +82,5 @@ def target_for(model: Any) -> Target:
         if target is not None:
             return target
     hosts = ", ".join(map(str, HOST_TARGETS)) or "none"
-    raise TypeError(f"cannot compile a {type(model).__name__}: expected a torch module or a model of a host that "
+    raise CompileError(f"cannot compile a {type(model).__name__}: expected a torch module or a model of a host that "
                     f"registered a compile target (registered: {hosts})")

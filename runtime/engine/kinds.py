@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from ...schemas.vocabulary import AUTO_KIND
 from ..registry import Registry
 from . import protocol, widened
+from .errors import EngineError
 
 WeightDtype = Literal["input", "stored"]
 #: What a specific kind's fetch brings; any other direct tensor of its module would stay behind.
@@ -73,7 +74,7 @@ class ComputeKind:
             return args[0], args[1:]
         if input_name in kwargs:
             return kwargs.pop(input_name), args
-        raise TypeError(f"{_class_name(module)}.forward() got no input: pass it first"
+        raise EngineError(f"{_class_name(module)}.forward() got no input: pass it first"
                         + (f" or as `{input_name}=`" if input_name else ""))
 
     def fetch(self, fetcher: Any, module: nn.Module, x: Tensor) -> tuple:
@@ -107,7 +108,7 @@ class GenericKind(ComputeKind):
                 return value, args
         device = protocol.tree_of(module).compute_device
         if device is None:
-            raise TypeError(f"{_class_name(module)}.forward() got no tensor argument and its tree has no compute "
+            raise EngineError(f"{_class_name(module)}.forward() got no tensor argument and its tree has no compute "
                             "device yet, so the device to fetch its weights to is unknown; relocate it instead")
         return torch.empty(0, device=device), args
 
@@ -272,7 +273,7 @@ def _conv(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> 
 def _conv_transpose(functional: Callable[..., Tensor], spatial_dims: int) -> Function:
     def compute(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None, output_size=None) -> Tensor:
         if module.padding_mode != "zeros":
-            raise ValueError(f"only `zeros` padding mode is supported for {_class_name(module)}")
+            raise EngineError(f"only `zeros` padding mode is supported for {_class_name(module)}")
         output_padding = module._output_padding(
             x, output_size, module.stride, module.padding, module.kernel_size, spatial_dims, module.dilation
         )

@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from .errors import GenerationError
+
 #: The files a processor's class is named in; one mapping it to the folder's own code is refused.
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _NAMED_IN = (*PROCESSOR_FILES, "tokenizer_config.json")
@@ -46,7 +48,7 @@ def _processor(folder: str, identity: tuple):
                 raise
             return _without_video(folder)
     except (OSError, ValueError, TypeError, KeyError, ImportError) as exc:
-        raise ValueError(f"no processor (tokenizer, image processor or feature extractor, chat template) in "
+        raise GenerationError(f"no processor (tokenizer, image processor or feature extractor, chat template) in "
                          f"{folder}: {exc}") from None
 
 
@@ -57,7 +59,7 @@ def _without_video(folder: str):
     named = next((name for name in map(_processor_class, (Path(folder) / file for file in _NAMED_IN)) if name), None)
     full = getattr(transformers, named, None) if named else None
     if not (isinstance(full, type) and issubclass(full, transformers.ProcessorMixin)):
-        raise ValueError(f"no processor class transformers ships is named in {', '.join(_NAMED_IN)}")
+        raise GenerationError(f"no processor class transformers ships is named in {', '.join(_NAMED_IN)}")
 
     class WithoutVideo(full):
         @classmethod

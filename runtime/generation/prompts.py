@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...errors import Error
+from .errors import GenerationError
 
 _NOT_TEXT = re.compile("[\0\ud800-\udfff]")
 #: Positions assumed for a model that states no limit (T5's relative buckets) and whose tokenizer states none.
@@ -26,7 +26,7 @@ DEFAULT_CONTEXT = 4096
 CHARACTERS_PER_POSITION = 32
 
 
-class PromptError(Error, ValueError):
+class PromptError(GenerationError):
     """A prompt the model cannot take: what is wrong, with the numbers, and what to do."""
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from .errors import GenerationError
 from .processors import load_processor
 
 MAX_SPEAKERS = 4  # what VibeVoice was trained for
@@ -49,10 +50,10 @@ def parse_script(script: str) -> list[tuple[str, str]]:
             turns.append((speaker, f"{text} {line.strip()}".strip()))
     turns = [(speaker, text) for speaker, text in turns if text]
     if not turns:
-        raise ValueError("the script has no text to speak: write lines such as 'Speaker 0: Hello.'")
+        raise GenerationError("the script has no text to speak: write lines such as 'Speaker 0: Hello.'")
     speakers = {speaker for speaker, _ in turns}
     if len(speakers) > MAX_SPEAKERS:
-        raise ValueError(f"the script has {len(speakers)} speakers; VibeVoice speaks at most {MAX_SPEAKERS}")
+        raise GenerationError(f"the script has {len(speakers)} speakers; VibeVoice speaks at most {MAX_SPEAKERS}")
     return turns
 
 
@@ -63,7 +64,7 @@ def conversation(turns: Sequence[tuple[str, str]], voices: Sequence[Voice | None
     speakers = sorted({speaker for speaker, _ in turns}, key=int)
     extra = [index for index, voice in enumerate(voices) if voice is not None and index >= len(speakers)]
     if extra:
-        raise ValueError(f"voice {extra[0] + 1} has no speaker: the script has {len(speakers)} "
+        raise GenerationError(f"voice {extra[0] + 1} has no speaker: the script has {len(speakers)} "
                          f"({', '.join('Speaker ' + s for s in speakers)})")
     by_speaker = {speaker: voices[index] for index, speaker in enumerate(speakers)
                   if index < len(voices) and voices[index] is not None}
@@ -82,7 +83,7 @@ def mono(voice: Voice, sample_rate: int):
     polyphase resampler where the rates differ: scipy, which ComfyUI requires)."""
     waveform = voice.waveform.detach().to("cpu", torch.float32)
     if waveform.ndim not in (1, 2) or waveform.shape[-1] == 0:
-        raise ValueError(f"a voice must be [channels, samples] with samples; got shape {tuple(waveform.shape)}")
+        raise GenerationError(f"a voice must be [channels, samples] with samples; got shape {tuple(waveform.shape)}")
     samples = (waveform.mean(0) if waveform.ndim == 2 else waveform).numpy()
     if voice.sample_rate != sample_rate:
         from scipy.signal import resample_poly
@@ -115,7 +116,7 @@ def generate_speech(
     import transformers
 
     if getattr(getattr(model, "config", None), "model_type", None) != "vibevoice":
-        raise ValueError(f"{type(model).__name__} is no VibeVoice model: load a VibeVoice folder (transformers 5)")
+        raise GenerationError(f"{type(model).__name__} is no VibeVoice model: load a VibeVoice folder (transformers 5)")
     if importlib.util.find_spec("diffusers") is None:  # transformers' VibeVoice draws with its noise scheduler
         raise ImportError("speech needs diffusers: pip install diffusers (or streamwise[speech])")
     processor = load_processor(folder)
@@ -134,5 +135,5 @@ def generate_speech(
             stopping_criteria=transformers.StoppingCriteriaList(list(stopping_criteria)),
         )
     if audio[0] is None:
-        raise ValueError("the model ended the speech before making any audio")
+        raise GenerationError("the model ended the speech before making any audio")
     return Speech(audio[0].detach().to("cpu", torch.float32).reshape(1, 1, -1), rate)

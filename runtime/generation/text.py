@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from .errors import GenerationError
 from .prompts import Prompt
 
 SamplingMode = Literal["model default", "greedy", "custom"]
@@ -40,7 +41,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.mode not in SAMPLING_MODES:
-            raise ValueError(f"sampling `{self.mode}` is not one of {', '.join(SAMPLING_MODES)}")
+            raise GenerationError(f"sampling `{self.mode}` is not one of {', '.join(SAMPLING_MODES)}")
 
 
 def generation_config(model, max_new_tokens: int, pad_token_id, sampling: Sampling = Sampling(),

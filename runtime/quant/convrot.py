@@ -12,15 +12,16 @@ import torch
 from torch import Tensor
 
 from ...schemas.vocabulary import is_power_of_4
+from .errors import QuantError
 
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
 
 
 def check_group_size(group_size: int, in_features: int) -> None:
     if not is_power_of_4(group_size):
-        raise ValueError(f"ConvRot group size must be a power of 4, got {group_size}")
+        raise QuantError(f"ConvRot group size must be a power of 4, got {group_size}")
     if in_features % group_size:
-        raise ValueError(f"ConvRot group size {group_size} does not divide in_features {in_features}")
+        raise QuantError(f"ConvRot group size {group_size} does not divide in_features {in_features}")
 
 
 _MATRICES: dict[tuple[int, torch.device | None, torch.dtype], Tensor] = {}

@@ -46,6 +46,7 @@ from numba.extending import intrinsic
 from torch import Tensor
 
 from . import torch_openmp
+from .errors import QuantError
 from .gguf_fused_cpu import _compiled_task, _fetch_add, _pointer
 
 QType = gguf.GGMLQuantizationType
@@ -398,12 +399,12 @@ def matmul(rows: Tensor, storage: Tensor, layout: object, out_features: int, wei
     found = LAYOUTS[layout]
     row_bytes, groups = k // found.block_size * found.type_size, k // found.block_size
     if k % found.block_size or storage.numel() * storage.element_size() != out_features * row_bytes:
-        raise ValueError(f"{found.name} storage of {storage.numel()} {storage.dtype} does not hold a "
+        raise QuantError(f"{found.name} storage of {storage.numel()} {storage.dtype} does not hold a "
                          f"{out_features}×{k} weight")
     if found.scales_apart != (weight_scales is not None) or (
             weight_scales is not None and tuple(weight_scales.shape) != (out_features, groups)):
         wanted = f"scales of shape {(out_features, groups)}" if found.scales_apart else "no scales apart"
-        raise ValueError(f"{found.name} weights take {wanted}")
+        raise QuantError(f"{found.name} weights take {wanted}")
     storage = storage.contiguous()
     scales = None if weight_scales is None else weight_scales.float().contiguous()
     buffer, values = _quantized(rows.float().contiguous(), found.block_size)

@@ -33,6 +33,7 @@ from ..engine.tracing import plain_call
 from ..registry import Registry
 from . import dequant_cache, numba_kernels
 from .convrot import rotate
+from .errors import QuantError
 from .int4 import dequantize_int4, int4_linear, quantize_int4, scale_group_for
 from .int8 import dequantize_int8, int8_linear, quantize_int8
 
@@ -57,7 +58,7 @@ class QuantFormat(ABC):
         self.name = name
 
     def quantize(self, weight: Tensor, group_size: int | None) -> dict[str, Tensor]:
-        raise TypeError(f"`{self.name}` residents come from a file, not from a float weight")
+        raise QuantError(f"`{self.name}` residents come from a file, not from a float weight")
 
     @abstractmethod
     def dequantize(self, module: nn.Module, stored: dict[str, Tensor], dtype: torch.dtype,

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ...errors import Error
 from ..engine.tracing import compiled_call, plain_call
 from . import gguf_tables, gguf_triton, huge_pages, numba_kernels
+from .errors import QuantError
 from .gguf_cpu_fields import CpuFields
 from .gguf_fields import Fields, reinterpret
 from .gguf_torch_kernels import DEQUANTIZERS
@@ -44,11 +44,11 @@ STORED_FLOATS: dict[QType, torch.dtype] = {
 }
 
 
-class UnsupportedQuantType(Error, ValueError):
+class UnsupportedQuantType(QuantError):
     """A GGML type without a dequantizer here."""
 
 
-class BadBlocks(Error, ValueError, TypeError):
+class BadBlocks(QuantError):
     """Bytes that are no GGML blocks of the type and shape given (a ValueError, or a TypeError for a tensor that is
     not raw bytes, as these were before)."""
 

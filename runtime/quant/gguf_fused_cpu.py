@@ -32,6 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import torch_openmp
+from .errors import QuantError
 
 QType = gguf.GGMLQuantizationType
 
@@ -329,7 +330,7 @@ def dequantize(qtype: QType, blocks: np.ndarray, out: np.ndarray, half: np.ndarr
     for array, dtype, shape in ((blocks, np.uint8, (n, type_size)), (out, np.float32, (n, block_size)),
                                 (half, np.float32, (1 << 16,))):
         if array.dtype != dtype or array.shape != shape or not array.flags.c_contiguous:
-            raise ValueError(f"{qtype.name} dequant needs C-contiguous {np.dtype(dtype)} arrays of {shape}, got "
+            raise QuantError(f"{qtype.name} dequant needs C-contiguous {np.dtype(dtype)} arrays of {shape}, got "
                              f"{array.dtype} {array.shape}{'' if array.flags.c_contiguous else ' (strided)'}")
     threads = max(1, min(torch.get_num_threads(), n // _BLOCKS_PER_THREAD))
     chunk = max(_BLOCKS_PER_THREAD // 4, -(-n // (4 * threads)))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
+from .errors import QuantError
+
 QK_K = 256
 F32 = np.float32
 _EPS = F32(1e-15)  # GROUP_MAX_EPS
@@ -202,7 +204,7 @@ def quantize(values: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray
     """`values` (rows of whole 256-value blocks) as `qtype`'s blocks, bit for bit ggml's reference quantizer."""
     x = np.ascontiguousarray(values, dtype=F32)
     if x.shape[-1] % QK_K:
-        raise ValueError(f"{qtype.name} rows hold whole blocks of {QK_K} values, not {x.shape[-1]}")
+        raise QuantError(f"{qtype.name} rows hold whole blocks of {QK_K} values, not {x.shape[-1]}")
     rows = x.reshape(-1, x.shape[-1])
     step = max(1, _CHUNK // rows.shape[1])
     blocks = [QUANTIZERS[qtype](rows[start:start + step]) for start in range(0, rows.shape[0], step)]

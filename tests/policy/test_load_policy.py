@@ -48,7 +48,7 @@ def test_top_level_api_is_small_and_deliberate():
     assert set(streamwise.__all__) == {
         "Error", "Policy", "PolicyError", "load_policy", "resolve", "apply", "apply_policy", "revert", "offload",
         "dispatch", "model_patcher", "load", "skeleton", "load_pretrained", "lazy_compile", "compile_stats",
-        "draft_policy",
+        "draft_policy", "register_builder",
     }
     assert dir(streamwise) == sorted({*streamwise.__all__, "runtime", "schemas"})  # listed before first use, and
     # nothing of how the package imports itself (`annotations`, `os`, `sys`, `importlib`), nor `errors` itself

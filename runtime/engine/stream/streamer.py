@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import file_tier, protocol
+from ..errors import EngineError
 from ..journal import Journal
 from ..tree import TorchFetcher
 from . import arena
@@ -252,7 +253,7 @@ class UnitStreamer(TorchFetcher):
             offsets.append(at if host is None else tensor.data_ptr() - tensors[0].data_ptr())
             at += padded(tensor.nbytes)
         if at > slot.buffer.numel():  # a weight replaced by a larger one since placing (a resized embedding)
-            raise RuntimeError(f"the streamed weights of `{unit.name}` grew to {at} bytes since they were placed, "
+            raise EngineError(f"the streamed weights of `{unit.name}` grew to {at} bytes since they were placed, "
                                f"past the {slot.buffer.numel()} of a ring slot: offload the model again")
         if self.timing is not None:
             self.timing.copying(unit)
