@@ -13,6 +13,7 @@ import io
 import os
 import stat
 import sys
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,9 +22,11 @@ import pytest
 import torch
 
 import streamwise
+from streamwise.runtime import host_memory
 from streamwise.runtime.checkpoint import checked_file, leased, llama_cpp, load_tokenizer
 from streamwise.runtime.checkpoint.checked_file import CheckedFile
 from streamwise.runtime.convert import applied_state
+from streamwise.runtime.hosts import standalone
 
 from helpers import gguf_policy, tiny_qwen2
 from llama_cpp_files import CORPUS, float_model, train_tokenizer_parts, write_llama_cpp_gguf
@@ -73,6 +76,20 @@ def _refusing(original):
     return call
 
 
+class _OsWithoutUnixOnly(types.ModuleType):
+    """`os` as the project's modules see it on Windows: the Unix-only names missing, the rest the real module's
+    (Python 3.13's own `shutil.rmtree` uses `os.O_NONBLOCK` on Linux: taking it from `os` itself would break the
+    standard library, not simulate the platform)."""
+
+    def __getattr__(self, name: str):
+        if name in UNIX_ONLY:
+            raise AttributeError(f"module 'os' has no attribute {name!r}")
+        return getattr(os, name)
+
+
+_WITHOUT_UNIX_ONLY = _OsWithoutUnixOnly("os")
+
+
 @contextmanager
 def windows_like():
     """The Unix-only APIs taken away; yields the paths every private header copy handed out meanwhile."""
@@ -86,8 +103,9 @@ def windows_like():
             yield path
 
     with pytest.MonkeyPatch.context() as patch:
-        for name in UNIX_ONLY:
-            patch.delattr(os, name, raising=False)
+        for module in [module for name, module in sys.modules.items() if name.startswith("streamwise.")]:
+            if getattr(module, "os", None) is os:  # the project's calls only: the standard library keeps its own
+                patch.setattr(module, "os", _WITHOUT_UNIX_ONLY)
         patch.setattr(checked_file, "_FADVISE", None)  # captured at import
         patch.setattr(leased, "fcntl", None)  # Windows has no `fcntl`: no leases, private copies
         patch.setitem(sys.modules, "resource", None)  # `import resource` is an ImportError
@@ -104,7 +122,9 @@ def windows_like():
 
 def test_the_fixture_takes_the_apis_away():
     with windows_like():
-        assert not hasattr(os, "O_NONBLOCK") and not hasattr(os, "memfd_create") and checked_file._FADVISE is None
+        assert not hasattr(checked_file.os, "O_NONBLOCK") and not hasattr(checked_file.os, "memfd_create")
+        assert checked_file._FADVISE is None and host_memory.os is standalone.os is _WITHOUT_UNIX_ONLY
+        assert hasattr(os, "O_NONBLOCK") or os.name == "nt"  # the standard library's own `os` is left whole
         with pytest.raises(ImportError):
             import resource  # noqa: F401
         assert not os.path.exists("/proc/self/fd") and not os.path.isdir("/dev/fd")
