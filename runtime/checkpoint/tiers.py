@@ -27,6 +27,7 @@ from ..host_memory import HostMemoryError, host_memory
 from ..sizes import SizeError, human, parse_size
 from .errors import CheckpointError
 from .leased import map_ranges
+from .writers import refuse_mapped_for_writing
 
 CHUNK = 64 << 20
 """Bytes one read of a load copies at most: large enough for the disk's sequential rate, small enough to spread."""
@@ -157,13 +158,20 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
     tree placed anew keeps the ones it has); `working` bytes stay free for the forward (expanding quantized weights).
     Nothing fits: within the budget's short one where it has one (`"auto"`: only `SHORT_MARGIN` left free), every
     unit that can stay in the file there, so that what memory is left is the forward's; else a HostBudgetError saying
-    what `doing` needs, what the budget is and which budget to set."""
+    what `doing` needs, what the budget is and which budget to set. A file a process maps for writing keeps none
+    (`writers`): a CheckpointError says so."""
     try:
-        return _place(path, must_hold, units, budget, file_tier, slabs, doing, working)
+        placed = _place(path, must_hold, units, budget, file_tier, slabs, doing, working)
     except HostBudgetError:
         if budget.short is None:
             raise
-        return _place(path, must_hold, units, budget.short, file_tier, slabs, doing, working, fill=False)
+        placed = _place(path, must_hold, units, budget.short, file_tier, slabs, doing, working, fill=False)
+    if placed.in_file:  # never in a file a process maps for writing: the file tier could not see its changes
+        files = {id(value.range.file): value.range.file
+                 for unit in units for key, value in unit.values if key in placed.in_file}
+        refuse_mapped_for_writing(list(files.values()),
+                                  human(placed.host_bytes + placed.file_bytes + placed.working_bytes))
+    return placed
 
 
 def _place(path: str, must_hold: Iterable[object], units: list[Unit], budget: HostBudget, file_tier: bool, slabs: int,
