@@ -30,7 +30,7 @@ from ..convert import ConversionError, applied_state, apply, check
 from ..engine import protocol, widened
 from ..engine.exclusive import one_writer
 from ..engine.file_reads import FileTier
-from ..engine.file_tier import FileSource, Sources
+from ..engine.file_tier import FileSource, Sources, in_memory
 from ..engine.journal import Journal
 from ..engine.row_reads import RowReads, row_reads
 from ..host_memory import return_large_frees
@@ -41,7 +41,7 @@ from ..quant.convrot import check_group_size
 from ..quant.formats import ARITHMETICS, FORMATS
 from ..quant.residents import expansion_bytes, make_resident
 from ..sizes import human
-from . import comfy_quant
+from . import comfy_quant, leased
 from .conversion import under_model_keys
 from .errors import LoadOptionError
 from .readers import CheckpointError, open_checkpoint
@@ -207,6 +207,9 @@ def load(
         dict(sorted(filling.dequantized.items())), dict(sorted(mapped.ignored.items())) if mapped is not None else {},
         covered=plan.coverage.percent, tiers=tiers, cpu_arithmetic=_cpu_arithmetic(model),
     )
+    mapped_from = leased.leases_of([t for t in (*model.parameters(), *model.buffers()) if in_memory(t)])
+    if mapped_from:  # a file cut under its mapping reads zeros (`fault_guard`): no forward returns what they gave
+        model.register_forward_hook(lambda module, args, output: leased.check(mapped_from))
     _log.info("load: policy `%s`, %s", plan.policy, report)
     return report
 

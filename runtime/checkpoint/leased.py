@@ -15,9 +15,12 @@ Leases are taken only where they see every change: a local file system (`LOCAL_F
 /proc/self/mountinfo; a network file system's other clients write past a local lease), a file this process may lease
 (its owner, or CAP_LEASE), nobody writing it now, and no more bytes in all than the watcher can surely copy within
 the break time (`COPY_RATE`). Elsewhere (Windows, macOS, NFS, FUSE, a file another user owns), or with
-`STREAMWISE_LEASE=0`, `map_ranges` says no and the load copies. What a lease cannot cover: a disk that fails
-reading a page the kernel dropped under memory pressure (a SIGBUS, as with every memory map), and writes to the block
-device under the file system.
+`STREAMWISE_LEASE=0`, `map_ranges` says no and the load copies. What a lease cannot hold off: the break time running
+out while the watcher cannot copy (the process stopped, or its own thread writing the file while it holds the
+interpreter's lock), a disk that fails reading a page the kernel dropped under memory pressure, and writes to the
+block device under the file system. Where a region's pages vanish, `fault_guard` makes a SIGBUS there zeros and marks
+the lease lost; a file changed before its copy marks it lost too; `check` then turns the model's forward into a
+`CheckpointError`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ import torch
 from torch import Tensor
 
 from ..host_memory import read_bounded
+from . import fault_guard
 from .checked_file import CheckedFile
+from .errors import CheckpointError
 
 try:
     import fcntl
@@ -65,6 +70,10 @@ _READ_AHEAD = 16 << 20
 needs (64 MiB made a cold first forward 1.5x slower on the benchmark's VM)."""
 
 
+_CHANGED_BEFORE_COPY = ("was changed before the model's mapping of it could be copied (the process was stopped or "
+                        "busy for the kernel's whole lease-break time)")
+
+
 def map_ranges(file: CheckedFile, ranges: list[tuple[int, int]]) -> list[Tensor] | None:
     """Each (offset, nbytes) of `file` as a uint8 tensor viewing its bytes in the page cache, under a lease that
     keeps them as they are; None where no lease is possible here (the caller copies instead)."""
@@ -78,7 +87,7 @@ def map_ranges(file: CheckedFile, ranges: list[tuple[int, int]]) -> list[Tensor]
         if descriptor is None:
             return None
         try:
-            views = _Lease(file.path, descriptor, total).map(ranges)
+            views = _Lease(file, descriptor, total).map(ranges)
         except (OSError, ValueError) as exc:  # out of address space, or the mapping refused: copy instead
             _log.debug("streamwise: mapping %s failed (%s); copying instead", file.path, exc)
             _release(descriptor)
@@ -87,15 +96,28 @@ def map_ranges(file: CheckedFile, ranges: list[tuple[int, int]]) -> list[Tensor]
     return views
 
 
-@dataclass
+@dataclass(eq=False)
 class _Lease:
     """One leased descriptor and the regions mapped from it (weakly: the tensors viewing a region keep it)."""
 
-    path: Path
+    file: CheckedFile
     descriptor: int
     nbytes: int
     regions: list[tuple[weakref.ref, int, int]] = field(default_factory=list)
     """(the region's mmap, its address, its length)."""
+    lost: str | None = None
+    """What took the mapped values (the file cut under the mapping, or changed before they were copied): they are
+    zeros now, and every check of the lease raises."""
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    def mark_lost(self, what: str) -> None:
+        if self.lost is None:
+            self.lost = what
+            _log.error("streamwise: %s %s; the model's next forward raises instead of computing from it", self.path,
+                       what)
 
     def map(self, ranges: list[tuple[int, int]]) -> list[Tensor]:
         """Map the ranges, neighbours within a page sharing one region, and register the lease with the watcher
@@ -108,7 +130,11 @@ class _Lease:
             if group and (index is None or ranges[index][0] > end + granule):
                 start = ranges[group[0]][0] // granule * granule
                 region = mmap.mmap(self.descriptor, end - start, offset=start, access=mmap.ACCESS_COPY)
-                self.regions.append((weakref.ref(region), _address(region), end - start))
+                address = _address(region)
+                if not fault_guard.watch(address, end - start, self._cut):
+                    raise OSError("no fault handler can guard a mapping here")
+                weakref.finalize(region, fault_guard.forget, address)
+                self.regions.append((weakref.ref(region), address, end - start))
                 for member in group:
                     offset, nbytes = ranges[member]
                     views[member] = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset - start)
@@ -123,27 +149,74 @@ class _Lease:
     def live(self) -> list[tuple[int, int]]:
         return [(address, length) for region, address, length in self.regions if region() is not None]
 
+    def _cut(self) -> None:
+        self.mark_lost("was cut short under the model's mapping of it (its values read as zeros now)")
+
+    def unchanged(self) -> bool:
+        """Whether the leased file's bytes are as they were: its size and modification time (not its change time,
+        which a rename over it or a new link moves while the bytes stay)."""
+        try:
+            status = os.fstat(self.descriptor)
+        except OSError:
+            return False
+        return (status.st_size, status.st_mtime_ns) == self.file.identity[2:4]
+
     def copy_out(self) -> None:
         """Every live region moved into anonymous memory of its own at the same address, then the lease given back:
-        the writer the kernel holds goes on, and the tensors keep the values they had."""
+        the writer the kernel holds goes on, and the tensors keep the values they had. A file already changed (the
+        break time ran out while this process could not copy: it was stopped, or its own thread held the
+        interpreter's lock while writing the file) or changed during the copy marks the lease lost instead."""
+        if not self.unchanged():
+            self.mark_lost(_CHANGED_BEFORE_COPY)
         copied = 0
         for address, length in self.live():
             fresh = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
                                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
             if fresh in (None, ctypes.c_void_p(-1).value):
                 _log.error("streamwise: %s is being changed, but there is no memory to copy what the model maps of "
-                           "it; a truncation of it will now stop this process", self.path)
+                           "it; a truncation of it will make the model raise", self.path)
                 break
             _copy(fresh, address, length)
             if _LIBC.mremap(fresh, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) != address:
                 _log.error("streamwise: %s is being changed, but moving the copy of a region over its mapping failed "
-                           "(errno %d); a truncation of it will now stop this process", self.path, ctypes.get_errno())
+                           "(errno %d); a truncation of it will make the model raise", self.path, ctypes.get_errno())
                 break
+            fault_guard.forget(address)
             copied += length
+        if not self.unchanged():
+            self.mark_lost("was changed while the model's mapping of it was being copied")
         _release(self.descriptor)
-        if copied:
+        if copied and self.lost is None:
             _log.info("streamwise: %s is being changed: the %d MiB the model maps of it were copied into memory of its "
                       "own, so its numbers stay the same", self.path, copied >> 20)
+
+
+def leases_of(tensors: list[Tensor]) -> list[_Lease]:
+    """The leases whose mapped regions `tensors` view (a loaded model's host tier)."""
+    with _WATCHER.lock:
+        regions = [(address, length, lease) for lease in _WATCHER.leases for _, address, length in lease.regions]
+    found: dict[int, _Lease] = {}
+    for tensor in tensors:
+        pointer = tensor.untyped_storage().data_ptr()
+        for address, length, lease in regions:
+            if address <= pointer < address + length:
+                found[id(lease)] = lease
+    return list(found.values())
+
+
+def check(leases: list[_Lease]) -> None:
+    """A CheckpointError where a lease's mapped values are gone: cut under the mapping (a fault read zeros), or the
+    file changed before they could be copied, which a lease still held but broken shows before its watcher does (a
+    process resumed after the break time)."""
+    with _WATCHER.lock:  # not while the watcher copies or gives the descriptor back
+        for lease in leases:
+            if lease.lost is None and lease in _WATCHER.leases and not lease.unchanged():
+                lease.mark_lost(_CHANGED_BEFORE_COPY)
+    lost = [lease for lease in leases if lease.lost is not None]
+    if lost:
+        raise CheckpointError([f"{lease.path}: the file {lease.lost}, so the weights the model mapped from it are "
+                               "gone: load the model again (with STREAMWISE_LEASE=0 its weights are copied into "
+                               "memory of its own, which no change to the file can take)" for lease in lost])
 
 
 def _copy(destination: int, source: int, length: int) -> None:
@@ -277,6 +350,8 @@ def _lease(file: CheckedFile) -> int | None:
 def _release(descriptor: int) -> None:
     try:
         fcntl.fcntl(descriptor, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    except OSError:  # the kernel took it back already: its break time ran out
+        pass
     finally:
         os.close(descriptor)
 
