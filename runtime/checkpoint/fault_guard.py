@@ -51,17 +51,25 @@ _lock = threading.Lock()
 _regions: dict[int, tuple[int, Callable[[], None]]] = {}
 """Start address -> (length, what marks its lease lost)."""
 _previous = _SigAction()
-_installed: list = []  # the ctypes callback, kept alive while installed
+_installed: list = []  # (the C library, the ctypes callback), kept alive for as long as the process
 
 
 def watch(address: int, length: int, lost: Callable[[], None]) -> bool:
     """Guard `length` bytes at `address`: a SIGBUS there reads zeros and calls `lost`. False where no handler can be
     installed here (the caller then should not map)."""
     with _lock:
-        if not _installed and not _install():
+        if not _installed_now():
             return False
         _regions[address] = (length, lost)
     return True
+
+
+def keep_installed() -> None:
+    """Take SIGBUS back where a handler installed since took it (checked before and after each forward of a model
+    with leased weights: a syscall)."""
+    with _lock:
+        if _regions:
+            _installed_now()
 
 
 def forget(address: int) -> None:
@@ -70,16 +78,23 @@ def forget(address: int) -> None:
         _regions.pop(address, None)
 
 
-def _install() -> bool:
-    libc = _libc()
-    if libc is None or not hasattr(signal, "SIGBUS"):
+def _installed_now() -> bool:
+    """Whether this module's handler takes SIGBUS now: installed at the first lease, and again where another was
+    installed since (`faulthandler.enable()`, say), chained to that one."""
+    if not _installed:
+        libc = _libc()
+        if libc is None or not hasattr(signal, "SIGBUS"):
+            return False
+        _installed.append((libc, _HANDLER(_on_fault)))
+    libc, handler = _installed[0]
+    ours = ctypes.cast(handler, ctypes.c_void_p).value
+    current = _SigAction()
+    if libc.sigaction(signal.SIGBUS, None, ctypes.byref(current)) != 0:
         return False
-    handler = _HANDLER(_on_fault)
-    action = _SigAction(handler=ctypes.cast(handler, ctypes.c_void_p).value, flags=_SA_SIGINFO | _SA_RESTART)
-    if libc.sigaction(signal.SIGBUS, ctypes.byref(action), ctypes.byref(_previous)) != 0:
-        return False
-    _installed.append((libc, handler))
-    return True
+    if current.handler == ours:
+        return True
+    action = _SigAction(handler=ours, flags=_SA_SIGINFO | _SA_RESTART)
+    return libc.sigaction(signal.SIGBUS, ctypes.byref(action), ctypes.byref(_previous)) == 0
 
 
 def _on_fault(signum: int, info, context) -> None:

@@ -207,7 +207,8 @@ def leases_of(tensors: list[Tensor]) -> list[_Lease]:
 def check(leases: list[_Lease]) -> None:
     """A CheckpointError where a lease's mapped values are gone: cut under the mapping (a fault read zeros), or the
     file changed before they could be copied, which a lease still held but broken shows before its watcher does (a
-    process resumed after the break time)."""
+    process resumed after the break time). Before that, SIGBUS is taken back where another handler took it since."""
+    fault_guard.keep_installed()
     with _WATCHER.lock:  # not while the watcher copies or gives the descriptor back
         for lease in leases:
             if lease.lost is None and lease in _WATCHER.leases and not lease.unchanged():

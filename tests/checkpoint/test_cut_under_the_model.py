@@ -5,7 +5,8 @@ is an exit status: the child must live, and each forward must give the loaded nu
 naming the file, never other numbers. The kernel's lease-break time is shortened to 2 s for the test (restored after).
 Before `fault_guard` both ended the child with SIGBUS; plants tried: the regions mapped with no handler installed
 (both cut cases end in SIGBUS again, exit -7), the forward check removed (other numbers computed unseen: some 2,000
-and 3,800 forwards in the two cases)."""
+and 3,800 forwards in the two cases), SIGBUS not taken back from a handler installed after the load
+(`faulthandler.enable()`: exit -7)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ CHILD = textwrap.dedent('''
     folder, mode, seconds, budget = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
     max_memory = None if budget == "none" else {"cpu": int(budget)}  # a small one leaves units in the file too
     model = streamwise.load_pretrained(folder, "auto", progress=False, max_memory=max_memory).model
+    if mode == "stop-faulthandler":  # a SIGBUS handler installed after the load's (the guard takes the signal back)
+        import faulthandler
+        faulthandler.enable()
     inputs = torch.arange(8).reshape(1, 8)
     with torch.no_grad():
         expected = model(inputs).logits
@@ -105,8 +109,9 @@ def test_a_write_that_lets_the_lock_go_is_copied_first_and_the_numbers_stay(fold
     assert found["leased"] > 0 and found["error"] is None and found["different"] == 0 and found["same"] > 0, found
 
 
-def test_a_holder_stopped_mid_forward_while_its_file_is_truncated_lives_and_never_computes_other_numbers(folder):
-    child = _child(folder, "stop", 6)
+@pytest.mark.parametrize("mode", ["stop", "stop-faulthandler"])
+def test_a_holder_stopped_mid_forward_while_its_file_is_truncated_lives_and_never_computes_other_numbers(folder, mode):
+    child = _child(folder, mode, 6)
     assert child.stdout.readline().strip() == "ready"
     time.sleep(0.3)  # forwards under way
     os.kill(child.pid, signal.SIGSTOP)

@@ -536,7 +536,8 @@ def test_a_model_a_node_cannot_drive_is_a_message_that_names_the_node_to_use(ser
     graph["1"]["inputs"]["model"] = "streamwise/tiny-vibevoice"
     entry = server.wait(server.queue(graph))
     (error,) = [data for kind, data in entry["status"]["messages"] if kind == "execution_error"]
-    assert error["node_type"] == "StreamwiseGenerateText" and error["exception_type"] == "ValueError"
+    assert error["node_type"] == "StreamwiseGenerateText"
+    assert error["exception_type"] == "streamwise.comfy_nodes.errors.NodeInputError"  # a ValueError
     assert error["exception_message"].strip() == (
         "Streamwise Generate Text cannot drive a VibeVoiceForConditionalGeneration (`vibevoice`), which generates "
         "speech; use Streamwise Generate Speech for it")
