@@ -47,7 +47,7 @@ class _SigAction(ctypes.Structure):
 
 _HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(_SigInfo), ctypes.c_void_p)
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a region collected while it is held forgets itself (`forget`)
 _regions: dict[int, tuple[int, Callable[[], None]]] = {}
 """Start address -> (length, what marks its lease lost)."""
 _previous = _SigAction()

@@ -209,8 +209,9 @@ def load(
     )
     mapped_from = leased.leases_of([t for t in (*model.parameters(), *model.buffers()) if in_memory(t)])
     if mapped_from:  # a file cut under its mapping reads zeros (`fault_guard`): no forward returns what they gave
-        model.register_forward_pre_hook(lambda module, args: leased.check(mapped_from))
-        model.register_forward_hook(lambda module, args, output: leased.check(mapped_from))
+        checking = leased.LeaseCheck(mapped_from)
+        model.register_forward_pre_hook(checking)
+        model.register_forward_hook(checking)
     _log.info("load: policy `%s`, %s", plan.policy, report)
     return report
 

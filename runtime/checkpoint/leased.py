@@ -204,6 +204,23 @@ def leases_of(tensors: list[Tensor]) -> list[_Lease]:
     return list(found.values())
 
 
+class LeaseCheck:
+    """A loaded model's `check` of the leases its weights are mapped under, run before and after each forward (as
+    forward hooks). A copy of the model (deep-copied, pickled) holds copies of the weights: its check has no lease. A
+    graph compiled from the whole model checks nothing (a lock and syscalls have no place in it); `lazy_compile`
+    compiles regions, leaving the root's hooks eager."""
+
+    def __init__(self, leases: list[_Lease]) -> None:
+        self.leases = leases
+
+    def __call__(self, module, *hook_arguments) -> None:
+        if not torch.compiler.is_compiling():
+            check(self.leases)
+
+    def __reduce__(self):
+        return LeaseCheck, ([],)
+
+
 def check(leases: list[_Lease]) -> None:
     """A CheckpointError where a lease's mapped values are gone: cut under the mapping (a fault read zeros), or the
     file changed before they could be copied, which a lease still held but broken shows before its watcher does (a

@@ -167,8 +167,8 @@ def place(path: str, must_hold: Iterable[object], units: list[Unit], budget: Hos
             raise
         placed = _place(path, must_hold, units, budget.short, file_tier, slabs, doing, working, fill=False)
     if placed.in_file:  # never in a file a process maps for writing: the file tier could not see its changes
-        files = {id(value.range.file): value.range.file
-                 for unit in units for key, value in unit.values if key in placed.in_file}
+        files = {id(value.range.file): value.range.file  # (none where only the figures are placed)
+                 for unit in units for key, value in unit.values if key in placed.in_file and value.range.file}
         refuse_mapped_for_writing(list(files.values()),
                                   human(placed.host_bytes + placed.file_bytes + placed.working_bytes))
     return placed
