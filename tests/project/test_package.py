@@ -99,7 +99,7 @@ def test_loaded_as_a_custom_node_pack_under_its_folder_name(tmp_path):
 def test_wheel_carries_the_package_policies_and_schema(tmp_path):
     """Built from a copy of the checkout: a `build/` left behind by an older layout must not fill the wheel's gaps."""
     source = tmp_path / "src"
-    litter = shutil.ignore_patterns("*.egg-info", ".git", ".venv", "__pycache__", ".*_cache", ".hypothesis",
+    litter = shutil.ignore_patterns("*.egg-info", ".git", ".venv*", "__pycache__", ".*_cache", ".hypothesis",
                                     ".benchmarks")
 
     def ignored(folder: str, names: list[str]) -> set[str]:  # `build/`, `dist/` at the top only
