@@ -16,11 +16,11 @@ Leases are taken only where they see every change: a local file system (`LOCAL_F
 (its owner, or CAP_LEASE), nobody writing it now, and no more bytes in all than the watcher can surely copy within
 the break time (`COPY_RATE`). Elsewhere (Windows, macOS, NFS, FUSE, a file another user owns), or with
 `STREAMWISE_LEASE=0`, `map_ranges` says no and the load copies. What a lease cannot hold off: the break time running
-out while the watcher cannot copy (the process stopped, or its own thread writing the file while it holds the
-interpreter's lock), a disk that fails reading a page the kernel dropped under memory pressure, and writes to the
-block device under the file system. Where a region's pages vanish, `fault_guard` makes a SIGBUS there zeros and marks
-the lease lost; a file changed before its copy marks it lost too; `check` then turns the model's forward into a
-`CheckpointError`.
+out while the watcher cannot copy (the process stopped), the process's own thread writing the file while it keeps the
+interpreter's lock (`lease_keeper` gives that lease back at once instead of after the break time), a disk that fails
+reading a page the kernel dropped under memory pressure, and writes to the block device under the file system. Where
+a region's pages vanish, `fault_guard` makes a SIGBUS there zeros and marks the lease lost; a file changed before
+its copy marks it lost too; `check` then turns the model's forward into a `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..host_memory import read_bounded
-from . import fault_guard
+from . import fault_guard, lease_keeper
 from .checked_file import CheckedFile
 from .errors import CheckpointError
 
@@ -70,7 +70,8 @@ _READ_AHEAD = 16 << 20
 needs (64 MiB made a cold first forward 1.5x slower on the benchmark's VM)."""
 
 
-_CHANGED_BEFORE_COPY = ("was changed before the model's mapping of it could be copied (the process was stopped or "
+_CHANGED_BEFORE_COPY = ("was changed before the model's mapping of it could be copied (this process's own thread wrote "
+                        "it while holding the interpreter's lock, as torch.save does, or the process was stopped or "
                         "busy for the kernel's whole lease-break time)")
 
 
@@ -169,7 +170,7 @@ class _Lease:
         if not self.unchanged():
             self.mark_lost(_CHANGED_BEFORE_COPY)
         copied = 0
-        for address, length in self.live():
+        for address, length in self.live() if self.lost is None else []:  # lost values are not worth a copy
             fresh = _LIBC.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
                                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
             if fresh in (None, ctypes.c_void_p(-1).value):
@@ -315,6 +316,7 @@ class _Watcher:
                 for lease in list(self.leases):
                     try:
                         if fcntl.fcntl(lease.descriptor, fcntl.F_GETLEASE) != fcntl.F_RDLCK:
+                            _KEEPER.forget(lease.descriptor)  # this process copies: the keeper lets go
                             lease.copy_out()
                         elif lease.live():
                             continue
@@ -328,6 +330,7 @@ class _Watcher:
 
 
 _WATCHER = _Watcher()
+_KEEPER = lease_keeper.Keeper()
 
 
 def _leasing_possible(file: CheckedFile) -> bool:
@@ -362,10 +365,12 @@ def _lease(file: CheckedFile) -> int | None:
     except Exception:
         os.close(descriptor)
         return None
+    _KEEPER.keep(descriptor)
     return descriptor
 
 
 def _release(descriptor: int) -> None:
+    _KEEPER.forget(descriptor)
     try:
         fcntl.fcntl(descriptor, fcntl.F_SETLEASE, fcntl.F_UNLCK)
     except OSError:  # the kernel took it back already: its break time ran out
