@@ -20,6 +20,13 @@ from streamwise.runtime.cli import example_models
 TESTS = Path(__file__).resolve().parent
 INVALID = TESTS / "fixtures" / "invalid"
 REPO = TESTS.parent
+TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+
+
+def logits(model: nn.Module, inputs: torch.Tensor = TOKENS) -> torch.Tensor:
+    """A causal LM's logits for `inputs`, without gradients."""
+    with torch.no_grad():
+        return model(inputs).logits
 
 
 def write_policy(folder: Path, name: str, body: str = "", *, version: int = 1) -> Path:

@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import REPO, leases_here, tiny_qwen2
+from helpers import REPO, leases_here
 
 BREAK_TIME = Path("/proc/sys/fs/lease-break-time")
 
@@ -75,18 +74,16 @@ CHILD = textwrap.dedent('''
 
 
 @pytest.fixture
-def folder(tmp_path):
-    if not leases_here(tmp_path):
+def folder(qwen2_folder):
+    if not leases_here(qwen2_folder):
         pytest.skip("no read lease here (not Linux, a network file system, or STREAMWISE_LEASE=0): nothing is mapped")
     try:
         before = BREAK_TIME.read_text()
         BREAK_TIME.write_text("2")
     except OSError:
         pytest.skip("/proc/sys/fs/lease-break-time is not writable here: each case would wait the kernel's 45 s")
-    torch.manual_seed(0)
-    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
     try:
-        yield tmp_path
+        yield qwen2_folder
     finally:
         BREAK_TIME.write_text(before)
 

@@ -20,9 +20,7 @@ from streamwise.runtime.checkpoint.readers import open_checkpoint
 from streamwise.runtime.checkpoint.tiers import read_in
 from streamwise.runtime.engine.file_tier import FileSource
 
-from helpers import leases_here, tiny_qwen2
-
-INPUTS = torch.arange(8).reshape(1, 8)
+from helpers import leases_here, logits, tiny_qwen2
 
 
 @pytest.fixture
@@ -32,11 +30,6 @@ def folder(tmp_path):
     torch.manual_seed(0)
     tiny_qwen2(hidden_size=64, intermediate_size=128, vocab_size=128).save_pretrained(tmp_path, max_shard_size="60KB")
     return tmp_path
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(INPUTS).logits
 
 
 def _shards(folder) -> list:
@@ -68,7 +61,7 @@ def test_every_shard_is_mapped_and_computes_what_a_copy_computes(folder, monkeyp
     assert _mapped(shards) == {str(path) for path in shards}
     monkeypatch.setenv("STREAMWISE_LEASE", "0")
     copied = streamwise.load_pretrained(folder, "auto", progress=False).model
-    assert torch.equal(_logits(mapped), _logits(copied))
+    assert torch.equal(logits(mapped), logits(copied))
 
 
 def test_the_lease_is_given_back_when_the_model_is_gone(folder):
@@ -85,12 +78,12 @@ def test_a_file_replaced_by_rename_keeps_serving_the_loaded_values(folder):
     """A rename puts another file at the path; the mapped one is unchanged underneath (nothing opened it to write),
     so nothing is copied and the numbers stay."""
     model = streamwise.load_pretrained(folder, "auto", progress=False).model
-    before = _logits(model)
+    before = logits(model)
     for path in _shards(folder):
         replacement = path.with_suffix(".new")
         replacement.write_bytes(bytes(path.stat().st_size))
         os.replace(replacement, path)
-    assert torch.equal(_logits(model), before)
+    assert torch.equal(logits(model), before)
     assert _leased(folder)  # still the old files' page cache
 
 
@@ -100,14 +93,14 @@ def test_a_file_someone_is_writing_is_copied_not_leased(folder, monkeypatch):
         model = streamwise.load_pretrained(folder, "auto", progress=False).model
         assert _mapped(_shards(folder)) == {str(path) for path in _shards(folder)[1:]}
     monkeypatch.setenv("STREAMWISE_LEASE", "0")
-    assert torch.equal(_logits(model), _logits(streamwise.load_pretrained(folder, "auto", progress=False).model))
+    assert torch.equal(logits(model), logits(streamwise.load_pretrained(folder, "auto", progress=False).model))
 
 
 def test_no_more_is_leased_than_the_watcher_can_copy_within_the_break_time(folder, monkeypatch):
     monkeypatch.setattr(leased, "_lease_cap", lambda: 0)
     model = streamwise.load_pretrained(folder, "auto", progress=False).model
     assert not _mapped(_shards(folder)) and not _leased(folder)
-    assert torch.isfinite(_logits(model)).all()
+    assert torch.isfinite(logits(model)).all()
 
 
 def test_a_file_changed_just_before_its_lease_is_refused_not_mapped(folder, monkeypatch):

@@ -18,49 +18,36 @@ import torch
 import streamwise
 from streamwise.runtime.checkpoint.readers import CheckpointError
 
-from helpers import tiny_qwen2
+from helpers import logits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and read leases: Linux")
-INPUTS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
 BUDGET = {"cpu": 64 << 10}  # most units left in the file
 
 
-@pytest.fixture
-def folder(tmp_path):
-    torch.manual_seed(0)
-    tiny_qwen2(tie_word_embeddings=False).save_pretrained(tmp_path)
-    return tmp_path
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(INPUTS).logits
-
-
-def test_a_file_mapped_shared_and_writable_keeps_no_unit_and_the_load_says_who_maps_it(folder):
-    expected = _logits(streamwise.load_pretrained(folder, "auto", progress=False).model)
-    path = folder / "model.safetensors"
+def test_a_file_mapped_shared_and_writable_keeps_no_unit_and_the_load_says_who_maps_it(qwen2_folder):
+    expected = logits(streamwise.load_pretrained(qwen2_folder, "auto", progress=False).model)
+    path = qwen2_folder / "model.safetensors"
     mapped = np.memmap(path, mode="r+")
     mapped[-1] = mapped[-1]  # a page dirtied before the load, as an editor leaves it
     with pytest.raises(CheckpointError) as raised:
-        streamwise.load_pretrained(folder, "auto", progress=False, max_memory=BUDGET)
+        streamwise.load_pretrained(qwen2_folder, "auto", progress=False, max_memory=BUDGET)
     message = str(raised.value)
     assert str(path) in message and f"process {os.getpid()}" in message, message
     assert "maps it shared and writable" in message and re.search(r"host budget of at least \d", message), message
-    streamwise.load_pretrained(folder, "auto", progress=False)  # everything in memory: nothing is left in the file
+    streamwise.load_pretrained(qwen2_folder, "auto", progress=False)  # everything in memory: nothing left in the file
     del mapped  # unmapped: the file tier may hold units of it again
-    tight = streamwise.load_pretrained(folder, "auto", progress=False, max_memory=BUDGET)
-    assert tight.report.tiers.file_units > 0 and torch.equal(_logits(tight.model), expected)
+    tight = streamwise.load_pretrained(qwen2_folder, "auto", progress=False, max_memory=BUDGET)
+    assert tight.report.tiers.file_units > 0 and torch.equal(logits(tight.model), expected)
 
 
-def test_a_writer_through_write_is_not_refused(folder):
+def test_a_writer_through_write_is_not_refused(qwen2_folder):
     """It stamps a new modification time with each write, which the file tier's check sees."""
-    with open(folder / "model.safetensors", "r+b"):
-        tight = streamwise.load_pretrained(folder, "auto", progress=False, max_memory=BUDGET)
+    with open(qwen2_folder / "model.safetensors", "r+b"):
+        tight = streamwise.load_pretrained(qwen2_folder, "auto", progress=False, max_memory=BUDGET)
     assert tight.report.tiers.file_units > 0
 
 
-def test_another_process_mapping_the_file_for_writing_is_named(folder):
+def test_another_process_mapping_the_file_for_writing_is_named(qwen2_folder):
     import subprocess
 
     holder = subprocess.Popen([sys.executable, "-c", (
@@ -68,11 +55,11 @@ def test_another_process_mapping_the_file_for_writing_is_named(folder):
         "mapped = np.memmap(sys.argv[1], mode='r+')\n"
         "mapped[-1] = mapped[-1]\n"
         "print('mapped', flush=True)\n"
-        "sys.stdin.read()\n"), str(folder / "model.safetensors")],
+        "sys.stdin.read()\n"), str(qwen2_folder / "model.safetensors")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "mapped"
         with pytest.raises(CheckpointError, match=f"process {holder.pid} "):
-            streamwise.load_pretrained(folder, "auto", progress=False, max_memory=BUDGET)
+            streamwise.load_pretrained(qwen2_folder, "auto", progress=False, max_memory=BUDGET)
     finally:
         holder.communicate("", timeout=60)
