@@ -8,9 +8,11 @@ near the disk's read rate.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,19 +84,23 @@ class FileTier:
         read through its file's checked reads: into an arena's free end where they fit in one, else (and with
         `pooled=False`) into memory of their own. Never grows the arenas: rows are read to spare staging
         (`row_reads`)."""
-        row = source.range.nbytes // source.range.shape[0]
-        count = sum(stop - start for start, stop in runs)
-        buffer = self._buffer(count * row, pooled=True, grow=False) if pooled else None
+        buffer = self._buffer(_rows_bytes(source, runs), pooled=True, grow=False) if pooled else None
         if buffer is None:
-            buffer = torch.empty(count * row, dtype=torch.uint8)
-        ranges, at = [], 0
-        for start, stop in runs:
-            ranges.append((source.range.offset + start * row, buffer[at:at + (stop - start) * row]))
-            at += (stop - start) * row
-        if ranges:
-            source.range.file.read_into(ranges)
-        values = buffer.view(source.range.dtype).reshape(count, *source.range.shape[1:])
-        return values if values.dtype == source.dtype else values.to(source.dtype)
+            buffer = torch.empty(_rows_bytes(source, runs), dtype=torch.uint8)
+        return _read_rows(source, runs, buffer)
+
+    def read_rows_ahead(self, source: FileSource, runs: list[tuple[int, int]]) -> _Pending | None:
+        """`read_rows(source, runs)` started on a reader thread into an arena's free end, for the forward to take
+        once it needs them; None where nothing is read ahead or no arena has room (the caller reads them itself)."""
+        if not self.read_ahead:
+            return None
+        buffer = self._buffer(_rows_bytes(source, runs), pooled=True, grow=False)
+        if buffer is None:
+            return None
+        pending = _Pending(functools.partial(_read_rows, source, runs, buffer))
+        del buffer
+        self._readers().put(pending)
+        return pending
 
     def read(self, module: nn.Module) -> dict[str, Tensor]:
         """`module`'s file-tier tensors, read now or taken from the read ahead; then the next units' reads start."""
@@ -167,15 +173,19 @@ class FileTier:
                     self._advised.add(id(following))
                     _advise(following)
                 continue
-            if self._reader is None:
-                self._reader = queue.SimpleQueue()
-                for index in range(self.READERS):
-                    threading.Thread(target=_read_ahead, args=(self._reader,), name=f"streamwise-read-ahead-{index}",
-                                     daemon=True).start()
-                    weakref.finalize(self, self._reader.put, None)  # the threads end with the tier
-            pending = self._ahead[id(following)] = _Pending(following, buffer)
-            self._reader.put(pending)
+            pending = self._ahead[id(following)] = _Pending(functools.partial(self._read_unit, following, buffer))
+            self._readers().put(pending)
             del buffer, pending
+
+    def _readers(self) -> queue.SimpleQueue:
+        """The reader threads' queue, the threads started at the first read ahead."""
+        if self._reader is None:
+            self._reader = queue.SimpleQueue()
+            for index in range(self.READERS):
+                threading.Thread(target=_read_ahead, args=(self._reader,), name=f"streamwise-read-ahead-{index}",
+                                 daemon=True).start()
+                weakref.finalize(self, self._reader.put, None)  # the threads end with the tier
+        return self._reader
 
     def _drop_read_ahead(self) -> None:
         """Wait for the reads ahead under way and let their staging go (nothing else holds it)."""
@@ -221,23 +231,22 @@ class FileTier:
 
 
 class _Pending:
-    """A unit being read ahead. What it holds (the module, the buffer, the tensors read) is let go as soon as it is
-    used, so an arena is free exactly when nothing computes with what was read into it."""
+    """A read ahead (a unit's tensors, or rows). What it holds (the read with its module and buffer, what was read)
+    is let go as soon as it is used, so an arena is free exactly when nothing computes with what was read into it."""
 
-    def __init__(self, module: nn.Module, buffer: Tensor) -> None:
-        self.module: nn.Module | None = module
-        self.buffer: Tensor | None = buffer
-        self.tensors: dict[str, Tensor] | None = None
+    def __init__(self, read: Callable[[], object]) -> None:
+        self.read: Callable[[], object] | None = read
+        self.result: object = None
         self.error: BaseException | None = None
         self.done = threading.Event()
 
-    def taken(self) -> dict[str, Tensor]:
-        """The tensors read (or the read's error), waiting for the read; this object keeps nothing of them."""
+    def taken(self):
+        """What was read (or the read's error), waiting for the read; this object keeps nothing of it."""
         self.done.wait()
-        tensors, error, self.tensors, self.error = self.tensors, self.error, None, None
+        result, error, self.result, self.error = self.result, self.error, None, None
         if error is not None:
             raise error
-        return tensors
+        return result
 
 
 def _by_file(found: list[tuple[str, FileSource]], values: list) -> dict[object, list[tuple[int, object]]]:
@@ -256,16 +265,33 @@ def _advise(module: nn.Module) -> None:
 
 
 def _read_ahead(reads: queue.SimpleQueue) -> None:
-    """A reader thread: reads each unit put in `reads` until a None comes."""
+    """A reader thread: does each read put in `reads` until a None comes."""
     while (pending := reads.get()) is not None:
         try:
-            pending.tensors = FileTier._read_unit(pending.module, pending.buffer)
-        except BaseException as exc:  # the forward that takes the unit raises it
+            pending.result = pending.read()
+        except BaseException as exc:  # the forward that takes it raises it
             pending.error = exc
         finally:
-            pending.module = pending.buffer = None
+            pending.read = None
             pending.done.set()
         del pending
+
+
+def _rows_bytes(source: FileSource, runs: list[tuple[int, int]]) -> int:
+    return sum(stop - start for start, stop in runs) * (source.range.nbytes // source.range.shape[0])
+
+
+def _read_rows(source: FileSource, runs: list[tuple[int, int]], buffer: Tensor) -> Tensor:
+    """`runs`' rows of `source` read into `buffer`, one after another, in the model's dtype."""
+    row = source.range.nbytes // source.range.shape[0]
+    ranges, at = [], 0
+    for start, stop in runs:
+        ranges.append((source.range.offset + start * row, buffer[at:at + (stop - start) * row]))
+        at += (stop - start) * row
+    if ranges:
+        source.range.file.read_into(ranges)
+    values = buffer.view(source.range.dtype).reshape(at // row, *source.range.shape[1:])
+    return values if values.dtype == source.dtype else values.to(source.dtype)
 
 
 @dataclass

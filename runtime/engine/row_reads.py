@@ -15,6 +15,8 @@ other reads whole, as before.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -112,18 +114,37 @@ def _chunked(module: nn.Module, x: Tensor, tier: FileTier) -> Tensor:
     if isinstance(bias, FileTensor):
         bias = sources(module)["bias"].read()  # its own range: never the whole unit
     bias = None if bias is None else bias.to(x.device, x.dtype)
-    rows = source.shape[0]
+    spans = chunks(source.shape[0], _chunk_rows(source, tier))
     if x.device.type == "cpu":
         parts = []
-        for start, stop in chunks(rows, _chunk_rows(source, tier)):
-            weight = tier.read_rows(source, [(start, stop)]).to(x.dtype)
-            parts.append(F.linear(x, weight, None if bias is None else bias[start:stop]))
-            del weight  # the staging starts over once nothing views it
+        for (start, stop), rows in _read_in_turn(tier, source, spans):
+            parts.append(F.linear(x, rows.to(x.dtype), None if bias is None else bias[start:stop]))
+            del rows  # the staging starts over once nothing views it
         return torch.cat(parts, dim=-1)
     weight = torch.empty(source.shape, dtype=x.dtype, device=x.device)
-    for start, stop in chunks(rows, _chunk_rows(source, tier)):
-        weight[start:stop].copy_(tier.read_rows(source, [(start, stop)]))  # the staging is read again next chunk
+    for (start, stop), rows in _read_in_turn(tier, source, spans):
+        weight[start:stop].copy_(rows)
+        del rows
     return F.linear(x, weight, bias)
+
+
+def _read_in_turn(tier: FileTier, source, spans: list[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], Tensor]]:
+    """Each span with its rows, in order, the spans after it read ahead (reader threads, into the staging left free)
+    while it computes: the disk and the compute overlap, as for whole units. A span no staging was free for is read
+    here. Each (span, rows) is a fresh pair, so the caller's `del` frees the rows' staging before the next top-up."""
+    ahead: deque = deque()
+    started = 0
+    for span in spans:
+        while started < len(spans) and (pending := tier.read_rows_ahead(source, [spans[started]])) is not None:
+            ahead.append(pending)
+            started += 1
+        if ahead:
+            rows = ahead.popleft().taken()
+        else:
+            rows = tier.read_rows(source, [span])
+            started += 1
+        yield span, rows
+        del rows
 
 
 def chunks(rows: int, step: int) -> list[tuple[int, int]]:
