@@ -108,7 +108,7 @@ class FileTier:
         if current is not None and current[0] == key:
             return current[1]
         del current  # the unit before is done: neither this frame nor the tier may keep its staging from reuse
-        self._current = None
+        self.done_with_current()
         if self._last is not None:
             self._after[self._last] = weakref.ref(module)
         self._last = key
@@ -126,6 +126,11 @@ class FileTier:
         self._current = (key, tensors)
         self._follow(module)
         return tensors
+
+    def done_with_current(self) -> None:
+        """The unit read last is done (another computes now): the tier keeps its tensors no longer, so its staging
+        starts over once nothing else views it."""
+        self._current = None
 
     def read_outside_graphs(self) -> None:
         """From now on a compiled block breaks its graph at each read from the file, which runs eagerly and hands

@@ -115,6 +115,7 @@ def _chunked(module: nn.Module, x: Tensor, tier: FileTier) -> Tensor:
         bias = sources(module)["bias"].read()  # its own range: never the whole unit
     bias = None if bias is None else bias.to(x.device, x.dtype)
     spans = chunks(source.shape[0], _chunk_rows(source, tier))
+    tier.done_with_current()  # the unit read whole before this one holds staging the chunks are read into
     if x.device.type == "cpu":
         parts = []
         for (start, stop), rows in _read_in_turn(tier, source, spans):

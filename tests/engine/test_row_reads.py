@@ -26,9 +26,10 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(row_reads, "CHUNK", 256 << 10)
 
 
-def saved(folder, tied: bool):
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=tied)
+def saved(folder, tied: bool, intermediate_size: int = 128):
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+                                      tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).eval()
     model.save_pretrained(folder)
@@ -130,12 +131,16 @@ def test_what_cannot_be_read_by_rows_is_read_whole(tmp_path, small_chunks):
 def test_a_linear_layers_next_chunks_are_read_while_one_computes(tmp_path, small_chunks, monkeypatch, read_ahead):
     """The head's chunks are read by the reader threads into the staging left free, the next ones while one computes
     (the disk and the compute overlap: a float32 Qwen2 half in its file decoded a token in 2.7x the raw read of its
-    bytes with every chunk read in turn); without read-ahead every chunk is read in the forward's own thread. The
-    same numbers, through the same staging."""
-    reference = saved(tmp_path, tied=False)
+    bytes with every chunk read in turn, 1.2x now); without read-ahead every chunk is read in the forward's own
+    thread. The same numbers, through the same staging. The MLPs before the head are in the file too, read whole
+    into the arenas (3/4 of one each): the last one read must not hold its arena through the head's chunks, nor the
+    next forward's, read ahead, the other one (then every chunk was read in the forward, into fresh memory)."""
+    reference = saved(tmp_path, tied=False, intermediate_size=768)
     with torch.no_grad():
         expected = reference(IDS).logits
-    model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "600KiB"}, progress=False).model
+    model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "1MiB"}, progress=False).model
+    assert file_tier.in_file(model.model.layers[1].mlp.down_proj)
+    assert row_reads.reading_by_rows(model.model.layers[1].mlp.down_proj, "linear") is None
     tier = applied_state(model).tree.file_tier
     tier.read_ahead = read_ahead
     source = file_tier.sources(model.lm_head)["weight"].range
@@ -149,6 +154,8 @@ def test_a_linear_layers_next_chunks_are_read_while_one_computes(tmp_path, small
 
     monkeypatch.setattr(type(file), "read_into", recorded)
     with torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected)
+        threads.clear()  # a steady forward: the order of the units learnt, the next ones read ahead
         assert torch.equal(model(IDS).logits, expected)
     ahead = [name for name in threads if name.startswith("streamwise-read-ahead")]
     assert len(threads) == len(row_reads.chunks(4096, row_reads._chunk_rows(file_tier.sources(model.lm_head)["weight"],
