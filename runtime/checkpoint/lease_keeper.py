@@ -12,99 +12,30 @@ on, the file changes under the mapping, and the holder's checks turn its next fo
 every other case (another process writing, the holder stopped or busy) the keeper does nothing: the watcher copies as
 before, or the break time runs out as before.
 
-Standard library only: the holder runs this file as a script (`python -I -S`), so starting it imports nothing.
+This module is the keeper's side, run as a script (`python -I -S`): the standard library's lightest modules only, so
+that starting it costs the holder's load as little as can be (about 10 ms of another CPU). The holder's side is
+`leased._Keeper`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import socket
 import struct
-import subprocess
 import sys
-import threading
 import time
-import weakref
 
 try:
     import fcntl
 except ImportError:  # Windows: no leases, so no keeper
     fcntl = None
 
-_log = logging.getLogger("streamwise.load")
-
 GRACE = 0.5
 """Seconds a broken lease waits for the holder's watcher (which looks every 20 ms) before the keeper gives it back."""
 POLL_SECONDS = 0.02
-_MESSAGE = struct.Struct("<?i")
+MESSAGE = struct.Struct("<?i")
 """(keep, the holder's descriptor): keep it (the descriptor comes with the message), or forget it."""
-
-
-class Keeper:
-    """The holder's side: starts the keeper at the first lease and tells it which leases to keep and forget. A
-    keeper that cannot start or has gone is a debug line and nothing more: the watcher alone was the design before."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._channel: socket.socket | None = None
-        self._process: subprocess.Popen | None = None
-        self._owner: int | None = None
-        """The process that started the keeper: a process forked from it does not speak to it."""
-
-    def keep(self, descriptor: int) -> None:
-        with self._lock:
-            if self._owner is None:
-                self._start()
-            self._send(True, descriptor)
-
-    def forget(self, descriptor: int) -> None:
-        """The holder gives the lease back itself (or copies first): the keeper lets go of its copy."""
-        with self._lock:
-            self._send(False, descriptor)
-
-    def _start(self) -> None:
-        self._owner = os.getpid()
-        if "python" not in os.path.basename(sys.executable or "").lower():  # embedded: running it might be an app
-            _log.debug("streamwise: no lease keeper: %r is not a Python interpreter to run it with", sys.executable)
-            return
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-I", "-S", __file__, str(self._owner), str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                start_new_session=True)  # no terminal signal (Ctrl-C, Ctrl-Z) reaches it: it ends with its holder
-        except (OSError, ValueError) as exc:
-            _log.debug("streamwise: no lease keeper (%s): a write by this process's own thread that keeps the "
-                       "interpreter's lock waits out the lease-break time", exc)
-            ours.close()
-        else:
-            self._channel = ours
-            weakref.finalize(self, _stop, self._owner, ours, self._process)  # at exit too: no keeper left behind
-        finally:
-            theirs.close()
-
-    def _send(self, keep: bool, descriptor: int) -> None:
-        if self._channel is None or os.getpid() != self._owner:
-            return
-        try:
-            socket.send_fds(self._channel, [_MESSAGE.pack(keep, descriptor)], [descriptor] if keep else [],
-                            socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-        except OSError as exc:  # gone, or not reading: never block the holder on it
-            _log.debug("streamwise: the lease keeper is gone (%s)", exc)
-            self._channel.close()
-            self._channel = None
-
-
-def _stop(owner: int, channel: socket.socket, process: subprocess.Popen) -> None:
-    """Close the channel, which ends the keeper, and reap it."""
-    channel.close()
-    if os.getpid() == owner:
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def serve(holder: int, channel: socket.socket) -> None:
@@ -115,12 +46,12 @@ def serve(holder: int, channel: socket.socket) -> None:
         readable, _, _ = select.select([channel], [], [], POLL_SECONDS if held else None)
         if readable:
             try:
-                message, descriptors, _, _ = socket.recv_fds(channel, _MESSAGE.size, 1)
+                message, descriptors, _, _ = socket.recv_fds(channel, MESSAGE.size, 1)
             except OSError:
                 return
             if not message:
                 return
-            keep, token = _MESSAGE.unpack(message)
+            keep, token = MESSAGE.unpack(message)
             if token in held:
                 os.close(held.pop(token)[0])
             if keep and descriptors:

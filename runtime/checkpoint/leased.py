@@ -30,6 +30,9 @@ import logging
 import mmap
 import os
 import queue
+import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -330,7 +333,75 @@ class _Watcher:
 
 
 _WATCHER = _Watcher()
-_KEEPER = lease_keeper.Keeper()
+
+
+class _Keeper:
+    """This process's side of the lease keeper (`lease_keeper`): started at the first lease, told which leases to keep
+    and forget. A keeper that cannot start or has gone is a debug line and nothing more: without it a write by this
+    process's own thread that keeps the interpreter's lock waits out the lease-break time, as before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channel: socket.socket | None = None
+        self._process: subprocess.Popen | None = None
+        self._owner: int | None = None
+        """The process that started the keeper: a process forked from it does not speak to it."""
+
+    def keep(self, descriptor: int) -> None:
+        with self._lock:
+            if self._owner is None:
+                self._start()
+            self._send(True, descriptor)
+
+    def forget(self, descriptor: int) -> None:
+        """The holder gives the lease back itself (or copies first): the keeper lets go of its copy."""
+        with self._lock:
+            self._send(False, descriptor)
+
+    def _start(self) -> None:
+        self._owner = os.getpid()
+        if "python" not in os.path.basename(sys.executable or "").lower():  # embedded: running it might be an app
+            _log.debug("streamwise: no lease keeper: %r is not a Python interpreter to run it with", sys.executable)
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", lease_keeper.__file__, str(self._owner), str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                start_new_session=True)  # no terminal signal (Ctrl-C, Ctrl-Z) reaches it: it ends with its holder
+        except (OSError, ValueError) as exc:
+            _log.debug("streamwise: no lease keeper (%s): a write by this process's own thread that keeps the "
+                       "interpreter's lock waits out the lease-break time", exc)
+            ours.close()
+        else:
+            self._channel = ours
+            weakref.finalize(self, _stop, self._owner, ours, self._process)  # at exit too: no keeper left behind
+        finally:
+            theirs.close()
+
+    def _send(self, keep: bool, descriptor: int) -> None:
+        if self._channel is None or os.getpid() != self._owner:
+            return
+        try:
+            socket.send_fds(self._channel, [lease_keeper.MESSAGE.pack(keep, descriptor)], [descriptor] if keep else [],
+                            socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except OSError as exc:  # gone, or not reading: never block the holder on it
+            _log.debug("streamwise: the lease keeper is gone (%s)", exc)
+            self._channel.close()
+            self._channel = None
+
+
+def _stop(owner: int, channel: socket.socket, process: subprocess.Popen) -> None:
+    """Close the channel, which ends the keeper, and reap it."""
+    channel.close()
+    if os.getpid() == owner:
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+_KEEPER = _Keeper()
 
 
 def _leasing_possible(file: CheckedFile) -> bool:
