@@ -63,7 +63,7 @@ def serve(holder: int, channel: socket.socket) -> None:
             elif lease[1] is None:
                 lease[1] = now
             elif now - lease[1] >= GRACE and _waiting_on_a_lease(holder):
-                _give_back(lease[0])
+                give_back(lease[0])
                 del held[token]
 
 
@@ -92,10 +92,11 @@ def _waiting_on_a_lease(holder: int) -> bool:
     return False
 
 
-def _give_back(descriptor: int) -> None:
+def give_back(descriptor: int) -> None:
+    """Give the lease on `descriptor` back and close it (the holder's own release too)."""
     try:
         fcntl.fcntl(descriptor, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    except OSError:  # the kernel took it back already
+    except OSError:  # the kernel took it back already: its break time ran out
         pass
     finally:
         os.close(descriptor)

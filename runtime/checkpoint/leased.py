@@ -442,12 +442,7 @@ def _lease(file: CheckedFile) -> int | None:
 
 def _release(descriptor: int) -> None:
     _KEEPER.forget(descriptor)
-    try:
-        fcntl.fcntl(descriptor, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    except OSError:  # the kernel took it back already: its break time ran out
-        pass
-    finally:
-        os.close(descriptor)
+    lease_keeper.give_back(descriptor)
 
 
 def _lease_cap() -> int:
