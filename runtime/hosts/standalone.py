@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,9 @@ from ..engine import file_tier, protocol, row_reads
 from ..engine.exclusive import one_writer
 from ..engine.file_reads import FileTier
 from ..engine.journal import Journal
-from ..engine.stream import on_host
+from ..engine.stream import on_host, placement
 from ..engine.stream.device import device_ops
+from ..engine.stream.measure import UnitClock
 from ..engine.stream.on_host import StreamCosts
 from ..engine.stream.streamer import Unit, UnitStreamer, fetcher_for
 from ..plan.selectors import walk_modules, within
@@ -86,6 +88,9 @@ class OffloadReport:
     expansion_bytes: int = 0
     """The device buffer quantized weights are expanded into at a call, reused by every one of them and counted in
     the budget (`Fetcher.expansion`); 0 where none expands there or nothing streams through the ring."""
+    measured: tuple[tuple[str, float], ...] = ()
+    """(unit, seconds) of each unit's compute in the measuring forward (`measure`) the streamed blocks were spread
+    along; empty where they were spread along their bytes."""
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
@@ -99,6 +104,9 @@ class OffloadReport:
             line += "; the host tier is pageable (past the pinned budget): its copies wait for the host"
         if self.expansion_bytes:
             line += f"; quantized weights expand into one {human(self.expansion_bytes)} buffer"
+        if self.measured:
+            line += (f"; streamed blocks spread along the compute of one measuring forward ({len(self.measured)} "
+                     f"units, {sum(seconds for _, seconds in self.measured) * 1e3:.2f} ms, synchronised at each)")
         if self.host_blocks:
             line += f"; {self.host_blocks} blocks compute on the host where cheaper than their copy"
         if self.large_units:
@@ -116,6 +124,7 @@ def offload(
     offload_device: str | torch.device = "cpu",
     prefetch: bool = True,
     host_compute: bool | StreamCosts = False,
+    measure: Callable[[nn.Module], object] | None = None,
 ) -> OffloadReport:
     """Convert `model` by `policy` and stream it from `offload_device` to `device` within `budget`.
 
@@ -126,6 +135,9 @@ def offload(
     its weights when it computes). `host_compute` (with `prefetch`, eager): a streamed block computes on the host,
     where its weights lie, for the input sizes where that costs less than copying it (decode steps, on a slow link),
     its costs measured (`StreamCosts` given: those figures); its numbers are then the host kernels', not the device's.
+    `measure` (with `prefetch`, on an accelerator): a call running a typical forward, `measure(model)` (a prompt, a
+    denoising step), run once while placing with every block streamed and the device synchronised at each, so the
+    streamed blocks are then spread along the compute it timed rather than along their bytes (`placement.spread`).
     """
     device, offload_device = _usable(device, "device"), _usable(offload_device, "offload_device")
     budget = _budget(budget, device)
@@ -148,20 +160,24 @@ def offload(
         in_blocks = _blocks(plan, modules)
         # the ring hides each copy behind the compute before it: streamed blocks are spread among resident ones
         blocks = {id(leaf): block or path for leaf, path, block in in_blocks} if ops is not None else None
-        placed = _residency(leaves, budget, blocks)
+        compute = None
+        if measure is not None:
+            compute = _measured_compute(journal, model, state.tree, ops, device, in_blocks, modules, leaves, budget,
+                                        measure)
+        placed = _residency(leaves, budget, blocks, compute)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
             room = max(0, host_budget - sum(t.nbytes for t in _outside_tensors(model, leaves)) - staging)
             if budget is None or budget > room:
                 budget = room
-                placed = _residency(leaves, budget, blocks)
+                placed = _residency(leaves, budget, blocks, compute)
         # quantized weights expanded at a call on the device go into one reused buffer, beside the ring
         expansion = device_expansion_bytes(leaves, device) if ops is not None else 0
         if ops is not None and budget is not None:  # the ring of device slots lives within the budget
             ring = 0  # sized by the largest streamed unit, which a smaller room for residents may make larger
             while (needed := UnitStreamer.ring_bytes(_units(in_blocks, modules, placed, set())) + expansion) > ring:
                 ring = needed
-                placed = _residency(leaves, max(0, budget - ring), blocks)
+                placed = _residency(leaves, max(0, budget - ring), blocks, compute)
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
         host_tier = []
         read: dict[int, Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
@@ -199,10 +215,7 @@ def offload(
             else:
                 costs = host_compute if isinstance(host_compute, StreamCosts) else StreamCosts()
                 host_blocks = on_host.install(journal, streamer, costs)
-        converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
-        for module in model.modules():
-            if id(module) not in converted and not protocol.relocated_names(module):
-                _place(journal, module, device, read)
+        _place_outside(journal, model, leaves, device, read)
         journal.set_attributes(state.tree, {"compute_device": device, "fetcher": streamer})
         if policy.compile.enabled:
             _keep_arming(journal, model)
@@ -210,7 +223,8 @@ def offload(
     report = OffloadReport(str(device), str(offload_device), resident_count, len(leaves) - resident_count,
                            resident_bytes, streamed_bytes, budget, _large_units(placed, paths, leaves, budget),
                            file_bytes, state.tree.host_budget, pinned_bytes, host_blocks,
-                           expansion if isinstance(streamer, UnitStreamer) else 0)
+                           expansion if isinstance(streamer, UnitStreamer) else 0,
+                           tuple(compute.items()) if compute is not None else ())
     (_log.warning if report.large_units else _log.info)("offload: policy `%s`, %s", policy.name, report)
     return report
 
@@ -267,6 +281,50 @@ def device_memory(device: torch.device) -> tuple[int, int]:
         raise OffloadError(f"cannot tell how much memory {device} has ({exc}): give the budget in bytes") from None
 
 
+def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: torch.device,
+                      in_blocks: list[tuple[nn.Module, str, str | None]], modules: dict[str, nn.Module],
+                      leaves: list[nn.Module], budget: int | None,
+                      measure: Callable[[nn.Module], object]) -> dict[str, float] | None:
+    """Each unit's compute in seconds, by its name (its block's path, or its leaf's), timed in one forward of
+    `measure(model)` streaming every unit through a ring of one slot (no prefetch), the device synchronised at each
+    unit's entry and copy (`UnitClock`); None, said in the log, where nothing is to be spread (no ring, or everything
+    resident). What the forward moved is journaled: it moves back where the placing fails."""
+    if ops is None or budget is None or all(resident for _, _, resident in _residency(leaves, budget)):
+        why = f"nothing streams through a ring to {device}" if ops is None else "the budget holds every streamed leaf"
+        _log.warning("offload: `measure` is not run: %s", why)
+        return None
+    everything = [(group, 0, False) for group in _tied_groups(leaves)]
+    on_file = {id(leaf) for leaf in leaves for owner in _owners(leaf) for t in owner._parameters.values()
+               if t is not None and not file_tier.in_memory(t)}
+    clock = UnitClock(ops)
+    streamer = UnitStreamer(ops, device, _units(in_blocks, modules, everything, on_file), slots=1, clock=clock)
+    journal.set_attributes(tree, {"compute_device": device, "fetcher": streamer})
+    for leaf in leaves:
+        journal.keep(leaf, (protocol.FETCH_FLAG,))
+        protocol.set_fetching(leaf, True)
+    _place_outside(journal, model, leaves, device)
+    for module in model.modules():  # relocated tensors follow the device by themselves: journaled here to go back
+        for name in protocol.relocated_names(module):
+            value = module._parameters.get(name, module._buffers.get(name))
+            if value is not None and file_tier.in_memory(value) and value.device != device:
+                journal.move(module, name, device)
+    with torch.no_grad():
+        measure(model)
+    clock.stop()
+    _log.info("offload: the measuring forward computed %.2f ms across %d units and copied %.2f ms, synchronised at "
+              "each", sum(clock.compute.values()) * 1e3, len(streamer.units), sum(clock.copies.values()) * 1e3)
+    return clock.compute
+
+
+def _place_outside(journal: Journal, model: nn.Module, leaves: list[nn.Module], device: torch.device,
+                   read: dict[int, Tensor] | None = None) -> None:
+    """Place on `device` every module outside the streamed units (their owners), but those that relocate."""
+    converted = {id(owner) for leaf in leaves for owner in _owners(leaf)}
+    for module in model.modules():
+        if id(module) not in converted and not protocol.relocated_names(module):
+            _place(journal, module, device, read)
+
+
 def _keep_arming(journal: Journal, model: nn.Module) -> None:
     """Arming writes the units' instance forwards and the root's compile state: restore them on failure."""
 
@@ -275,15 +333,15 @@ def _keep_arming(journal: Journal, model: nn.Module) -> None:
         journal.keep(module, ("forward",))
 
 
-def _residency(leaves: list[nn.Module], budget: int | None,
-               blocks: dict[int, str] | None = None) -> list[tuple[list[nn.Module], int, bool]]:
+def _residency(leaves: list[nn.Module], budget: int | None, blocks: dict[int, str] | None = None,
+               compute: dict[str, float] | None = None) -> list[tuple[list[nn.Module], int, bool]]:
     """(leaves, bytes, resident) per tied group, in registration order, resident within `budget` (None: everything).
 
     Without `blocks`, greedily in order, skipping groups that no longer fit. With `blocks` (each leaf's block, by
-    leaf id), a block's groups decide together and the streamed blocks are spread among the resident ones, about
-    one in every `total / (total - budget)`: a streamed block's copy then overlaps the compute of the resident
-    blocks before it, not only that of another streamed block (streamed blocks all at the end would leave the forward
-    bound by the link there while the device idles); what the spread leaves of the budget is filled in order."""
+    leaf id), a block's groups decide together and the streamed blocks are spread among the resident ones along the
+    forward's compute (`placement.spread`: each block's measured seconds in `compute`, by its name, where given; else
+    its bytes), so each streamed block's copy overlaps the compute before it; what the spread leaves of the budget is
+    filled in order."""
     sized = [(group, sum(t.nbytes for t in {id(p): p for leaf in group for owner in _owners(leaf)
                                             for p in owner._parameters.values() if p is not None}.values()))
              for group in _tied_groups(leaves)]
@@ -294,12 +352,10 @@ def _residency(leaves: list[nn.Module], budget: int | None,
         decisions: dict[str, list[int]] = {}  # a block's groups, in order
         for index, (group, _) in enumerate(sized):
             decisions.setdefault(blocks.get(id(group[0]), str(index)), []).append(index)
-        share = budget / max(1, sum(size for _, size in sized))
-        seen = 0
-        for indices in decisions.values():
-            size = sum(sized[i][1] for i in indices)
-            seen += size
-            if used + size <= budget and used + size <= share * seen + size / 2:
+        sizes = [sum(sized[i][1] for i in indices) for indices in decisions.values()]
+        for indices, size, kept in zip(decisions.values(), sizes, placement.spread(list(decisions), sizes, budget,
+                                                                                   compute), strict=True):
+            if kept:
                 used += size
                 for i in indices:
                     resident[i] = True

@@ -7,11 +7,18 @@ compute stream's wait for it, and from the unit after it: its compute, its copie
 own clock. The timers are made when placing; once the forward has wrapped around (a unit entered again) nothing more
 is recorded, and the figures are read at the first unit entered after every timer is done (asked, never waited for),
 then logged (`streamwise.offload`) and kept (`UnitStreamer.measured`): the forward against its floor, each named.
+
+Placing by measured costs (`offload(..., measure=...)`) times each unit's compute instead, in a measuring forward that
+streams every unit with no prefetch and synchronises at each unit's entry (`UnitClock`): a unit's compute is then the
+host's time from its copy done to the next unit's entry, kernel launches included, which is the window a copy issued
+at that entry can hide behind.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,3 +114,43 @@ class FirstForward:
         times = ForwardTimes(len(timers), compute, copies, waited)
         (_log.info if times.ratio <= FLOOR_GOAL else _log.warning)("offload: %s", times)
         return times
+
+
+class UnitClock:
+    """A measuring forward's clock (the streamer's `timing` while it runs): the device synchronised as each unit is
+    entered and once its copy is done, each unit's compute timed on the host from then to the next unit's entry (or
+    `stop`), and its copy from its entry to its copy done; seconds summed by unit name."""
+
+    def __init__(self, ops: DeviceOps, now: Callable[[], float] = time.perf_counter) -> None:
+        self.ops, self.now = ops, now
+        self.compute: dict[str, float] = {}
+        self.copies: dict[str, float] = {}
+        self._computing: tuple[str, float] | None = None
+        self._entered = 0.0
+
+    def entering(self, unit: Unit) -> None:
+        self.stop()
+        self._entered = self.now()
+
+    def waited(self, unit: Unit) -> None:
+        self.ops.synchronize()
+        now = self.now()
+        self.copies[unit.name] = self.copies.get(unit.name, 0.0) + now - self._entered
+        self._computing = (unit.name, now)
+
+    def stop(self) -> None:
+        """End the computing unit's time: at the next unit's entry, and once after the forward."""
+        if self._computing is not None:
+            self.ops.synchronize()
+            name, since = self._computing
+            self.compute[name] = self.compute.get(name, 0.0) + self.now() - since
+            self._computing = None
+
+    def waiting(self, unit: Unit) -> None:
+        pass
+
+    def copying(self, unit: Unit) -> None:
+        pass
+
+    def copied_unit(self, unit: Unit) -> None:
+        pass

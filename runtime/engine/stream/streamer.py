@@ -30,7 +30,7 @@ from ..tree import TorchFetcher
 from . import arena
 from .arena import padded
 from .device import DeviceOps
-from .measure import FirstForward, ForwardTimes
+from .measure import FirstForward, ForwardTimes, UnitClock
 
 
 class Unit:
@@ -107,7 +107,7 @@ class UnitStreamer(TorchFetcher):
     """The ring's slots: prefetch depth 1 (a unit computes while the next is copied)."""
 
     def __init__(self, ops: DeviceOps, device: torch.device, units: Sequence[Unit], slots: int = SLOTS,
-                 expansion: int = 0) -> None:
+                 expansion: int = 0, clock: UnitClock | None = None) -> None:
         self.ops, self.device, self.units = ops, device, tuple(units)
         self.expansion_buffer = ops.buffer(expansion) if expansion else None
         """The tree's reused expansion buffer on the device (`expansion`): made once, with the ring."""
@@ -126,8 +126,8 @@ class UnitStreamer(TorchFetcher):
         """File-tier staging copied into a slot written again since: held until that copy's event is done."""
         self.staging = any(unit.in_file for unit in self.units)
         """Whether some unit is copied from the file tier's staging, which `_release_staging` lets go."""
-        self.timing: FirstForward | None = FirstForward(ops, self.units) if self.units else None
-        """The first forward's timers, until its figures are read (`measure`)."""
+        self.timing: FirstForward | UnitClock | None = clock or (FirstForward(ops, self.units) if self.units else None)
+        """The first forward's timers, until its figures are read; or a measuring forward's `clock` (`measure`)."""
         self.measured: ForwardTimes | None = None
         """The first streamed forward against its floor, once read."""
 
