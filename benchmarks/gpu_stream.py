@@ -6,7 +6,8 @@ W_file the bytes read from the file tier per forward and B_file the file read by
 readers into pinned memory (warm page cache). Configurations (`CONFIGURATIONS`, in priority order, each written to
 `--out` as soon as it is measured: a cut-off run keeps what it measured): weights bf16 (blocks as units; `-leaves`:
 every streamed leaf its own unit), INT8, and GGUF Q8_0 and Q4_K written from the same decoder by Streamwise's
-writer; eager or compiled; host memory or half of the streamed bytes left in the file; placed by `offload` or by
+writer; eager or compiled; host memory or half of the streamed bytes left in the file; placed by `offload` (its
+streamed blocks spread along their bytes; `measured`: along the compute of a measuring forward, `measure=`) or by
 `dispatch` (accelerate's hooks, the `"cpu"` entry streamed). Each records the forward time, the floor and the ratio
 (goal <= 1.15), peak device bytes, how much the process's anonymous memory grew while placing (beside the host tier's
 bytes: packing it holds one piece more at most), whether the logits equal the resident run's (and by how much they
@@ -51,14 +52,15 @@ from streamwise.runtime.hosts import dispatch, standalone
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGURATIONS = (  # (weights, mode, tier, host) in priority order; `--quick` runs the first QUICK
-    ("bf16", "eager", "host", "standalone"), ("q8_0", "eager", "host", "standalone"),
-    ("int8", "eager", "host", "standalone"), ("bf16", "compiled", "host", "standalone"),
+    ("bf16", "eager", "host", "standalone"), ("bf16", "eager", "host", "measured"),
+    ("q8_0", "eager", "host", "standalone"), ("int8", "eager", "host", "standalone"),
+    ("bf16", "compiled", "host", "standalone"),
     ("q8_0", "compiled", "host", "standalone"), ("q4_k", "eager", "host", "standalone"),
     ("int8", "compiled", "host", "standalone"), ("bf16", "eager", "file", "standalone"),
     ("q8_0", "eager", "file", "standalone"), ("bf16-leaves", "eager", "host", "standalone"),
     ("bf16", "eager", "host", "dispatch"), ("q8_0", "eager", "host", "dispatch"),
 )
-QUICK = 3
+QUICK = 4
 STREAMED_SHARE = 0.75
 GGUF = {"q8_0": "Q8_0", "q4_k": "Q4_K"}
 """The GGUF weights: the decoder written by Streamwise's writer in that type, every Linear a resident."""
@@ -141,7 +143,8 @@ def configuration(weights: str, mode: str, tier: str, host_kind: str, host: torc
                                      if device.type == "cuda" else room)
         report, streamed, in_file, pinned = str(placed), placed.bytes.get("cpu", 0), 0, None
     else:
-        placed = streamwise.offload(model, chosen, device=device, budget=budget)
+        placed = streamwise.offload(model, chosen, device=device, budget=budget,
+                                    measure=(lambda m: m(ids)) if host_kind == "measured" else None)
         report, streamed, in_file, pinned = str(placed), placed.streamed_bytes, placed.file_bytes, placed.pinned_bytes
     placing_grew = sampler.stop()["RssAnon"] - before
     logits, seconds = timed(model, ids, repeats)

@@ -184,8 +184,10 @@ def test_the_gpu_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
                           cwd=benchmarks, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
-    for name in ("bf16-eager-host-standalone", "q8_0-eager-host-standalone", "int8-eager-host-standalone"):
+    for name in ("bf16-eager-host-standalone", "bf16-eager-host-measured", "q8_0-eager-host-standalone",
+                 "int8-eager-host-standalone"):
         assert figures[name]["identical_to_resident"] and figures[name]["streamed_bytes"] > 0, figures[name]
+    assert "spread along the compute of one measuring forward" in figures["bf16-eager-host-measured"]["report"]
 
 
 def test_the_gguf_decode_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
