@@ -18,7 +18,9 @@ beside the same part streamed: ms per token, the blocks that may compute on the 
 whether both decode the same tokens (the host's kernels round differently from the GPU's). Before it
 (`decode-q8_0`, `decode-q4_k`), the GGUF decoder streamed whole decoding token by token (a GGUF layer called with a
 few rows multiplies its blocks directly, `gguf_triton.matmul`): ms per token against the link's time for its
-quantized bytes (goal <= 1.15x), its tokens against the same file resident. Under ComfyUI core: `gpu_comfy.py`.
+quantized bytes (goal <= 1.15x), its tokens against the same file resident. After the configurations (`rewrite`),
+the decoder's file overwritten under it: streamed from host memory the same tokens after, from the file tier the
+reader's `CheckpointError`. Under ComfyUI core: `gpu_comfy.py`.
 
     python benchmarks/gpu_stream.py [--quick] [--layers 16] [--hidden 2048] [--tokens 128] [--out FILE]
     python benchmarks/gpu_stream.py --decode-only --layers 8 --hidden 4096 --intermediate 14336  # issue 56's decode
@@ -41,9 +43,11 @@ from pathlib import Path
 import torch
 from bench_memory_tiers import Sampler  # this folder's: peaks of the process's memory, sampled
 from gpu_check import decoder, decoder_options, timed  # this folder's: the GPU benchmarks' model, timed alike
+from leases import lease_folder, rewrite  # this folder's: a writer changing the file under a loaded model
 from report import emit, section  # this folder's: every GPU benchmark hands over its figures alike
 
 import streamwise
+from streamwise.runtime.checkpoint.errors import CheckpointError
 from streamwise.runtime.checkpoint.gguf_writer import quantize_to_gguf
 from streamwise.runtime.convert import applied_state
 from streamwise.runtime.engine.file_reads import FileTier
@@ -216,6 +220,32 @@ def quantized_decode(weights: str, host: torch.nn.Module, ids: torch.Tensor, ste
             "same_tokens_as_resident": bool(torch.equal(got, expected))}
 
 
+def rewritten(host: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """The decoder's file overwritten in place (zeros, as an editor saving over it) under the model streamed from it:
+    from the host tier, the tokens after the rewrite are those before (its bytes are the process's own); from the file
+    tier, the next read of the changed file is the reader's `CheckpointError`, never other numbers."""
+    device, chosen, result = ids.device, policy("bf16", "eager"), {}
+    greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    total = sum(p.nbytes for p in host.parameters())
+    for tier in ("host", "file"):
+        with lease_folder() as folder:
+            host.save_pretrained(folder)
+            max_memory = {"cpu": int(total * (1 - STREAMED_SHARE / 2))} if tier == "file" else None
+            model = streamwise.load_pretrained(folder, chosen, progress=False, max_memory=max_memory)[0]
+            report = streamwise.offload(model, chosen, device=device, budget=int(total * (1 - STREAMED_SHARE)))
+            with torch.inference_mode():
+                before = model.generate(ids, **greedy)
+            held = rewrite(Path(folder, "model.safetensors"))
+            try:
+                with torch.inference_mode():
+                    after = "the same tokens" if torch.equal(model.generate(ids, **greedy), before) else "OTHER TOKENS"
+            except CheckpointError as exc:
+                after = f"CheckpointError: {str(exc)[:200]}"
+            result[tier] = {"file_bytes": report.file_bytes, "writer_held_s": held, "after_the_rewrite": after}
+            del model
+    return result
+
+
 def decode(host: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
     """ms per decoded token with the streamed part computed on the host where cheaper, and with it streamed."""
     device, figures, tokens = ids.device, {}, {}
@@ -274,6 +304,9 @@ def main() -> None:
             section(results, f"{weights}-{mode}-{tier}-{host_kind}", configuration, weights, mode, tier, host_kind,
                     host, ids, repeats, Path(folder))
             emit(results, args.out)  # after each: a run cut off keeps what it measured
+        if not args.decode_only:
+            section(results, "rewrite", rewritten, host, ids[:, :16])
+            emit(results, args.out)
         steps = 4 if args.dry_run else 64
         for weights in () if args.quick else GGUF:  # decode at the link's speed: the quantized bytes, no expansion
             section(results, f"decode-{weights}", quantized_decode, weights, host, ids[:, :16], steps, Path(folder))

@@ -188,6 +188,10 @@ def test_the_gpu_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
                  "int8-eager-host-standalone"):
         assert figures[name]["identical_to_resident"] and figures[name]["streamed_bytes"] > 0, figures[name]
     assert "spread along the compute of one measuring forward" in figures["bf16-eager-host-measured"]["report"]
+    rewrite = figures["rewrite"]
+    assert rewrite["host"]["after_the_rewrite"] == "the same tokens", rewrite
+    assert rewrite["file"]["file_bytes"] > 0 and rewrite["file"]["after_the_rewrite"].startswith("CheckpointError"), \
+        rewrite
 
 
 def test_the_gguf_decode_benchmark_runs_end_to_end_against_the_fake_device(tmp_path):
