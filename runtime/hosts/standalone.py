@@ -32,7 +32,7 @@ from ...errors import Error
 from ...schemas import Policy
 from ..checkpoint import tiers
 from ..checkpoint.errors import CheckpointError
-from ..compile import lazy_compile
+from ..compile import is_armed, lazy_compile
 from ..convert import ConversionError, applied_state, apply_policy
 from ..engine import file_tier, protocol, row_reads
 from ..engine.exclusive import one_writer
@@ -287,8 +287,9 @@ def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: tor
                       measure: Callable[[nn.Module], object]) -> dict[str, float] | None:
     """Each unit's compute in seconds, by its name (its block's path, or its leaf's), timed in one forward of
     `measure(model)` streaming every unit through a ring of one slot (no prefetch), the device synchronised at each
-    unit's entry and copy (`UnitClock`); None, said in the log, where nothing is to be spread (no ring, or everything
-    resident). What the forward moved is journaled: it moves back where the placing fails."""
+    unit's entry and copy (`UnitClock`; a model armed for compile runs it once before, untimed: that one compiles);
+    None, said in the log, where nothing is to be spread (no ring, or everything resident). What the forward moved is
+    journaled: it moves back where the placing fails."""
     if ops is None or budget is None or all(resident for _, _, resident in _residency(leaves, budget)):
         why = f"nothing streams through a ring to {device}" if ops is None else "the budget holds every streamed leaf"
         _log.warning("offload: `measure` is not run: %s", why)
@@ -309,6 +310,9 @@ def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: tor
             if value is not None and file_tier.in_memory(value) and value.device != device:
                 journal.move(module, name, device)
     with torch.no_grad():
+        if is_armed(model):  # its first forward compiles the blocks' graphs, which is not what a forward costs
+            measure(model)
+            streamer.timing = clock = UnitClock(ops)
         measure(model)
     clock.stop()
     _log.info("offload: the measuring forward computed %.2f ms across %d units and copied %.2f ms, synchronised at "

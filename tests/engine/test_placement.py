@@ -154,3 +154,21 @@ def test_measure_is_not_run_where_nothing_is_to_be_spread(ops, clock, caplog):
         report = streamwise.offload(model, "decoder-llm", device="cpu", budget=None, measure=calls.append)
     assert not calls and not report.measured
     assert "`measure` is not run: the budget holds every streamed leaf" in caplog.text
+
+
+def test_a_model_armed_for_compile_is_measured_once_its_graphs_are_compiled(ops, clock):
+    """The first forward of an armed model compiles its blocks' graphs: placing runs `measure` once untimed, then
+    times the second (fails when the first is timed: the compile would count as the first block's compute)."""
+    torch.manual_seed(0)
+    model = tiny_qwen2(num_hidden_layers=4)
+    streamwise.lazy_compile(model, "decoder-llm", backend="aot_eager")
+    _costly(model, clock, [3.0, 1.0, 1.0, 1.0])
+    ids, calls = torch.randint(0, 128, (1, 5)), []
+
+    def measured(m):
+        calls.append(clock.seconds)
+        m(ids)
+
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=0, measure=measured)
+    assert len(calls) == 2
+    assert [dict(report.measured)[f"model.layers.{i}"] for i in range(4)] == [3.0, 1.0, 1.0, 1.0]
