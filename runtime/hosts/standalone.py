@@ -162,8 +162,7 @@ def offload(
         blocks = {id(leaf): block or path for leaf, path, block in in_blocks} if ops is not None else None
         compute = None
         if measure is not None:
-            compute = _measured_compute(journal, model, state.tree, ops, device, in_blocks, modules, leaves, budget,
-                                        measure)
+            compute = _measured_compute(journal, model, state.tree, ops, device, in_blocks, modules, budget, measure)
         placed = _residency(leaves, budget, blocks, compute)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
@@ -283,13 +282,13 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: torch.device,
                       in_blocks: list[tuple[nn.Module, str, str | None]], modules: dict[str, nn.Module],
-                      leaves: list[nn.Module], budget: int | None,
-                      measure: Callable[[nn.Module], object]) -> dict[str, float] | None:
+                      budget: int | None, measure: Callable[[nn.Module], object]) -> dict[str, float] | None:
     """Each unit's compute in seconds, by its name (its block's path, or its leaf's), timed in one forward of
     `measure(model)` streaming every unit through a ring of one slot (no prefetch), the device synchronised at each
     unit's entry and copy (`UnitClock`; a model armed for compile runs it once before, untimed: that one compiles);
     None, said in the log, where nothing is to be spread (no ring, or everything resident). What the forward moved is
     journaled: it moves back where the placing fails."""
+    leaves = [leaf for leaf, _, _ in in_blocks]
     if ops is None or budget is None or all(resident for _, _, resident in _residency(leaves, budget)):
         why = f"nothing streams through a ring to {device}" if ops is None else "the budget holds every streamed leaf"
         _log.warning("offload: `measure` is not run: %s", why)
