@@ -54,6 +54,10 @@ class FileTier:
         """The unit read after each one last time (the forward's order, as it is now)."""
         self._last: int | None = None
         self._ahead: dict[int, _Pending] = {}
+        self._rows: dict[int, tuple[FileSource, list[tuple[int, int]]]] = {}
+        """What each unit read by chunks of rows read last time: its weight's source and its chunks, in order."""
+        self._rows_ahead: dict[int, list[_Pending]] = {}
+        """The reads of a unit's first chunks, started ahead of its turn (`_follow`), in order."""
         self._advised: set[int] = set()
         """Units the kernel was asked to read ahead since they were last read."""
         self._current: tuple[int, dict[str, Tensor]] | None = None
@@ -108,10 +112,7 @@ class FileTier:
         if current is not None and current[0] == key:
             return current[1]
         del current  # the unit before is done: neither this frame nor the tier may keep its staging from reuse
-        self.done_with_current()
-        if self._last is not None:
-            self._after[self._last] = weakref.ref(module)
-        self._last = key
+        self._entering(module)
         self._advised.discard(key)
         pending = self._ahead.pop(key, None)
         if pending is not None:
@@ -126,6 +127,30 @@ class FileTier:
         self._current = (key, tensors)
         self._follow(module)
         return tensors
+
+    def rows_in_turn(self, module: nn.Module, source: FileSource, chunks: list[tuple[int, int]]) -> list[_Pending]:
+        """`module` starts reading `source` by `chunks` of rows (`row_reads`): it takes its turn in the forward's
+        order, so the unit before it reads it ahead next time, as it does whole units; returns the reads of its first
+        chunks started ahead of it, in order (none where its chunks differ from last time's)."""
+        self._entering(module)
+        started = self._rows_ahead.pop(id(module), [])
+        if self._rows.get(id(module), (None, None))[1] != chunks:
+            for pending in started:  # chunks of another size (the staging grew since): what they read is not used
+                pending.done.wait()
+            started = []
+        self._rows[id(module)] = (source, chunks)
+        return started
+
+    def follow(self, module: nn.Module) -> None:
+        """Start reading the units after `module`, which needs no more staging of its own."""
+        self._follow(module)
+
+    def _entering(self, module: nn.Module) -> None:
+        """`module` reads now: the unit before is done, and `module` follows it in the forward's order."""
+        self.done_with_current()
+        if self._last is not None:
+            self._after[self._last] = weakref.ref(module)
+        self._last = id(module)
 
     def done_with_current(self) -> None:
         """The unit read last is done (another computes now): the tier keeps its tensors no longer, so its staging
@@ -152,13 +177,14 @@ class FileTier:
         self._current = None
         self._advised.clear()
         self._after.clear()
+        self._rows.clear()
         self._last = None
 
     def _follow(self, module: nn.Module) -> None:
-        """Start reading the units after `module` in the forward's order while the pool has room, and ask
-        the kernel to read the units after those into its page cache meanwhile, as many bytes as the pool holds
-        (more requests in flight on the disk while the reader thread waits on its own; page cache the kernel drops
-        first under memory pressure)."""
+        """Start reading the units after `module` in the forward's order while the pool has room (of a unit read by
+        chunks of rows, its chunks from the first), and ask the kernel to read the units after those into its page
+        cache meanwhile, as many bytes as the pool holds (more requests in flight on the disk while the reader thread
+        waits on its own; page cache the kernel drops first under memory pressure)."""
         if not self.read_ahead or torch.compiler.is_compiling():
             return
         past_pool: int | None = None  # bytes past a full pool, as far as the kernel is asked to read
@@ -166,6 +192,10 @@ class FileTier:
         while (link := self._after.get(id(following))) is not None and (following := link()) is not None \
                 and id(following) not in seen:
             seen.add(id(following))
+            if id(following) in self._rows:  # read by chunks: never advised whole (slower, tried)
+                if past_pool is None and not self._start_rows(following):
+                    past_pool = 0
+                continue
             if id(following) in self._ahead or not in_file(following):
                 continue
             nbytes = _unit_bytes(following)  # a unit larger than the arenas (read by rows) is never read ahead
@@ -182,6 +212,18 @@ class FileTier:
             self._readers().put(pending)
             del buffer, pending
 
+    def _start_rows(self, module: nn.Module) -> bool:
+        """Start reading `module`'s chunks of rows as they were last time, from the first not started yet, while the
+        pool has room; whether every one is started."""
+        source, chunks = self._rows[id(module)]
+        started = self._rows_ahead.setdefault(id(module), [])
+        while len(started) < len(chunks):
+            pending = self.read_rows_ahead(source, [chunks[len(started)]])
+            if pending is None:
+                return False
+            started.append(pending)
+        return True
+
     def _readers(self) -> queue.SimpleQueue:
         """The reader threads' queue, the threads started at the first read ahead."""
         if self._reader is None:
@@ -195,9 +237,11 @@ class FileTier:
     def _drop_read_ahead(self) -> None:
         """Wait for the reads ahead under way and let their staging go (nothing else holds it)."""
         ahead, self._ahead = self._ahead, {}
-        for pending in ahead.values():
+        rows, self._rows_ahead = self._rows_ahead, {}
+        for pending in [*ahead.values(), *(pending for started in rows.values() for pending in started)]:
             pending.done.wait()
         ahead.clear()
+        rows.clear()
 
     @staticmethod
     def _read_unit(module: nn.Module, buffer: Tensor) -> dict[str, Tensor]:

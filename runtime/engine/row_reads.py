@@ -115,30 +115,34 @@ def _chunked(module: nn.Module, x: Tensor, tier: FileTier) -> Tensor:
         bias = sources(module)["bias"].read()  # its own range: never the whole unit
     bias = None if bias is None else bias.to(x.device, x.dtype)
     spans = chunks(source.shape[0], _chunk_rows(source, tier))
-    tier.done_with_current()  # the unit read whole before this one holds staging the chunks are read into
     if x.device.type == "cpu":
         parts = []
-        for (start, stop), rows in _read_in_turn(tier, source, spans):
+        for (start, stop), rows in _read_in_turn(tier, module, source, spans):
             parts.append(F.linear(x, rows.to(x.dtype), None if bias is None else bias[start:stop]))
             del rows  # the staging starts over once nothing views it
         return torch.cat(parts, dim=-1)
     weight = torch.empty(source.shape, dtype=x.dtype, device=x.device)
-    for (start, stop), rows in _read_in_turn(tier, source, spans):
+    for (start, stop), rows in _read_in_turn(tier, module, source, spans):
         weight[start:stop].copy_(rows)
         del rows
     return F.linear(x, weight, bias)
 
 
-def _read_in_turn(tier: FileTier, source, spans: list[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], Tensor]]:
-    """Each span with its rows, in order, the spans after it read ahead (reader threads, into the staging left free)
-    while it computes: the disk and the compute overlap, as for whole units. A span no staging was free for is read
-    here. Each (span, rows) is a fresh pair, so the caller's `del` frees the rows' staging before the next top-up."""
-    ahead: deque = deque()
-    started = 0
+def _read_in_turn(tier: FileTier, module: nn.Module, source,
+                  spans: list[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], Tensor]]:
+    """Each span of `module`'s weight with its rows, in order, the spans after it read ahead (reader threads, into
+    the staging left free) while it computes: the disk and the compute overlap, as for whole units. The first spans
+    were read ahead while the unit before computed, where the tier learnt the order; once every span is started, the
+    units after this one are, as staging frees. A span no staging was free for is read here. Each (span, rows) is a
+    fresh pair, so the caller's `del` frees the rows' staging before the next top-up."""
+    ahead: deque = deque(tier.rows_in_turn(module, source, spans))  # it lets go of the unit read whole before it
+    started = len(ahead)
     for span in spans:
         while started < len(spans) and (pending := tier.read_rows_ahead(source, [spans[started]])) is not None:
             ahead.append(pending)
             started += 1
+        if started == len(spans):  # as the staging of this unit's chunks frees, the next units are read into it
+            tier.follow(module)
         if ahead:
             rows = ahead.popleft().taken()
         else:
