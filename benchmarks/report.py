@@ -77,8 +77,9 @@ def _load() -> str:
 
 @contextmanager
 def recorded(name: str, folder: Path = RESULTS) -> Iterator[None]:
-    """Print as usual, and write what was printed to `folder/<name>-<date>.md` when the run ends, headed by the
-    command, the commit, torch's version, the machine and the load average before and after."""
+    """Print as usual, and write what was printed to `folder/<name>-<date>.md` (`-2`, `-3`, ... after it where a run
+    of the same day wrote that) when the run ends, headed by the command, the commit, torch's version, the machine and
+    the load average before and after."""
     started, load_before, printed = datetime.datetime.now(datetime.UTC), _load(), io.StringIO()
     shown = sys.stdout  # where printing went before: a terminal, a pipe, a caller's capture
 
@@ -107,6 +108,8 @@ def recorded(name: str, folder: Path = RESULTS) -> Iterator[None]:
         "```",
     ]
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}-{started.date()}.md"
+    path, again = folder / f"{name}-{started.date()}.md", 2
+    while path.exists():  # an earlier run's figures of the same day stay: this one takes the next free name
+        path, again = folder / f"{name}-{started.date()}-{again}.md", again + 1
     path.write_text("\n".join([*header, printed.getvalue().rstrip(), "```", ""]), encoding="utf-8")
     print(f"results written to {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
