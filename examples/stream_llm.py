@@ -5,6 +5,9 @@ the shipped `decoder-llm` policy, keeps what fits the budget on the compute devi
 the rest, then generates. Point --model at a Hugging Face folder to use a real checkpoint.
 
     python examples/stream_llm.py [--device cuda] [--budget 64MiB|50%|auto] [--policy NAME|FILE|auto] [--model FOLDER]
+                                  [--measure]
+
+`--measure` places the streamed blocks by the compute of one measuring forward of the prompt (on a GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     parser.add_argument("--budget", default="1MiB", help="bytes, a size (64MiB, 1.5GB), a share (50%%) or auto")
     parser.add_argument("--policy", default="decoder-llm", help="a policy name, a policy file, or auto")
     parser.add_argument("--model", help="a Hugging Face folder (config.json + safetensors)")
+    parser.add_argument("--measure", action="store_true", help="spread the streamed blocks along a measured forward")
     args = parser.parse_args()
     try:
         run(args)
@@ -46,9 +50,10 @@ def run(args: argparse.Namespace) -> None:
         with streamwise.skeleton():
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
         streamwise.load(model, folder, args.policy, progress=lambda done, total: None)
-        report = streamwise.offload(model, args.policy, device=args.device, budget=args.budget)
-        print(report)
         prompt = torch.tensor([[1, 2, 3, 4]], device=args.device)
+        report = streamwise.offload(model, args.policy, device=args.device, budget=args.budget,
+                                    measure=(lambda m: m(prompt)) if args.measure else None)
+        print(report)
         with torch.no_grad():
             tokens = model.generate(prompt, max_new_tokens=12, do_sample=False)
         print("generated token ids:", tokens[0].tolist())
