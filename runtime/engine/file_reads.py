@@ -57,7 +57,7 @@ class FileTier:
         self._rows: dict[int, tuple[FileSource, list[tuple[int, int]]]] = {}
         """What each unit read by chunks of rows read last time: its weight's source and its chunks, in order."""
         self._rows_ahead: dict[int, list[_Pending]] = {}
-        """The reads of a unit's first chunks, started ahead of its turn (`_follow`), in order."""
+        """The reads of a unit's first chunks, started ahead of its turn (`follow`), in order."""
         self._advised: set[int] = set()
         """Units the kernel was asked to read ahead since they were last read."""
         self._current: tuple[int, dict[str, Tensor]] | None = None
@@ -125,7 +125,7 @@ class FileTier:
             tensors = self._read_unit(module, buffer)
             del buffer
         self._current = (key, tensors)
-        self._follow(module)
+        self.follow(module)
         return tensors
 
     def rows_in_turn(self, module: nn.Module, source: FileSource, chunks: list[tuple[int, int]]) -> list[_Pending]:
@@ -140,10 +140,6 @@ class FileTier:
             started = []
         self._rows[id(module)] = (source, chunks)
         return started
-
-    def follow(self, module: nn.Module) -> None:
-        """Start reading the units after `module`, which needs no more staging of its own."""
-        self._follow(module)
 
     def _entering(self, module: nn.Module) -> None:
         """`module` reads now: the unit before is done, and `module` follows it in the forward's order."""
@@ -180,11 +176,12 @@ class FileTier:
         self._rows.clear()
         self._last = None
 
-    def _follow(self, module: nn.Module) -> None:
-        """Start reading the units after `module` in the forward's order while the pool has room (of a unit read by
-        chunks of rows, its chunks from the first), and ask the kernel to read the units after those into its page
-        cache meanwhile, as many bytes as the pool holds (more requests in flight on the disk while the reader thread
-        waits on its own; page cache the kernel drops first under memory pressure)."""
+    def follow(self, module: nn.Module) -> None:
+        """Start reading the units after `module` (which needs no more staging of its own) in the forward's order
+        while the pool has room (of a unit read by chunks of rows, its chunks from the first), and ask the kernel to
+        read the units after those into its page cache meanwhile, as many bytes as the pool holds (more requests in
+        flight on the disk while the reader thread waits on its own; page cache the kernel drops first under memory
+        pressure)."""
         if not self.read_ahead or torch.compiler.is_compiling():
             return
         past_pool: int | None = None  # bytes past a full pool, as far as the kernel is asked to read
@@ -198,7 +195,7 @@ class FileTier:
                 continue
             if id(following) in self._ahead or not in_file(following):
                 continue
-            nbytes = _unit_bytes(following)  # a unit larger than the arenas (read by rows) is never read ahead
+            nbytes = _unit_bytes(following)  # a unit larger than the arenas is never read ahead whole
             buffer = None if past_pool is not None else self._buffer(nbytes, pooled=True, grow=False)
             if buffer is None:  # the pool is full: the reader goes on at a later fetch, the kernel meanwhile
                 past_pool = (past_pool or 0) + nbytes

@@ -160,9 +160,11 @@ def offload(
         in_blocks = _blocks(plan, modules)
         # the ring hides each copy behind the compute before it: streamed blocks are spread among resident ones
         blocks = {id(leaf): block or path for leaf, path, block in in_blocks} if ops is not None else None
+        read: dict[int, Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
         compute = None
         if measure is not None:
-            compute = _measured_compute(journal, model, state.tree, ops, device, in_blocks, modules, budget, measure)
+            compute = _measured_compute(journal, model, state.tree, ops, device, in_blocks, modules, budget, measure,
+                                        read)
         placed = _residency(leaves, budget, blocks, compute)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
             staging = _slabs(state.tree) * max((size for _, size, _ in placed), default=0)
@@ -179,7 +181,6 @@ def offload(
                 placed = _residency(leaves, max(0, budget - ring), blocks, compute)
         in_file = _file_tier(model, placed, host_budget, device, leaves, _slabs(state.tree))
         host_tier = []
-        read: dict[int, Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
         for group, size, resident in placed:
             for leaf in group:
                 for owner in _owners(leaf):
@@ -282,12 +283,13 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: torch.device,
                       in_blocks: list[tuple[nn.Module, str, str | None]], modules: dict[str, nn.Module],
-                      budget: int | None, measure: Callable[[nn.Module], object]) -> dict[str, float] | None:
+                      budget: int | None, measure: Callable[[nn.Module], object],
+                      read: dict[int, Tensor]) -> dict[str, float] | None:
     """Each unit's compute in seconds, by its name (its block's path, or its leaf's), timed in one forward of
     `measure(model)` streaming every unit through a ring of one slot (no prefetch), the device synchronised at each
     unit's entry and copy (`UnitClock`; a model armed for compile runs it once before, untimed: that one compiles);
     None, said in the log, where nothing is to be spread (no ring, or everything resident). What the forward moved is
-    journaled: it moves back where the placing fails."""
+    journaled: it moves back where the placing fails. `read`: as for `file_tier.read_back`."""
     leaves = [leaf for leaf, _, _ in in_blocks]
     if ops is None or budget is None or all(resident for _, _, resident in _residency(leaves, budget)):
         why = f"nothing streams through a ring to {device}" if ops is None else "the budget holds every streamed leaf"
@@ -302,7 +304,7 @@ def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: tor
     for leaf in leaves:
         journal.keep(leaf, (protocol.FETCH_FLAG,))
         protocol.set_fetching(leaf, True)
-    _place_outside(journal, model, leaves, device)
+    _place_outside(journal, model, leaves, device, read)
     for module in model.modules():  # relocated tensors follow the device by themselves: journaled here to go back
         for name in protocol.relocated_names(module):
             value = module._parameters.get(name, module._buffers.get(name))
