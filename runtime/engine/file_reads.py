@@ -86,9 +86,14 @@ class FileTier:
     def read_rows(self, source: FileSource, runs: list[tuple[int, int]], *, pooled: bool = True) -> Tensor:
         """Rows [start, stop) of `source`'s 2-D tensor for each of `runs`, one after another, in the model's dtype,
         read through its file's checked reads: into an arena's free end where they fit in one, else (and with
-        `pooled=False`) into memory of their own. Never grows the arenas: rows are read to spare staging
-        (`row_reads`)."""
-        buffer = self._buffer(_rows_bytes(source, runs), pooled=True, grow=False) if pooled else None
+        `pooled=False`) into memory of their own, once what was read ahead of other units has given its staging back
+        (their order changed). Never grows the arenas: rows are read to spare staging (`row_reads`)."""
+        buffer = None
+        if pooled:
+            buffer = self._buffer(_rows_bytes(source, runs), pooled=True, grow=False)
+            if buffer is None and (self._ahead or self._rows_ahead):  # read ahead out of this order: give it back
+                self._drop_read_ahead()
+                buffer = self._buffer(_rows_bytes(source, runs), pooled=True, grow=False)
         if buffer is None:
             buffer = torch.empty(_rows_bytes(source, runs), dtype=torch.uint8)
         return _read_rows(source, runs, buffer)
@@ -131,13 +136,16 @@ class FileTier:
     def rows_in_turn(self, module: nn.Module, source: FileSource, chunks: list[tuple[int, int]]) -> list[_Pending]:
         """`module` starts reading `source` by `chunks` of rows (`row_reads`): it takes its turn in the forward's
         order, so the unit before it reads it ahead next time, as it does whole units; returns the reads of its first
-        chunks started ahead of it, in order (none where its chunks differ from last time's)."""
+        chunks started ahead of it, in order (none where its source or chunks differ from last time's)."""
         self._entering(module)
         started = self._rows_ahead.pop(id(module), [])
-        if self._rows.get(id(module), (None, None))[1] != chunks:
-            for pending in started:  # chunks of another size (the staging grew since): what they read is not used
+        last_source, last_chunks = self._rows.get(id(module), (None, None))
+        if last_source is not source or last_chunks != chunks:  # not what was read ahead (the staging grew since,
+            for pending in started:  # or another module has this one's id): what they read is not used
                 pending.done.wait()
             started = []
+        elif not started:  # its turn was learnt, yet nothing was read ahead for it: the forward left the order (a call
+            self._drop_rows_ahead()  # of the base model, skipping the head), what other units' reads hold goes back
         self._rows[id(module)] = (source, chunks)
         return started
 
@@ -234,10 +242,17 @@ class FileTier:
     def _drop_read_ahead(self) -> None:
         """Wait for the reads ahead under way and let their staging go (nothing else holds it)."""
         ahead, self._ahead = self._ahead, {}
-        rows, self._rows_ahead = self._rows_ahead, {}
-        for pending in [*ahead.values(), *(pending for started in rows.values() for pending in started)]:
+        for pending in ahead.values():
             pending.done.wait()
         ahead.clear()
+        self._drop_rows_ahead()
+
+    def _drop_rows_ahead(self) -> None:
+        """Wait for the reads of units' first chunks under way and let their staging go."""
+        rows, self._rows_ahead = self._rows_ahead, {}
+        for started in rows.values():
+            for pending in started:
+                pending.done.wait()
         rows.clear()
 
     @staticmethod

@@ -89,8 +89,8 @@ class OffloadReport:
     """The device buffer quantized weights are expanded into at a call, reused by every one of them and counted in
     the budget (`Fetcher.expansion`); 0 where none expands there or nothing streams through the ring."""
     measured: tuple[tuple[str, float], ...] = ()
-    """(unit, seconds) of each unit's compute in the measuring forward (`measure`) the streamed blocks were spread
-    along; empty where they were spread along their bytes."""
+    """(block, seconds) of each block's compute (a streamed leaf outside every block: its own) in the measuring
+    forward (`measure`) the streamed blocks were spread along; empty where they were spread along their bytes."""
 
     def __str__(self) -> str:
         budget = "no budget" if self.budget is None else f"budget {human(self.budget)}"
@@ -106,7 +106,7 @@ class OffloadReport:
             line += f"; quantized weights expand into one {human(self.expansion_bytes)} buffer"
         if self.measured:
             line += (f"; streamed blocks spread along the compute of one measuring forward ({len(self.measured)} "
-                     f"units, {sum(seconds for _, seconds in self.measured) * 1e3:.2f} ms, synchronised at each)")
+                     f"blocks, {sum(seconds for _, seconds in self.measured) * 1e3:.2f} ms, synchronised at each)")
         if self.host_blocks:
             line += f"; {self.host_blocks} blocks compute on the host where cheaper than their copy"
         if self.large_units:
@@ -137,7 +137,9 @@ def offload(
     its costs measured (`StreamCosts` given: those figures); its numbers are then the host kernels', not the device's.
     `measure` (with `prefetch`, on an accelerator): a call running a typical forward, `measure(model)` (a prompt, a
     denoising step), run once while placing with every block streamed and the device synchronised at each, so the
-    streamed blocks are then spread along the compute it timed rather than along their bytes (`placement.spread`).
+    streamed blocks are then spread along the compute it timed rather than along their bytes (`placement.spread`);
+    host work between the model's forwards is not counted. A model placed by a compiling policy is armed after
+    placing, so its measuring forward is eager (one armed before runs `measure` twice, the first compiling).
     """
     device, offload_device = _usable(device, "device"), _usable(offload_device, "offload_device")
     budget = _budget(budget, device)
@@ -160,10 +162,13 @@ def offload(
         in_blocks = _blocks(plan, modules)
         # the ring hides each copy behind the compute before it: streamed blocks are spread among resident ones
         blocks = {id(leaf): block or path for leaf, path, block in in_blocks} if ops is not None else None
+        # quantized weights expanded at a call on the device go into one reused buffer, beside the ring
+        expansion = device_expansion_bytes(leaves, device) if ops is not None else 0
         read: dict[int, Tensor] = {}  # what is read back from the file, by placeholder: tied ones once
         compute = None
         if measure is not None:
-            compute = _measured_compute(journal, model, state.tree, ops, device, in_blocks, modules, budget, measure,
+            room = None if budget is None else budget - expansion
+            compute = _measured_compute(journal, model, state.tree, ops, device, in_blocks, modules, room, measure,
                                         read)
         placed = _residency(leaves, budget, blocks, compute)
         if device.type == "cpu" and host_budget is not None:  # the device budget is part of the host's
@@ -172,8 +177,6 @@ def offload(
             if budget is None or budget > room:
                 budget = room
                 placed = _residency(leaves, budget, blocks, compute)
-        # quantized weights expanded at a call on the device go into one reused buffer, beside the ring
-        expansion = device_expansion_bytes(leaves, device) if ops is not None else 0
         if ops is not None and budget is not None:  # the ring of device slots lives within the budget
             ring = 0  # sized by the largest streamed unit, which a smaller room for residents may make larger
             while (needed := UnitStreamer.ring_bytes(_units(in_blocks, modules, placed, set())) + expansion) > ring:
@@ -283,23 +286,26 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: torch.device,
                       in_blocks: list[tuple[nn.Module, str, str | None]], modules: dict[str, nn.Module],
-                      budget: int | None, measure: Callable[[nn.Module], object],
+                      room: int | None, measure: Callable[[nn.Module], object],
                       read: dict[int, Tensor]) -> dict[str, float] | None:
-    """Each unit's compute in seconds, by its name (its block's path, or its leaf's), timed in one forward of
-    `measure(model)` streaming every unit through a ring of one slot (no prefetch), the device synchronised at each
-    unit's entry and copy (`UnitClock`; a model armed for compile runs it once before, untimed: that one compiles);
-    None, said in the log, where nothing is to be spread (no ring, or everything resident). What the forward moved is
-    journaled: it moves back where the placing fails. `read`: as for `file_tier.read_back`."""
+    """The compute in seconds of each block (by its path; a streamed leaf outside every block by its own), timed in
+    the model's forwards while `measure(model)` runs, with every unit streamed through a ring of one slot (no
+    prefetch) and the device synchronised at each unit's entry and copy (`UnitClock`; a model armed for compile runs
+    it once before, untimed: that run compiles). A block partly on the file tier is a unit per leaf: their times add
+    up to its own; a leaf reading its weight by rows is in no unit, its compute counted in the unit before it. None,
+    said in the log, where nothing is to be spread (no ring, or everything resident within `room`, the budget less
+    the expansion buffer). What the forward moved is journaled and moves back where the placing fails; what the file
+    tier learnt of its order is forgotten. `read`: as for `file_tier.read_back`."""
     leaves = [leaf for leaf, _, _ in in_blocks]
-    if ops is None or budget is None or all(resident for _, _, resident in _residency(leaves, budget)):
+    if ops is None or room is None or all(resident for _, _, resident in _residency(leaves, room)):
         why = f"nothing streams through a ring to {device}" if ops is None else "the budget holds every streamed leaf"
         _log.warning("offload: `measure` is not run: %s", why)
         return None
-    everything = [(group, 0, False) for group in _tied_groups(leaves)]
+    all_streamed = [(group, 0, False) for group in _tied_groups(leaves)]  # `_units` reads only which stream
     on_file = {id(leaf) for leaf in leaves for owner in _owners(leaf) for t in owner._parameters.values()
                if t is not None and not file_tier.in_memory(t)}
     clock = UnitClock(ops)
-    streamer = UnitStreamer(ops, device, _units(in_blocks, modules, everything, on_file), slots=1, clock=clock)
+    streamer = UnitStreamer(ops, device, _units(in_blocks, modules, all_streamed, on_file), slots=1, clock=clock)
     journal.set_attributes(tree, {"compute_device": device, "fetcher": streamer})
     for leaf in leaves:
         journal.keep(leaf, (protocol.FETCH_FLAG,))
@@ -310,15 +316,26 @@ def _measured_compute(journal: Journal, model: nn.Module, tree, ops, device: tor
             value = module._parameters.get(name, module._buffers.get(name))
             if value is not None and file_tier.in_memory(value) and value.device != device:
                 journal.move(module, name, device)
-    with torch.no_grad():
-        if is_armed(model):  # its first forward compiles the blocks' graphs, which is not what a forward costs
+    forward_done = model.register_forward_hook(lambda *_: streamer.timing.stop())  # host work between forwards
+    try:
+        with torch.no_grad():
+            if is_armed(model):  # its first forward compiles the blocks' graphs, which is not what a forward costs
+                measure(model)
+                streamer.timing = clock = UnitClock(ops)
             measure(model)
-            streamer.timing = clock = UnitClock(ops)
-        measure(model)
+    finally:
+        forward_done.remove()
+        if tree.file_tier is not None:
+            tree.file_tier.forget()
     clock.stop()
+    block_of = {path: block or path for _, path, block in in_blocks}
+    compute: dict[str, float] = {}
+    for unit in streamer.units:  # named by its block's path, or by its leaf's (outside blocks, or partly in the file)
+        key = block_of.get(unit.name, unit.name)
+        compute[key] = compute.get(key, 0.0) + clock.compute.get(unit.name, 0.0)
     _log.info("offload: the measuring forward computed %.2f ms across %d units and copied %.2f ms, synchronised at "
               "each", sum(clock.compute.values()) * 1e3, len(streamer.units), sum(clock.copies.values()) * 1e3)
-    return clock.compute
+    return compute
 
 
 def _place_outside(journal: Journal, model: nn.Module, leaves: list[nn.Module], device: torch.device,

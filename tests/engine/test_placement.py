@@ -49,13 +49,12 @@ def test_measured_compute_puts_the_copies_where_the_compute_hides_them(compute, 
     assert sum(measured[:4]) > sum(by_bytes[:4])  # more of the copies behind the heavy blocks
 
 
-def test_unmeasured_blocks_are_spread_along_their_bytes():
-    sizes = [300, 100, 100, 250, 100, 100, 100, 400]
-    names = [str(i) for i in range(len(sizes))]
-    for budget in (0, 400, 900, 1450):
-        kept = spread(names, sizes, budget)
-        assert kept == spread(names, sizes, budget, dict(zip(names, map(float, sizes), strict=True)))
-        assert sum(size for size, k in zip(sizes, kept, strict=True) if k) <= budget
+@pytest.mark.parametrize(("budget", "kept"), [
+    (0, "........"), (400, "#.#.#.#."), (600, "##.###.#"), (700, "####.###"), (800, "########")])
+def test_unmeasured_blocks_are_spread_along_their_bytes(budget, kept):
+    """Eight blocks alike: one streamed block in every `total / (total - budget)`, none two in a row."""
+    names = [f"layers.{i}" for i in range(8)]
+    assert "".join("#" if k else "." for k in spread(names, [100] * 8, budget)) == kept
 
 
 class _Clock:
@@ -114,7 +113,7 @@ def test_offload_spreads_the_streamed_layers_along_a_measuring_forward(ops, cloc
     measured = dict(report.measured)
     assert [measured[f"model.layers.{i}"] for i in range(8)] == costs
     assert "the measuring forward computed" in caplog.text
-    assert "spread along the compute of one measuring forward (11 units" in str(report)
+    assert "spread along the compute of one measuring forward (11 blocks" in str(report)
     assert ("synchronize",) in ops.log  # the measuring forward's, while placing
     layers, even = _streamed_layers(model), _streamed_layers(by_bytes)
     assert sum(i < 4 for i in layers) > sum(i >= 4 for i in layers), layers
@@ -126,6 +125,20 @@ def test_offload_spreads_the_streamed_layers_along_a_measuring_forward(ops, cloc
     with torch.no_grad():
         assert torch.equal(model(ids).logits, resident(ids).logits)
     assert ("synchronize",) not in ops.log[settled:]
+
+
+def test_a_model_partly_in_its_file_is_measured_block_by_block(ops, clock, tmp_path):
+    """A block with leaves on the file tier streams a unit per leaf: their times add up to the block's, which is what
+    the spread reads (fails with the leaves' own names kept: every layer then counts as computing nothing)."""
+    torch.manual_seed(0)
+    tiny_qwen2(num_hidden_layers=4, tie_word_embeddings=False).save_pretrained(tmp_path)
+    model = streamwise.load_pretrained(tmp_path, "auto", progress=False, max_memory={"cpu": 96 << 10}).model
+    _costly(model, clock, [2.0, 1.0, 1.0, 1.0])
+    report = streamwise.offload(model, "decoder-llm", device="cpu", budget=1 << 10,
+                                measure=lambda m: m(torch.randint(0, 128, (1, 5))))
+    assert report.file_bytes > 0
+    measured = dict(report.measured)
+    assert [measured[f"model.layers.{i}"] for i in range(4)] == [2.0, 1.0, 1.0, 1.0]
 
 
 def test_a_measuring_forward_that_fails_leaves_the_tree_as_it_was(ops, clock):

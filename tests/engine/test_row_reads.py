@@ -202,6 +202,38 @@ def test_the_first_chunks_of_a_unit_are_read_while_the_unit_before_it_computes(t
         assert ("read ahead", name) in log and log.index(("read ahead", name)) < log.index(("starts", name)), log
 
 
+def test_first_chunks_read_ahead_for_a_unit_the_forward_skips_give_their_staging_back(tmp_path, monkeypatch):
+    """The head's first chunks are read ahead after the last layer; a call that stops before the head (the base
+    model's forward) leaves them unused: the first unit read by chunks in the next call, finding nothing read ahead
+    for it, gives their staging back, and the units' chunks are read ahead as before (fails with the head's reads kept
+    through calls that skip it: tried)."""
+    monkeypatch.setattr(row_reads, "ALIGN", 32)
+    monkeypatch.setattr(row_reads, "CHUNK", 8 << 10)
+    saved(tmp_path, tied=False, intermediate_size=768)
+    model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "700KiB"}, progress=False).model
+    first, head = model.model.layers[0].mlp.up_proj, model.lm_head  # the first unit read by chunks, and the last
+    assert all(row_reads.reading_by_rows(m, protocol.kind_of(m)) == "chunks" for m in (first, head))
+    source = file_tier.sources(first)["weight"].range
+    threads = []
+    read_into = type(source.file).read_into
+
+    def recorded(self, ranges, **options):
+        threads.extend(threading.current_thread().name for offset, _ in ranges
+                       if source.offset <= offset < source.offset + source.nbytes)
+        return read_into(self, ranges, **options)
+
+    monkeypatch.setattr(type(source.file), "read_into", recorded)
+    with torch.no_grad():
+        model(IDS)
+        model(IDS)  # the order learnt: the head's first chunks read ahead after the last layer
+        model.model(IDS)  # and left unused
+        threads.clear()
+        model.model(IDS)
+    tier = applied_state(model).tree.file_tier
+    assert id(head) not in tier._rows_ahead  # what the head's reads held went back
+    assert threads and all(name.startswith("streamwise-read-ahead") for name in threads), threads
+
+
 def test_a_file_changed_under_a_row_read_is_an_error_naming_it(tmp_path, small_chunks):
     saved(tmp_path, tied=True)
     model = streamwise.load_pretrained(tmp_path, max_memory={"cpu": "600KiB"}, progress=False).model

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .device import DeviceOps
 
@@ -59,6 +59,22 @@ class ForwardTimes:
         return (f"the first streamed forward computed {self.compute * 1e3:.2f} ms across {self.units} units, copied "
                 f"{self.copies * 1e3:.2f} ms and waited {self.waited * 1e3:.2f} ms for copies: {self.ratio:.2f}x its "
                 f"floor max(compute, copies), set by {bound}")
+
+
+class UnitTiming(Protocol):
+    """What the streamer tells a timing of its units as it streams them (`FirstForward`, `UnitClock`)."""
+
+    def entering(self, unit: Unit) -> ForwardTimes | None:
+        """`unit` is entered: the figures, where they are read now."""
+        ...
+
+    def copying(self, unit: Unit) -> None: ...
+
+    def copied_unit(self, unit: Unit) -> None: ...
+
+    def waiting(self, unit: Unit) -> None: ...
+
+    def waited(self, unit: Unit) -> None: ...
 
 
 class FirstForward:
@@ -139,7 +155,7 @@ class UnitClock:
         self._computing = (unit.name, now)
 
     def stop(self) -> None:
-        """End the computing unit's time: at the next unit's entry, and once after the forward."""
+        """End the computing unit's time: at the next unit's entry, and at the end of each forward."""
         if self._computing is not None:
             self.ops.synchronize()
             name, since = self._computing

@@ -30,7 +30,7 @@ from ..tree import TorchFetcher
 from . import arena
 from .arena import padded
 from .device import DeviceOps
-from .measure import FirstForward, ForwardTimes, UnitClock
+from .measure import FirstForward, ForwardTimes, UnitClock, UnitTiming
 
 
 class Unit:
@@ -126,7 +126,7 @@ class UnitStreamer(TorchFetcher):
         """File-tier staging copied into a slot written again since: held until that copy's event is done."""
         self.staging = any(unit.in_file for unit in self.units)
         """Whether some unit is copied from the file tier's staging, which `_release_staging` lets go."""
-        self.timing: FirstForward | UnitClock | None = clock or (FirstForward(ops, self.units) if self.units else None)
+        self.timing: UnitTiming | None = clock or (FirstForward(ops, self.units) if self.units else None)
         """The first forward's timers, until its figures are read; or a measuring forward's `clock` (`measure`)."""
         self.measured: ForwardTimes | None = None
         """The first streamed forward against its floor, once read."""
