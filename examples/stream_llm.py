@@ -50,12 +50,15 @@ def run(args: argparse.Namespace) -> None:
         with streamwise.skeleton():
             model = transformers.AutoModelForCausalLM.from_config(config).eval()
         streamwise.load(model, folder, args.policy, progress=lambda done, total: None)
-        prompt = torch.tensor([[1, 2, 3, 4]], device=args.device)
+
+        def prompt() -> torch.Tensor:  # made once offload has checked the device
+            return torch.tensor([[1, 2, 3, 4]], device=args.device)
+
         report = streamwise.offload(model, args.policy, device=args.device, budget=args.budget,
-                                    measure=(lambda m: m(prompt)) if args.measure else None)
+                                    measure=(lambda m: m(prompt())) if args.measure else None)
         print(report)
         with torch.no_grad():
-            tokens = model.generate(prompt, max_new_tokens=12, do_sample=False)
+            tokens = model.generate(prompt(), max_new_tokens=12, do_sample=False)
         print("generated token ids:", tokens[0].tolist())
 
 
