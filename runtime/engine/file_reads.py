@@ -233,10 +233,11 @@ class FileTier:
         """The reader threads' queue, the threads started at the first read ahead."""
         if self._reader is None:
             self._reader = queue.SimpleQueue()
-            for index in range(self.READERS):
-                threading.Thread(target=_read_ahead, args=(self._reader,), name=f"streamwise-read-ahead-{index}",
-                                 daemon=True).start()
-                weakref.finalize(self, self._reader.put, None)  # the threads end with the tier
+            threads = [threading.Thread(target=_read_ahead, args=(self._reader,), name=f"streamwise-read-ahead-{index}",
+                                        daemon=True) for index in range(self.READERS)]
+            for thread in threads:
+                thread.start()
+            weakref.finalize(self, _stop_readers, self._reader, threads)  # with the tier, or at the interpreter's exit
         return self._reader
 
     def _drop_read_ahead(self) -> None:
@@ -323,6 +324,18 @@ def _advise(module: nn.Module) -> None:
     found = tensors_in_file(module)
     for file, spans in _by_file(found, [source.range.nbytes for _, source in found]).items():
         file.advise(spans)
+
+
+def _stop_readers(reads: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
+    """End the reader threads once each has finished the read it is doing (a second at most is waited for each). At
+    the interpreter's exit this runs before it finalizes: a daemon thread still inside a read then (a torch call that
+    let go of the interpreter's lock) would be ended as it takes the lock back, which C++ code cannot unwind through:
+    the process aborted ("terminate called without an active exception") after its work was done."""
+    for _ in threads:
+        reads.put(None)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout=1.0)
 
 
 def _read_ahead(reads: queue.SimpleQueue) -> None:
