@@ -197,9 +197,13 @@ class FileTier:
         while (link := self._after.get(id(following))) is not None and (following := link()) is not None \
                 and id(following) not in seen:
             seen.add(id(following))
-            if id(following) in self._rows:  # read by chunks: never advised whole (slower, tried)
-                if past_pool is None and not self._start_rows(following):
-                    past_pool = 0
+            if id(following) in self._rows:  # read by chunks, from the first: never advised whole (slower, tried)
+                if past_pool is None:
+                    past_pool = None if self._start_rows(following) else 0
+                    continue
+                past_pool += _unit_bytes(following)  # counted past the pool too, so the walk ends as for any unit
+                if past_pool > self.slabs * self._largest:
+                    return
                 continue
             if id(following) in self._ahead or not in_file(following):
                 continue
@@ -221,13 +225,12 @@ class FileTier:
         """Start reading `module`'s chunks of rows as they were last time, from the first not started yet, while the
         pool has room; whether every one is started."""
         source, chunks = self._rows[id(module)]
-        started = self._rows_ahead.setdefault(id(module), [])
-        while len(started) < len(chunks):
-            pending = self.read_rows_ahead(source, [chunks[len(started)]])
-            if pending is None:
-                return False
+        started = self._rows_ahead.get(id(module), [])
+        while len(started) < len(chunks) and (pending := self.read_rows_ahead(source, [chunks[len(started)]])):
             started.append(pending)
-        return True
+        if started:
+            self._rows_ahead[id(module)] = started
+        return len(started) == len(chunks)
 
     def _readers(self) -> queue.SimpleQueue:
         """The reader threads' queue, the threads started at the first read ahead."""

@@ -30,7 +30,7 @@ from ..tree import TorchFetcher
 from . import arena
 from .arena import padded
 from .device import DeviceOps
-from .measure import FirstForward, ForwardTimes, UnitClock, UnitTiming
+from .measure import FirstForward, ForwardTimes, UnitTiming
 
 
 class Unit:
@@ -107,7 +107,7 @@ class UnitStreamer(TorchFetcher):
     """The ring's slots: prefetch depth 1 (a unit computes while the next is copied)."""
 
     def __init__(self, ops: DeviceOps, device: torch.device, units: Sequence[Unit], slots: int = SLOTS,
-                 expansion: int = 0, clock: UnitClock | None = None) -> None:
+                 expansion: int = 0, clock: UnitTiming | None = None) -> None:
         self.ops, self.device, self.units = ops, device, tuple(units)
         self.expansion_buffer = ops.buffer(expansion) if expansion else None
         """The tree's reused expansion buffer on the device (`expansion`): made once, with the ring."""
